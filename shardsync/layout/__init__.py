@@ -1,0 +1,22 @@
+"""Layouts: which pieces of which logical (HF) tensors every rank holds."""
+
+from shardsync.layout.engine import EngineParallel, engine_layout
+from shardsync.layout.full import full_layout, stage_sources
+from shardsync.layout.logical import logical_tensors
+from shardsync.layout.megatron import MegatronParallel, megatron_layout
+from shardsync.layout.piece import Layout, Piece, RankLayout, TensorMeta, concat_layouts
+
+__all__ = [
+    "EngineParallel",
+    "Layout",
+    "MegatronParallel",
+    "Piece",
+    "RankLayout",
+    "TensorMeta",
+    "concat_layouts",
+    "engine_layout",
+    "full_layout",
+    "logical_tensors",
+    "megatron_layout",
+    "stage_sources",
+]

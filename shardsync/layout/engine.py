@@ -1,0 +1,112 @@
+"""The rollout-engine layout, as SGLang (0.5.x) and vLLM hold a dense model.
+
+Fused ``qkv_proj`` = ``[q (my heads) | k | v (my kv heads)]`` with KV heads replicated
+over consecutive ranks when TP exceeds the KV heads; ``gate_up_proj`` = ``[gate_r; up_r]``;
+row-parallel ``o_proj``/``down_proj``; vocab padded to 64 (``64*tp`` when that does not
+split evenly, SGLang's rule) and split evenly, the tail past the real vocab zero.
+See ../shared/reference/LAYOUTS.md §6.2-7.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardsync.layout.logical import logical_tensors
+from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
+from shardsync.spec import ModelSpec
+
+# HF layer suffixes held whole on every engine rank.
+REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight")
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineParallel:
+    tp: int = 1
+    vocab_pad: int = 64
+    dtype: str | None = None
+
+    def padded_vocab(self, vocab: int) -> int:
+        pad = self.vocab_pad
+        if (-(-vocab // pad) * pad) % self.tp:
+            pad *= self.tp
+        return -(-vocab // pad) * pad
+
+    def kv_heads(self, num_kv_heads: int, rank: int) -> tuple[int, int]:
+        """(first kv head, count) held by ``rank``; consecutive ranks share one when tp > kv."""
+        if self.tp >= num_kv_heads:
+            return rank // (self.tp // num_kv_heads), 1
+        n = num_kv_heads // self.tp
+        return rank * n, n
+
+
+def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
+    t, ng = par.tp, spec.num_kv_heads
+    rules = [
+        (t >= 1, "tp must be >= 1"),
+        (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
+        (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
+        (spec.intermediate_size % t == 0,
+         f"intermediate_size={spec.intermediate_size} not divisible by tp={t}"),
+    ]
+    for ok, why in rules:
+        if not ok:
+            raise ValueError(f"engine layout of {spec.name} impossible: {why}")
+
+
+def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
+                 logical: dict[str, tuple[int, ...]], dtype: str) -> RankLayout:
+    t, H, V, d = par.tp, spec.hidden_size, spec.vocab_size, spec.head_dim
+    tensors: list[TensorMeta] = []
+    pieces: list[Piece] = []
+
+    def add(name: str, shape: tuple[int, ...], new: list[Piece]) -> None:
+        tensors.append(TensorMeta(name, shape, dtype))
+        pieces.extend(new)
+
+    rows = par.padded_vocab(V) // t
+    lo, hi = min(r * rows, V), min((r + 1) * rows, V)
+
+    def vocab(name: str) -> None:
+        add(name, (rows, H), stacked(name, [Segment(name, lo, hi - lo)], logical, 0) if hi > lo else [])
+
+    vocab("model.embed_tokens.weight")
+    nq = spec.num_heads // t
+    k0, nkv = par.kv_heads(spec.num_kv_heads, r)
+    f = spec.intermediate_size // t
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        add(p + REPLICATED[0], (H,), [whole(p + REPLICATED[0], p + REPLICATED[0], logical)])
+        for suffix in ("weight", "bias") if spec.qkv_bias else ("weight",):
+            name = p + "self_attn.qkv_proj." + suffix
+            segs = [
+                Segment(p + "self_attn.q_proj." + suffix, r * nq * d, nq * d),
+                Segment(p + "self_attn.k_proj." + suffix, k0 * d, nkv * d),
+                Segment(p + "self_attn.v_proj." + suffix, k0 * d, nkv * d),
+            ]
+            shape = ((nq + 2 * nkv) * d, H) if suffix == "weight" else ((nq + 2 * nkv) * d,)
+            add(name, shape, stacked(name, segs, logical, 0))
+        if spec.qk_norm:
+            for n in QK_NORMS:
+                add(p + n, (d,), [whole(p + n, p + n, logical)])
+        name = p + "self_attn.o_proj.weight"
+        add(name, (H, nq * d), stacked(name, [Segment(name, r * nq * d, nq * d)], logical, 1))
+        add(p + REPLICATED[1], (H,), [whole(p + REPLICATED[1], p + REPLICATED[1], logical)])
+        name = p + "mlp.gate_up_proj.weight"
+        segs = [Segment(p + "mlp.gate_proj.weight", r * f, f), Segment(p + "mlp.up_proj.weight", r * f, f)]
+        add(name, (2 * f, H), stacked(name, segs, logical, 0))
+        name = p + "mlp.down_proj.weight"
+        add(name, (H, f), stacked(name, [Segment(name, r * f, f)], logical, 1))
+    add("model.norm.weight", (H,), [whole("model.norm.weight", "model.norm.weight", logical)])
+    if not spec.tie_word_embeddings:
+        vocab("lm_head.weight")
+    return RankLayout(f"tp{r}", tuple(tensors), tuple(pieces))
+
+
+def engine_layout(spec: ModelSpec, par: EngineParallel) -> Layout:
+    """One engine's layout over its ``par.tp`` ranks (tied models have no ``lm_head`` param)."""
+    check_engine(spec, par)
+    logical = logical_tensors(spec)
+    dtype = par.dtype or spec.dtype
+    ranks = tuple(_engine_rank(spec, par, r, logical, dtype) for r in range(par.tp))
+    return Layout("engine", spec, logical, ranks, (("tp", par.tp),))

@@ -1,0 +1,43 @@
+"""Logical tensors: the HuggingFace names and full shapes every layout is expressed in."""
+
+from __future__ import annotations
+
+from shardsync.spec import ModelSpec
+
+
+def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF tensors of decoder layer ``layer`` (global index), in checkpoint order."""
+    H, d, F = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    p = f"model.layers.{layer}."
+    out: dict[str, tuple[int, ...]] = {
+        p + "input_layernorm.weight": (H,),
+        p + "self_attn.q_proj.weight": (q, H),
+        p + "self_attn.k_proj.weight": (kv, H),
+        p + "self_attn.v_proj.weight": (kv, H),
+    }
+    if spec.qkv_bias:
+        out[p + "self_attn.q_proj.bias"] = (q,)
+        out[p + "self_attn.k_proj.bias"] = (kv,)
+        out[p + "self_attn.v_proj.bias"] = (kv,)
+    if spec.qk_norm:
+        out[p + "self_attn.q_norm.weight"] = (d,)
+        out[p + "self_attn.k_norm.weight"] = (d,)
+    out[p + "self_attn.o_proj.weight"] = (H, q)
+    out[p + "post_attention_layernorm.weight"] = (H,)
+    out[p + "mlp.gate_proj.weight"] = (F, H)
+    out[p + "mlp.up_proj.weight"] = (F, H)
+    out[p + "mlp.down_proj.weight"] = (H, F)
+    return out
+
+
+def logical_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every logical tensor of the model; a tied ``lm_head`` is not a tensor of its own."""
+    V, H = spec.vocab_size, spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for layer in range(spec.num_layers):
+        out.update(layer_tensors(spec, layer))
+    out["model.norm.weight"] = (H,)
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (V, H)
+    return out

@@ -1,0 +1,180 @@
+"""The Megatron-core trainer layout (GPTModel, dense Qwen2/Qwen3/Llama).
+
+Names, shapes and fused orders follow ../shared/reference/LAYOUTS.md §2-6: interleaved
+QKV per query group, ``[gate_r; up_r]`` fc1 per shard, vocab padded to
+``make_vocab_size_divisible_by * tp``, local layer indices per pipeline stage.
+Rank order is Megatron's default (TP fastest, then DP, then PP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardsync.layout.logical import logical_tensors
+from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
+from shardsync.spec import ModelSpec
+
+# Megatron names of (input norm, pre-MLP norm), held whole on every TP rank.  Two spellings:
+# norms fused into the next linear (TE spec) or separate modules (local spec).
+LAYER_NORM_NAMES = {
+    "fused": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
+    "separate": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+}
+QK_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronParallel:
+    """Trainer parallelism.  ``pp_layers`` gives uneven stage sizes (defaults to even)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pp_layers: tuple[int, ...] | None = None
+    make_vocab_size_divisible_by: int = 128
+    norm_names: str = "fused"
+    dtype: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, *, tp_rank: int, dp_rank: int = 0, pp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def stage_layers(self, num_layers: int) -> list[range]:
+        """Global layer indices of every stage (local index = position in the range)."""
+        if self.pp_layers is not None:
+            sizes = list(self.pp_layers)
+            if len(sizes) != self.pp or sum(sizes) != num_layers or min(sizes) < 0:
+                raise ValueError(
+                    f"pp_layers={self.pp_layers} must have pp={self.pp} non-negative entries "
+                    f"summing to num_layers={num_layers}"
+                )
+        else:
+            if num_layers % self.pp:
+                raise ValueError(
+                    f"num_layers={num_layers} is not divisible by pp={self.pp}; "
+                    "pass pp_layers for an uneven split"
+                )
+            sizes = [num_layers // self.pp] * self.pp
+        out, start = [], 0
+        for n in sizes:
+            out.append(range(start, start + n))
+            start += n
+        return out
+
+    def padded_vocab(self, vocab: int) -> int:
+        m = self.make_vocab_size_divisible_by * self.tp
+        return -(-vocab // m) * m
+
+
+def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
+    """Refuse configs Megatron itself refuses, naming the constraint."""
+    t, ng = par.tp, spec.num_kv_heads
+    rules = [
+        (min(par.tp, par.pp, par.dp) >= 1, "tp, pp and dp must be >= 1"),
+        (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
+        (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
+        (spec.intermediate_size % t == 0,
+         f"intermediate_size={spec.intermediate_size} not divisible by tp={t}"),
+        (par.norm_names in LAYER_NORM_NAMES,
+         f"norm_names must be one of {sorted(LAYER_NORM_NAMES)}"),
+    ]
+    for ok, why in rules:
+        if not ok:
+            raise ValueError(f"Megatron layout of {spec.name} impossible: {why}")
+    par.stage_layers(spec.num_layers)
+
+
+def qkv_segments(spec: ModelSpec, layer: int, suffix: str) -> list[Segment]:
+    """Global fused QKV rows: per query group, its q heads, then its k head, then its v head."""
+    d, p = spec.head_dim, spec.heads_per_group
+    pre = f"model.layers.{layer}.self_attn."
+    segs = []
+    for g in range(spec.num_kv_heads):
+        segs.append(Segment(pre + "q_proj." + suffix, g * p * d, p * d))
+        segs.append(Segment(pre + "k_proj." + suffix, g * d, d))
+        segs.append(Segment(pre + "v_proj." + suffix, g * d, d))
+    return segs
+
+
+def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int,
+                logical: dict[str, tuple[int, ...]], dtype: str) -> tuple[list, list]:
+    t, r = par.tp, tp_rank
+    H, F, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    tensors: list[TensorMeta] = []
+    pieces: list[Piece] = []
+
+    def add(name: str, shape: tuple[int, ...], new: list[Piece]) -> None:
+        tensors.append(TensorMeta(name, shape, dtype))
+        pieces.extend(new)
+
+    def vocab_shard(name: str, logical_name: str) -> None:
+        rows = par.padded_vocab(V) // t
+        seg = [Segment(logical_name, 0, V)]
+        add(name, (rows, H), stacked(name, seg, logical, 0, (r * rows, min((r + 1) * rows, V)))
+            if r * rows < V else [])
+
+    stages = par.stage_layers(spec.num_layers)
+    first, last = stage == 0, stage == par.pp - 1
+    if first:
+        vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+    attn_norm, mlp_norm = LAYER_NORM_NAMES[par.norm_names]
+    fused_rows = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim // t
+    for local, layer in enumerate(stages[stage]):
+        pre, hf = f"decoder.layers.{local}.", f"model.layers.{layer}."
+        add(pre + attn_norm, (H,), [whole(pre + attn_norm, hf + "input_layernorm.weight", logical)])
+        win = (r * fused_rows, (r + 1) * fused_rows)
+        name = pre + "self_attention.linear_qkv.weight"
+        add(name, (fused_rows, H), stacked(name, qkv_segments(spec, layer, "weight"), logical, 0, win))
+        if spec.qkv_bias:
+            name = pre + "self_attention.linear_qkv.bias"
+            add(name, (fused_rows,), stacked(name, qkv_segments(spec, layer, "bias"), logical, 0, win))
+        if spec.qk_norm:
+            for m, h in QK_NORMS.items():
+                add(pre + m, (spec.head_dim,), [whole(pre + m, hf + h, logical)])
+        hd = spec.num_heads * spec.head_dim // t
+        name = pre + "self_attention.linear_proj.weight"
+        add(name, (H, hd), stacked(name, [Segment(hf + "self_attn.o_proj.weight", r * hd, hd)], logical, 1))
+        add(pre + mlp_norm, (H,), [whole(pre + mlp_norm, hf + "post_attention_layernorm.weight", logical)])
+        f = F // t
+        name = pre + "mlp.linear_fc1.weight"
+        segs = [Segment(hf + "mlp.gate_proj.weight", r * f, f), Segment(hf + "mlp.up_proj.weight", r * f, f)]
+        add(name, (2 * f, H), stacked(name, segs, logical, 0))
+        name = pre + "mlp.linear_fc2.weight"
+        add(name, (H, f), stacked(name, [Segment(hf + "mlp.down_proj.weight", r * f, f)], logical, 1))
+    if last:
+        add("decoder.final_layernorm.weight", (H,),
+            [whole("decoder.final_layernorm.weight", "model.norm.weight", logical)])
+        if not spec.tie_word_embeddings:
+            vocab_shard("output_layer.weight", "lm_head.weight")
+        elif par.pp > 1:
+            # Tied with PP>1: the last stage keeps its own copy of the embedding (§6.5).
+            vocab_shard("output_layer.weight", "model.embed_tokens.weight")
+    return tensors, pieces
+
+
+def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> Layout:
+    """The trainer layout over ``par.world_size`` ranks (DP replicas hold identical pieces)."""
+    check_megatron(spec, par)
+    logical = logical_tensors(spec)
+    dtype = par.dtype or spec.dtype
+    per_stage_tp = {
+        (s, r): _stage_rank(spec, par, s, r, logical, dtype)
+        for s in range(par.pp) for r in range(par.tp)
+    }
+    ranks = []
+    for g in range(par.world_size):
+        s, dp_rank, r = par.coords(g)
+        tensors, pieces = per_stage_tp[(s, r)]
+        ranks.append(RankLayout(f"pp{s}.dp{dp_rank}.tp{r}", tuple(tensors), tuple(pieces)))
+    params = (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
+    return Layout("megatron", spec, logical, tuple(ranks), params)

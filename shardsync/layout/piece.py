@@ -1,0 +1,178 @@
+"""The layout vocabulary: which boxes of which logical tensors each rank's local tensors hold.
+
+A ``Piece`` says "box ``offsets/sizes`` of logical tensor L lives at ``local_offsets`` of
+local tensor T".  Elements of a local tensor that no piece covers are padding (vocab
+padding rows): loaders zero them and syncs never write them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from shardsync.spec import ModelSpec
+
+Box = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    logical: str
+    offsets: Box
+    sizes: Box
+    local: str
+    local_offsets: Box
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    name: str
+    shape: Box
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What one process holds: its local tensors (in parameter order) and their pieces."""
+
+    label: str
+    tensors: tuple[TensorMeta, ...]
+    pieces: tuple[Piece, ...]
+    _by_name: dict[str, TensorMeta] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name.update({t.name: t for t in self.tensors})
+
+    def tensor(self, name: str) -> TensorMeta:
+        return self._by_name[name]
+
+    def pieces_of(self, local: str) -> list[Piece]:
+        return [p for p in self.pieces if p.local == local]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layout of one model over a set of ranks (``kind`` names the convention)."""
+
+    kind: str
+    spec: ModelSpec
+    logical: dict[str, Box]
+    ranks: tuple[RankLayout, ...]
+    params: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.kind}({args})"
+
+    def validate(self) -> None:
+        """Refuse pieces outside their tensors or overlapping inside a local tensor."""
+        for rank in self.ranks:
+            seen: dict[str, list[Piece]] = {}
+            for p in rank.pieces:
+                if p.logical not in self.logical:
+                    raise ValueError(f"{rank.label}: piece of unknown logical tensor {p.logical}")
+                lshape = self.logical[p.logical]
+                meta = rank.tensor(p.local)
+                if len(p.sizes) != len(lshape) or len(meta.shape) != len(lshape):
+                    raise ValueError(f"{rank.label}: rank mismatch in {p}")
+                for o, s, n in zip(p.offsets, p.sizes, lshape, strict=True):
+                    if o < 0 or o + s > n:
+                        raise ValueError(f"{rank.label}: {p} exceeds logical shape {lshape}")
+                for o, s, n in zip(p.local_offsets, p.sizes, meta.shape, strict=True):
+                    if o < 0 or o + s > n:
+                        raise ValueError(f"{rank.label}: {p} exceeds local shape {meta.shape}")
+                for q in seen.setdefault(p.local, []):
+                    if box_overlap(p.local_offsets, p.sizes, q.local_offsets, q.sizes):
+                        raise ValueError(f"{rank.label}: pieces overlap in {p.local}: {p} / {q}")
+                seen[p.local].append(p)
+
+
+def box_overlap(a_off: Box, a_size: Box, b_off: Box, b_size: Box) -> tuple[Box, Box] | None:
+    """Intersection of two boxes as (offsets, sizes), or None when empty."""
+    offs, sizes = [], []
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size, strict=True):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offs), tuple(sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Rows ``[start, start+length)`` along ``dim`` of a logical tensor, all of the other dims."""
+
+    logical: str
+    start: int
+    length: int
+
+
+def stacked(
+    local: str,
+    segments: Sequence[Segment],
+    logical: dict[str, Box],
+    dim: int,
+    window: tuple[int, int] | None = None,
+) -> list[Piece]:
+    """Pieces of a local tensor that is ``window`` of the concatenation of ``segments``.
+
+    Fused tensors (QKV, gate/up) and TP shards of them are both this: a run of logical
+    row ranges stacked along ``dim``, of which a rank keeps one contiguous window.
+    """
+    total = sum(s.length for s in segments)
+    lo, hi = window if window is not None else (0, total)
+    pieces, pos = [], 0
+    for seg in segments:
+        a, b = max(lo, pos), min(hi, pos + seg.length)
+        if a < b:
+            shape = logical[seg.logical]
+            offsets = [0] * len(shape)
+            sizes = list(shape)
+            offsets[dim] = seg.start + (a - pos)
+            sizes[dim] = b - a
+            loc = [0] * len(shape)
+            loc[dim] = a - lo
+            pieces.append(Piece(seg.logical, tuple(offsets), tuple(sizes), local, tuple(loc)))
+        pos += seg.length
+    return pieces
+
+
+def whole(local: str, logical_name: str, logical: dict[str, Box]) -> Piece:
+    shape = logical[logical_name]
+    zeros = (0,) * len(shape)
+    return Piece(logical_name, zeros, shape, local, zeros)
+
+
+def concat_layouts(kind: str, layouts: Iterable[Layout]) -> Layout:
+    """Several layouts of one model as one (e.g. N engines as one destination)."""
+    layouts = list(layouts)
+    if not layouts:
+        raise ValueError("concat_layouts needs at least one layout")
+    spec = layouts[0].spec
+    ranks: list[RankLayout] = []
+    for i, lay in enumerate(layouts):
+        if lay.spec != spec:
+            raise ValueError("cannot combine layouts of different models")
+        for r in lay.ranks:
+            ranks.append(RankLayout(f"{kind}{i}.{r.label}", r.tensors, r.pieces))
+    params = tuple((f"{kind}{i}", lay.describe()) for i, lay in enumerate(layouts))
+    return Layout(kind, spec, layouts[0].logical, tuple(ranks), params)

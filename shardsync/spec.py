@@ -1,0 +1,230 @@
+"""Model specs: the few numbers of a dense decoder that decide every tensor's shape.
+
+A spec comes from a HuggingFace ``config.json`` or from a named preset
+(``PRESETS``); tiny presets exist for CPU tests and the demo.  Everything in
+shardsync (layouts, plans, the reference models) is derived from a spec, so
+it never needs the checkpoint itself to plan a sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF architecture class -> family.  Families differ only in the flags below.
+ARCHITECTURES: dict[str, str] = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+
+# Per-family architecture flags (not present as config keys in HF configs).
+FAMILY_FLAGS: dict[str, dict[str, bool]] = {
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "llama": {"qkv_bias": False, "qk_norm": False},
+}
+
+FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape-defining numbers of a dense Qwen2/Qwen3/Llama decoder (HF naming)."""
+
+    name: str
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=True)
+    max_position_embeddings: int = 32768
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILY_FLAGS:
+            raise ValueError(
+                f"unknown model family {self.family!r}; supported: {sorted(FAMILY_FLAGS)}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not supported; use one of {DTYPES}")
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "vocab_size"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{self.name}: {key} must be positive, got {getattr(self, key)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def qkv_bias(self) -> bool:
+        return FAMILY_FLAGS[self.family]["qkv_bias"]
+
+    @property
+    def qk_norm(self) -> bool:
+        return FAMILY_FLAGS[self.family]["qk_norm"]
+
+    @property
+    def architecture(self) -> str:
+        return FAMILY_ARCHITECTURE[self.family]
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def num_parameters(self) -> int:
+        """Logical (HF) parameter count; the tied embedding counts once."""
+        from shardsync.layout.logical import logical_tensors
+
+        total = 0
+        for shape in logical_tensors(self).values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def replace(self, **changes: Any) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A ``config.json`` dict that ``transformers`` builds the same model from."""
+        cfg: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.family,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": self.dtype,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+        }
+        if self.family == "llama":
+            cfg["mlp_bias"] = False
+        return cfg
+
+
+def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if family is None:
+        raise ValueError(
+            f"{name}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+            f"supported architectures: {sorted(ARCHITECTURES)} (dense decoders only)"
+        )
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if family == "llama" and cfg.get("attention_bias"):
+        raise ValueError(f"{name}: Llama with attention_bias=true is not supported")
+    return ModelSpec(
+        name=name,
+        family=family,
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=head_dim,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
+    )
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: int, V: int,
+            tied: bool, **extra: Any) -> ModelSpec:
+    base: dict[str, Any] = {"rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
+    if family == "llama":
+        base = {"rms_norm_eps": 1e-5, "rope_theta": 500_000.0}
+    base.update(extra)
+    return ModelSpec(name=name, family=family, hidden_size=H, num_layers=L, num_heads=h,
+                     num_kv_heads=ng, head_dim=d, intermediate_size=F, vocab_size=V,
+                     tie_word_embeddings=tied, **base)
+
+
+# Numbers from ../shared/reference/MODELS.md §1.1 (each row checked against a real
+# config.json and two project sources there).  Tiny presets: a few million
+# parameters, GQA, vocab not a multiple of 64 (exercises engine vocab padding).
+_PRESET_LIST = [
+    _preset("Qwen3-0.6B", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, max_position_embeddings=40960),
+    _preset("Qwen3-1.7B", "qwen3", 2048, 28, 16, 8, 128, 6144, 151936, True, max_position_embeddings=40960),
+    _preset("Qwen3-4B", "qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, max_position_embeddings=40960),
+    _preset("Qwen3-8B", "qwen3", 4096, 36, 32, 8, 128, 12288, 151936, False, max_position_embeddings=40960),
+    _preset("Qwen3-14B", "qwen3", 5120, 40, 40, 8, 128, 17408, 151936, False, max_position_embeddings=40960),
+    _preset("Qwen3-32B", "qwen3", 5120, 64, 64, 8, 128, 25600, 151936, False, max_position_embeddings=40960),
+    _preset("Qwen2.5-0.5B", "qwen2", 896, 24, 14, 2, 64, 4864, 151936, True),
+    _preset("Qwen2.5-1.5B", "qwen2", 1536, 28, 12, 2, 128, 8960, 151936, True),
+    _preset("Qwen2.5-7B", "qwen2", 3584, 28, 28, 4, 128, 18944, 152064, False),
+    _preset("Llama-3.2-1B", "llama", 2048, 16, 32, 8, 64, 8192, 128256, True,
+            rope_scaling=_llama3_rope(32.0), max_position_embeddings=131072),
+    _preset("Llama-3.2-3B", "llama", 3072, 28, 24, 8, 128, 8192, 128256, True,
+            rope_scaling=_llama3_rope(32.0), max_position_embeddings=131072),
+    _preset("Llama-3.1-8B", "llama", 4096, 32, 32, 8, 128, 14336, 128256, False,
+            rope_scaling=_llama3_rope(8.0), max_position_embeddings=131072),
+    _preset("Llama-3.1-70B", "llama", 8192, 80, 64, 8, 128, 28672, 128256, False,
+            rope_scaling=_llama3_rope(8.0), max_position_embeddings=131072),
+    # tiny variants (CPU): head_dim != hidden/heads for Qwen3, as in the real family.
+    _preset("tiny-qwen3", "qwen3", 256, 4, 8, 2, 64, 512, 1100, True,
+            max_position_embeddings=2048, dtype="float32"),
+    _preset("tiny-qwen2", "qwen2", 256, 4, 8, 2, 32, 640, 1000, True,
+            max_position_embeddings=2048, dtype="float32"),
+    _preset("tiny-llama", "llama", 256, 4, 8, 4, 32, 512, 1200, False,
+            rope_scaling=_llama3_rope(8.0), max_position_embeddings=2048, dtype="float32"),
+]
+PRESETS: dict[str, ModelSpec] = {s.name: s for s in _PRESET_LIST}
+
+
+def load_spec(model: str | Path, *, dtype: str | None = None) -> ModelSpec:
+    """Resolve a preset name, a ``config.json`` path or a checkpoint directory to a spec."""
+    key = str(model)
+    if key in PRESETS:
+        spec = PRESETS[key]
+    else:
+        path = Path(key)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"model {key!r} is neither a preset nor a config.json/checkpoint directory; "
+                f"presets: {', '.join(PRESETS)}"
+            )
+        spec = _from_config_dict(json.loads(path.read_text()), name=path.parent.name or key)
+    return spec.replace(dtype=dtype) if dtype else spec
