@@ -1,0 +1,1 @@
+"""Reference models: a TP engine decoder and a Megatron-layout TP/PP trainer, in plain PyTorch."""

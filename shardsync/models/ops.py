@@ -1,0 +1,80 @@
+"""Numerics shared by the reference engine and trainer, written to match ``transformers``.
+
+Kept in one place so that engine and trainer differ only in layout, never in math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardsync.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm/Qwen*RMSNorm: normalize in fp32, cast back, then scale."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama-3 frequency scaling when the spec asks for it."""
+    d = spec.head_dim
+    freqs = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = spec.rope_scaling
+    if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
+        return freqs
+    if rs.get("rope_type", rs.get("type")) != "llama3":
+        raise ValueError(f"rope_scaling {rs} not supported (only llama3)")
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / factor, freqs)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [..., seq, head_dim] for integer ``positions`` [..., seq]."""
+    f = inv_freq(spec).to(positions.device)
+    angles = positions.float()[..., None] * f
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [batch, heads, seq, d]; cos/sin [batch, seq, d]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_offset: int | None = 0,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """GQA attention: q [b, hq, s, d], k/v [b, hkv, t, d] -> [b, hq, s, d].
+
+    ``causal_offset`` is the position of q's first row in k (KV-cache decode); None = no mask.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal_offset is not None:
+        s, t = q.shape[-2], k.shape[-2]
+        rows = torch.arange(s, device=q.device)[:, None] + causal_offset
+        cols = torch.arange(t, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)

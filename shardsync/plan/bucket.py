@@ -1,0 +1,79 @@
+"""Buckets: a link's copies grouped under a byte budget, packed into one flat buffer.
+
+Bucketing is pure (plan in, bucket list out) so that both ends derive the same buckets
+from the same plan without exchanging any per-bucket metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardsync.plan.plan import Copy, Plan
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Copies of one (src, dst) link; copy ``i`` occupies ``[offsets[i], offsets[i]+numel)``."""
+
+    src: int
+    dst: int
+    index: int
+    copies: tuple[Copy, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+
+def split_copy(c: Copy, max_numel: int) -> list[Copy]:
+    """Split a copy along its first non-unit dim so each part fits ``max_numel`` elements."""
+    if c.numel <= max_numel:
+        return [c]
+    dim = next(i for i, s in enumerate(c.sizes) if s > 1)
+    # One row along ``dim`` is the smallest unit; a row above the budget gets a bucket alone.
+    step = max(1, max_numel // (c.numel // c.sizes[dim]))
+    parts = []
+    for start in range(0, c.sizes[dim], step):
+        n = min(step, c.sizes[dim] - start)
+
+        def shift(box: tuple[int, ...], start: int = start) -> tuple[int, ...]:
+            return tuple(b + start if i == dim else b for i, b in enumerate(box))
+
+        sizes = tuple(n if i == dim else s for i, s in enumerate(c.sizes))
+        parts.append(replace(c, src_offsets=shift(c.src_offsets), dst_offsets=shift(c.dst_offsets),
+                             logical_offsets=shift(c.logical_offsets), sizes=sizes))
+    return parts
+
+
+def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
+    """Buckets per link in plan order; a copy above the budget is split into row blocks."""
+    if budget_bytes < plan.itemsize:
+        raise ValueError(f"bucket budget {budget_bytes} B is smaller than one element")
+    max_numel = budget_bytes // plan.itemsize
+    out: list[Bucket] = []
+    current: list[Copy] = []
+    link: tuple[int, int] | None = None
+    used = 0
+    counters: dict[tuple[int, int], int] = {}
+
+    def flush() -> None:
+        nonlocal current, used
+        if current and link is not None:
+            offs, pos = [], 0
+            for c in current:
+                offs.append(pos)
+                pos += c.numel
+            idx = counters.get(link, 0)
+            counters[link] = idx + 1
+            out.append(Bucket(link[0], link[1], idx, tuple(current), tuple(offs), pos))
+        current, used = [], 0
+
+    for c in plan.copies:
+        if (c.src, c.dst) != link:
+            flush()
+            link = (c.src, c.dst)
+        for part in split_copy(c, max_numel):
+            if used + part.numel > max_numel:
+                flush()
+            current.append(part)
+            used += part.numel
+    flush()
+    return out

@@ -1,0 +1,83 @@
+"""When shard-level p2p may run: a table of named preconditions, checked in order.
+
+``mode="auto"`` takes p2p only when every row holds; otherwise it falls back to
+broadcast and logs the first failing row's name and detail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardsync.spec import FAMILY_FLAGS
+from shardsync.topology import ENGINE_KINDS, Topology
+
+
+@dataclass(frozen=True)
+class Precondition:
+    name: str
+    requirement: str
+    check: Callable[[Topology], bool]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _builds(attr: str) -> Callable[[Topology], bool]:
+    def check(topo: Topology) -> bool:
+        getattr(topo, attr)
+        return True
+    return check
+
+
+def _vllm_vocab(topo: Topology) -> bool:
+    if topo.engine_kind != "vllm":
+        return True
+    padded = -(-topo.spec.vocab_size // 64) * 64
+    return all(padded % e.tp == 0 for e in topo.engines)
+
+
+PRECONDITIONS: tuple[Precondition, ...] = (
+    Precondition("dense_family", f"model family is one of {sorted(FAMILY_FLAGS)} (dense)",
+                 lambda t: t.spec.family in FAMILY_FLAGS),
+    Precondition("engine_layout_known", f"engine kind is one of {list(ENGINE_KINDS)}",
+                 lambda t: t.engine_kind in ENGINE_KINDS),
+    Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1)",
+                 lambda t: t.engine_pp == 1),
+    Precondition("unquantized", "engines hold unquantized weights (no load-time post-processing)",
+                 lambda t: t.quantization is None),
+    Precondition("vllm_vocab_split", "for vLLM, the 64-padded vocab divides by every engine TP",
+                 _vllm_vocab),
+    Precondition("trainer_layout", "the Megatron layout of the trainer config can be built",
+                 _builds("trainer_layout")),
+    Precondition("engine_layout", "every engine's layout can be built", _builds("engines_layout")),
+    Precondition("plan_covers", "the p2p plan writes every engine element exactly once",
+                 _builds("p2p_plan")),
+)
+
+
+def check_p2p(topo: Topology) -> list[Verdict]:
+    """Every row of the table, in order; rows after a failure are still evaluated when possible."""
+    out = []
+    failed = False
+    for pre in PRECONDITIONS:
+        if failed and pre.name in ("plan_covers",):
+            out.append(Verdict(pre.name, False, "not checked: an earlier precondition failed"))
+            continue
+        try:
+            ok, detail = bool(pre.check(topo)), ""
+        except ValueError as e:
+            ok, detail = False, str(e).splitlines()[0]
+        if not ok and not detail:
+            detail = f"required: {pre.requirement}"
+        failed |= not ok
+        out.append(Verdict(pre.name, ok, detail))
+    return out
+
+
+def first_failure(topo: Topology) -> Verdict | None:
+    return next((v for v in check_p2p(topo) if not v.ok), None)

@@ -1,0 +1,97 @@
+"""A sync topology: one trainer layout, N engines, and the plans between them.
+
+Everything here is metadata; trainer and engines build the same ``Topology`` from the
+same numbers and so derive the same plans (compared by fingerprint at connect time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from shardsync.layout import (
+    EngineParallel,
+    Layout,
+    MegatronParallel,
+    RankLayout,
+    concat_layouts,
+    engine_layout,
+    full_layout,
+    megatron_layout,
+    stage_sources,
+)
+from shardsync.plan import Plan, build_plan
+from shardsync.spec import ModelSpec
+
+ENGINE_KINDS = ("reference", "sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class Topology:
+    spec: ModelSpec
+    trainer: MegatronParallel
+    engines: tuple[EngineParallel, ...] = field(default=(EngineParallel(),))
+    engine_kind: str = "reference"
+    engine_pp: int = 1
+    quantization: str | None = None
+
+    @property
+    def wire_dtype(self) -> str:
+        return self.engines[0].dtype or self.spec.dtype
+
+    @cached_property
+    def trainer_layout(self) -> Layout:
+        return megatron_layout(self.spec, self.trainer)
+
+    @cached_property
+    def engine_layouts(self) -> tuple[Layout, ...]:
+        return tuple(engine_layout(self.spec, e) for e in self.engines)
+
+    @cached_property
+    def engines_layout(self) -> Layout:
+        """All engine ranks as one destination; engine i's ranks follow engine i-1's."""
+        return concat_layouts("engine", self.engine_layouts)
+
+    def engine_rank_offset(self, engine: int) -> int:
+        return sum(e.tp for e in self.engines[:engine])
+
+    @property
+    def num_engine_ranks(self) -> int:
+        return sum(e.tp for e in self.engines)
+
+    def stage_ranks(self, stage: int, dp_rank: int = 0) -> list[int]:
+        t = self.trainer
+        return [t.rank(tp_rank=r, dp_rank=dp_rank, pp_rank=stage) for r in range(t.tp)]
+
+    @cached_property
+    def p2p_plan(self) -> Plan:
+        """Every trainer rank (all DP replicas) -> every engine rank, shard to shard."""
+        return build_plan(self.trainer_layout, self.engines_layout, wire_dtype=self.wire_dtype)
+
+    @cached_property
+    def source_layout(self) -> Layout:
+        """Broadcast sources: full tensors on TP rank 0 of DP replica 0 of every stage."""
+        return stage_sources(self.trainer_layout,
+                             [self.stage_ranks(s) for s in range(self.trainer.pp)])
+
+    @cached_property
+    def gather_plan(self) -> Plan:
+        """Broadcast step 1: each stage's TP shards -> that stage's source (DP replica 0)."""
+        # Only DP replica 0 takes part; other replicas keep their rank index but hold nothing.
+        dp0 = {r for s in range(self.trainer.pp) for r in self.stage_ranks(s)}
+        lay = self.trainer_layout
+        ranks = tuple(rl if i in dp0 else RankLayout(rl.label, rl.tensors, ())
+                      for i, rl in enumerate(lay.ranks))
+        restricted = Layout(lay.kind, self.spec, lay.logical, ranks, lay.params)
+        return build_plan(restricted, self.source_layout, wire_dtype=self.wire_dtype)
+
+    @cached_property
+    def broadcast_plan(self) -> Plan:
+        """Broadcast step 2: each stage source -> whole tensors on every engine rank."""
+        receivers = full_layout(self.spec, replicas=self.num_engine_ranks, dtype=self.wire_dtype)
+        return build_plan(self.source_layout, receivers, wire_dtype=self.wire_dtype)
+
+    def narrow_plan(self, engine: int) -> Plan:
+        """Broadcast step 3 (rank-local): whole tensors -> engine ``engine``'s shards."""
+        return build_plan(full_layout(self.spec, dtype=self.wire_dtype), self.engine_layouts[engine],
+                          wire_dtype=self.wire_dtype)
