@@ -45,7 +45,8 @@ class Topology:
 
     @cached_property
     def engine_layouts(self) -> tuple[Layout, ...]:
-        return tuple(engine_layout(self.spec, e) for e in self.engines)
+        unique = {e: engine_layout(self.spec, e) for e in dict.fromkeys(self.engines)}
+        return tuple(unique[e] for e in self.engines)
 
     @cached_property
     def engines_layout(self) -> Layout:

@@ -1,0 +1,69 @@
+"""Time to build layouts + plan + buckets + fingerprint for large topologies (metadata only).
+
+    python benchmarks/plan_build.py [--repeat 3] [--out plan_build.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.plan import make_buckets
+from shardsync.spec import PRESETS
+from shardsync.topology import Topology
+
+CASES = [
+    ("Llama-3.1-70B", MegatronParallel(tp=8, pp=4, dp=2), (EngineParallel(tp=8),) * 8),
+    ("Llama-3.1-70B", MegatronParallel(tp=8), (EngineParallel(tp=4),)),
+    ("Qwen3-4B", MegatronParallel(tp=4), (EngineParallel(tp=4),)),
+    ("Qwen3-32B", MegatronParallel(tp=8, pp=2), (EngineParallel(tp=4), EngineParallel(tp=2))),
+]
+
+
+def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParallel, ...]) -> dict:
+    t0 = time.perf_counter()
+    topo = Topology(PRESETS[model], trainer, engines)
+    topo.trainer_layout, topo.engines_layout
+    t1 = time.perf_counter()
+    plan = topo.p2p_plan
+    t2 = time.perf_counter()
+    fp = plan.fingerprint
+    t3 = time.perf_counter()
+    buckets = make_buckets(plan, 512 * 2**20)
+    t4 = time.perf_counter()
+    return {
+        "model": model, "trainer": f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}",
+        "engines": f"{len(engines)} x TP{engines[0].tp}" if len(set(engines)) == 1
+        else "+".join(f"TP{e.tp}" for e in engines),
+        "layouts_s": t1 - t0, "plan_s": t2 - t1, "fingerprint_s": t3 - t2, "buckets_s": t4 - t3,
+        "total_s": t4 - t0, "copies": len(plan.copies), "buckets": len(buckets), "fingerprint": fp,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per case; the median is reported")
+    ap.add_argument("--out", default="plan_build.json")
+    args = ap.parse_args()
+    rows = []
+    for model, trainer, engines in CASES:
+        runs = sorted((run_case(model, trainer, engines) for _ in range(args.repeat)),
+                      key=lambda r: r["total_s"])
+        rows.append(runs[len(runs) // 2])
+    print(f"{'model':<14} {'trainer':<14} {'engines':<10} {'layouts':>8} {'plan':>7} {'fprint':>7} "
+          f"{'buckets':>8} {'total s':>8} {'copies':>7}")
+    for r in rows:
+        print(f"{r['model']:<14} {r['trainer']:<14} {r['engines']:<10} {r['layouts_s']:>8.3f} "
+              f"{r['plan_s']:>7.3f} {r['fingerprint_s']:>7.3f} {r['buckets_s']:>8.3f} "
+              f"{r['total_s']:>8.3f} {r['copies']:>7}")
+    with open(args.out, "w") as f:
+        json.dump({"machine": platform.platform(), "processor": platform.processor(),
+                   "repeat": args.repeat, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The ``shardsync`` command line: one subcommand per job, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.spec import load_spec
+from shardsync.topology import Topology
+
+
+def _engine_tps(value: str, engines: int) -> tuple[int, ...]:
+    tps = tuple(int(x) for x in value.split(","))
+    if len(tps) == 1:
+        return tps * engines
+    if engines not in (1, len(tps)):
+        raise SystemExit(f"--engine-tp lists {len(tps)} engines but --engines is {engines}")
+    return tps
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardsync.plan.summary import summarize
+
+    spec = load_spec(args.model, dtype=args.dtype)
+    trainer = MegatronParallel(tp=args.trainer_tp, pp=args.trainer_pp, dp=args.trainer_dp,
+                               make_vocab_size_divisible_by=args.vocab_divisible_by)
+    engines = tuple(EngineParallel(tp=t) for t in _engine_tps(args.engine_tp, args.engines))
+    topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind)
+    try:
+        report = summarize(topo, int(args.bucket_mb * 2**20))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"model {spec.name} ({spec.num_parameters() / 1e9:.3f} B params, {spec.dtype}); trainer "
+          f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp} -> engines TP {list(report['engines'])}; "
+          f"buckets of {args.bucket_mb:g} MiB")
+    head = f"{'path':<10} {'total':>12} {'per receiver':>13} {'busiest link':>13} {'buckets':>8} {'copies':>8}  busiest"
+    print(head)
+    for p in report["paths"]:
+        print(f"{p['path']:<10} {_fmt_bytes(p['total_bytes']):>12} {_fmt_bytes(p['per_receiver_bytes']):>13} "
+              f"{_fmt_bytes(p['busiest_link_bytes']):>13} {p['buckets']:>8} {p['copies']:>8}  {p['busiest_link']}")
+    paths = {p["path"]: p for p in report["paths"]}
+    if "p2p" in paths:
+        ratio = paths["p2p"]["busiest_link_bytes"] / paths["broadcast"]["per_receiver_bytes"]
+        print(f"busiest p2p link / broadcast bytes per receiver = {ratio:.4f}")
+    print("p2p preconditions:")
+    for v in report["p2p_preconditions"]:
+        mark = "ok  " if v["ok"] else "FAIL"
+        print(f"  [{mark}] {v['name']:<20} {v['detail']}")
+    print("p2p: " + ("available" if report["p2p_ok"] else "not available, mode=auto uses broadcast"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardsync", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print what a sync moves, per path, and whether p2p applies")
+    p.add_argument("--model", default="Qwen3-4B", help="preset name or path to config.json")
+    p.add_argument("--trainer-tp", type=int, default=1)
+    p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--trainer-dp", type=int, default=1)
+    p.add_argument("--engine-tp", default="1", help="engine TP, or a comma list (one per engine)")
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--engine-kind", default="reference", help="reference, sglang or vllm")
+    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--vocab-divisible-by", type=int, default=128)
+    p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""What a sync will cost, per path, from metadata alone (``shardsync plan``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from shardsync.plan.bucket import make_buckets
+from shardsync.plan.preconditions import check_p2p
+from shardsync.topology import Topology
+
+
+@dataclass(frozen=True)
+class PathSummary:
+    path: str
+    total_bytes: int
+    busiest_link_bytes: int
+    busiest_link: str
+    per_receiver_bytes: int
+    buckets: int
+    copies: int
+
+
+def _p2p(topo: Topology, budget: int) -> PathSummary:
+    plan = topo.p2p_plan
+    (s, d), b = plan.busiest_link()
+    return PathSummary(
+        "p2p", plan.total_bytes, b,
+        f"{plan.src.ranks[s].label} -> {plan.dst.ranks[d].label}",
+        max(plan.bytes_per_dst().values()), len(make_buckets(plan, budget)), len(plan.copies),
+    )
+
+
+def _broadcast(topo: Topology, budget: int) -> PathSummary:
+    plan = topo.broadcast_plan
+    (s, d), b = plan.busiest_link()
+    # One collective per bucket of a source: count the buckets towards one receiver.
+    buckets = [bk for bk in make_buckets(plan, budget) if bk.dst == 0]
+    copies = [c for c in plan.copies if c.dst == 0]
+    return PathSummary(
+        "broadcast", plan.total_bytes, b,
+        f"{plan.src.ranks[s].label} -> every engine rank",
+        max(plan.bytes_per_dst().values()), len(buckets), len(copies),
+    )
+
+
+def summarize(topo: Topology, bucket_bytes: int) -> dict:
+    verdicts = check_p2p(topo)
+    paths = [_broadcast(topo, bucket_bytes)]
+    if all(v.ok for v in verdicts):
+        paths.insert(0, _p2p(topo, bucket_bytes))
+    return {
+        "model": topo.spec.name,
+        "trainer": {"tp": topo.trainer.tp, "pp": topo.trainer.pp, "dp": topo.trainer.dp},
+        "engines": [e.tp for e in topo.engines],
+        "bucket_bytes": bucket_bytes,
+        "paths": [asdict(p) for p in paths],
+        "p2p_preconditions": [asdict(v) for v in verdicts],
+        "p2p_ok": all(v.ok for v in verdicts),
+    }
