@@ -1,0 +1,362 @@
+"""The reference rollout engine: a tensor-parallel dense decoder holding the engine layout.
+
+Parameters are exactly ``engine_layout(spec, EngineParallel(tp=tp_size)).ranks[tp_rank]``
+(SGLang names and local shapes), so a sync runtime can write into them in place through
+``named_parameters()`` / ``get_parameter``.  The math is ``shardsync.models.ops`` (written to
+match ``transformers``); the TP scheme is SGLang's:
+
+- vocab-parallel embedding: rank ``r`` looks up padded rows ``[r*P, (r+1)*P)``, other ids
+  give zeros, then all-reduce;
+- column-parallel ``qkv_proj`` / ``gate_up_proj`` (no communication);
+- row-parallel ``o_proj`` / ``down_proj`` followed by an all-reduce;
+- LM head: local logits, all-gather along the vocab, truncate to ``spec.vocab_size``.
+
+Collective contract: every method that runs the model (``forward``, ``generate``,
+``score``) is collective over the TP group.  All ranks call it in the same order with the
+same arguments; each returns the same result on every rank.  With ``tp_size == 1`` and
+``group=None`` nothing communicates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
+from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin
+from shardsync.models.weights import TensorSource, load_rank
+from shardsync.spec import DTYPES, ModelSpec
+
+log = logging.getLogger(__name__)
+
+Generation = tuple[list[int], list[float]]
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys/values ``[batch, local kv heads, capacity, head_dim]``, filled to ``length``."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+    capacity: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.capacity = self.keys[0].shape[2] if self.keys else 0
+
+
+class _TP:
+    """The TP group's collectives; no-ops when the group has one rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=0)
+        return x
+
+
+class _Leaf(nn.Module):
+    """Holds the parameters ``<prefix>.<attr>`` with the layout's shape and dtype (zeroed)."""
+
+    def __init__(self, rl: RankLayout, prefix: str, attrs: Sequence[str], device: torch.device) -> None:
+        super().__init__()
+        for attr in attrs:
+            meta = rl.tensor(f"{prefix}.{attr}")
+            data = torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype), device=device)
+            self.register_parameter(attr, nn.Parameter(data, requires_grad=False))
+
+
+class _Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        qkv_attrs = ("weight", "bias") if spec.qkv_bias else ("weight",)
+        self.qkv_proj = _Leaf(rl, prefix + "qkv_proj", qkv_attrs, device)
+        if spec.qk_norm:
+            self.q_norm = _Leaf(rl, prefix + "q_norm", ("weight",), device)
+            self.k_norm = _Leaf(rl, prefix + "k_norm", ("weight",), device)
+        self.o_proj = _Leaf(rl, prefix + "o_proj", ("weight",), device)
+        d = spec.head_dim
+        self.nq = spec.num_heads // tp.size
+        self.nkv = (self.qkv_proj.weight.shape[0] // d - self.nq) // 2
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        d, eps = self.spec.head_dim, self.spec.rms_norm_eps
+        qkv = F.linear(x, self.qkv_proj.weight, getattr(self.qkv_proj, "bias", None))
+        q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
+        q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+        if self.spec.qk_norm:
+            q = rms_norm(q, self.q_norm.weight, eps)
+            k = rms_norm(k, self.k_norm.weight, eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        start = 0
+        if cache is not None:
+            start = cache.length
+            cache.keys[layer][:, :, start:start + s] = k
+            cache.values[layer][:, :, start:start + s] = v
+            k = cache.keys[layer][:, :, :start + s]
+            v = cache.values[layer][:, :, :start + s]
+        out = attention(q, k, v, causal_offset=start)
+        out = out.transpose(1, 2).reshape(b, s, self.nq * d)
+        return self.tp.all_reduce(F.linear(out, self.o_proj.weight))
+
+
+class _MLP(nn.Module):
+    def __init__(self, rl: RankLayout, prefix: str, tp: _TP, device: torch.device) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gate_up_proj = _Leaf(rl, prefix + "gate_up_proj", ("weight",), device)
+        self.down_proj = _Leaf(rl, prefix + "down_proj", ("weight",), device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_proj.weight))
+
+
+class _Layer(nn.Module):
+    def __init__(self, spec: ModelSpec, rl: RankLayout, layer: int, tp: _TP,
+                 device: torch.device) -> None:
+        super().__init__()
+        p = f"model.layers.{layer}."
+        self.eps, self.index = spec.rms_norm_eps, layer
+        self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
+        self.self_attn = _Attention(spec, rl, p + "self_attn.", tp, device)
+        self.post_attention_layernorm = _Leaf(rl, p + "post_attention_layernorm", ("weight",), device)
+        self.mlp = _MLP(rl, p + "mlp.", tp, device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None) -> torch.Tensor:
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm.weight, self.eps), cos, sin,
+                               cache, self.index)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps))
+
+
+class _Decoder(nn.Module):
+    """The ``model.`` prefix: embedding, layers, final norm."""
+
+    def __init__(self, spec: ModelSpec, rl: RankLayout, tp: _TP, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = _Leaf(rl, "model.embed_tokens", ("weight",), device)
+        self.layers = nn.ModuleList(_Layer(spec, rl, i, tp, device) for i in range(spec.num_layers))
+        self.norm = _Leaf(rl, "model.norm", ("weight",), device)
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; use one of {DTYPES}")
+    return name
+
+
+def _prompt_seed(seed: int, index: int) -> int:
+    digest = hashlib.sha256(f"generate:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> int:
+    """One token from 1-D ``logits``: argmax when ``temperature == 0``, else nucleus sampling.
+
+    Top-p keeps the smallest prefix of tokens (by descending probability, ties by index)
+    whose mass reaches ``top_p``; the first token is always kept.
+    """
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True, stable=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+        choice = torch.multinomial(sorted_p * keep, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class EngineModel(nn.Module):
+    """One TP rank of the reference engine (see the module docstring for the TP scheme).
+
+    ``named_parameters()`` yields exactly the rank's engine-layout tensors, in layout order;
+    they start zeroed (padding rows stay zero) and are filled by ``load_source`` or a sync.
+    ``group`` is the TP process group (required when ``tp_size > 1``; its rank must equal
+    ``tp_rank``).  Activations run in ``dtype``; logits are returned in float32.
+    """
+
+    def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
+                 group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank} tp_size={tp_size}")
+        if tp_size > 1:
+            if group is None:
+                raise ValueError(f"tp_size={tp_size} needs the TP process group; pass group=")
+            if dist.get_world_size(group) != tp_size or dist.get_rank(group) != tp_rank:
+                raise ValueError(
+                    f"group has size {dist.get_world_size(group)} and this process is its rank "
+                    f"{dist.get_rank(group)}, but tp_size={tp_size} tp_rank={tp_rank}"
+                )
+        self.spec = spec
+        self.device = torch.device(device)
+        self.layout: Layout = engine_layout(spec, EngineParallel(tp=tp_size, dtype=_dtype_name(dtype)))
+        self.tp = _TP(group, tp_rank, tp_size)
+        rl = self.layout.ranks[tp_rank]
+        self.model = _Decoder(spec, rl, self.tp, self.device)
+        if not spec.tie_word_embeddings:
+            self.lm_head = _Leaf(rl, "lm_head", ("weight",), self.device)
+        self.dtype = getattr(torch, _dtype_name(dtype))
+        self.vocab_rows = rl.tensor("model.embed_tokens.weight").shape[0]
+        got = [(n, tuple(p.shape)) for n, p in self.named_parameters()]
+        assert got == [(t.name, t.shape) for t in rl.tensors], "parameters diverge from layout"
+
+    @classmethod
+    def from_source(cls, spec: ModelSpec, source: TensorSource, tp_rank: int = 0, tp_size: int = 1,
+                    group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
+                    device: str | torch.device = "cpu") -> EngineModel:
+        """Build rank ``tp_rank`` and fill it from ``source`` (``random_source``, ``checkpoint_source``)."""
+        model = cls(spec, tp_rank, tp_size, group, dtype, device)
+        model.load_source(source)
+        return model
+
+    @torch.no_grad()
+    def load_source(self, source: TensorSource) -> None:
+        """Overwrite every parameter in place with this rank's pieces of ``source`` (local, no comm)."""
+        tensors = load_rank(self.layout, self.tp.rank, source, device=self.device)
+        for name, param in self.named_parameters():
+            param.copy_(tensors[name])
+        log.debug("tp%d: loaded %d tensors", self.tp.rank, len(tensors))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``capacity`` positions."""
+        shape = (batch, self.model.layers[0].self_attn.nkv, capacity, self.spec.head_dim)
+        n = self.spec.num_layers
+        return KVCache(
+            keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)],
+            values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)],
+        )
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        lo = self.tp.rank * self.vocab_rows
+        local = ids - lo
+        mine = (local >= 0) & (local < self.vocab_rows)
+        h = F.embedding(local.clamp(0, self.vocab_rows - 1), self.model.embed_tokens.weight)
+        return self.tp.all_reduce(h * mine[..., None].to(h.dtype))
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Float32 logits ``[B, S, vocab_size]`` for ``input_ids`` ``[B, S]`` (collective).
+
+        Without a cache the tokens sit at positions ``0..S-1``.  With one they continue it
+        (positions ``cache.length + 0..S-1``; prefill an empty cache, then decode one token
+        at a time) and the cache grows by ``S``.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        ids = input_ids.to(self.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.spec.vocab_size})")
+        b, s = ids.shape
+        start = 0 if cache is None else cache.length
+        if cache is not None and start + s > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; {start} + {s} do not fit")
+        positions = torch.arange(start, start + s, device=self.device).expand(b, s)
+        cos, sin = rope_cos_sin(self.spec, positions, self.dtype)
+        h = self._embed(ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, cache)
+        if cache is not None:
+            cache.length += s
+        h = rms_norm(h, self.model.norm.weight, self.spec.rms_norm_eps)
+        head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
+        logits = self.tp.all_gather_last(F.linear(h, head.weight))
+        return logits[..., : self.spec.vocab_size].float()
+
+    def _check_tokens(self, seqs: Sequence[Sequence[int]], what: str) -> None:
+        for i, seq in enumerate(seqs):
+            if not seq:
+                raise ValueError(f"{what} {i} is empty; it needs at least one token")
+            if min(seq) < 0 or max(seq) >= self.spec.vocab_size:
+                raise ValueError(f"{what} {i} has token ids outside [0, {self.spec.vocab_size})")
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, *,
+                 stop_token_ids: Sequence[int] = ()) -> list[Generation]:
+        """Sample up to ``max_new_tokens`` after each prompt: ``[(new tokens, logprobs)]`` (collective).
+
+        Greedy when ``temperature == 0``.  Prompt ``i`` samples from its own CPU generator
+        seeded from ``(seed, i)``, so results do not depend on batching or on the TP size
+        beyond float rounding.  Every rank samples, then group rank 0's token is broadcast so
+        ranks can never diverge.  A logprob is that of the chosen token under the policy's
+        plain distribution, ``log_softmax(raw logits)``: not temperature- or top-p-adjusted,
+        so it equals ``score()`` of the same sequence.  Generation stops after a token in
+        ``stop_token_ids`` (which is returned).  Prompts run one at a time.
+        """
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self._check_tokens(prompts, "prompt")
+        limit = self.spec.max_position_embeddings
+        if any(len(p) + max_new_tokens > limit for p in prompts):
+            raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings={limit}")
+        stop = set(stop_token_ids)
+        out: list[Generation] = []
+        for i, prompt in enumerate(prompts):
+            gen = torch.Generator().manual_seed(_prompt_seed(seed, i))
+            cache = self.new_cache(1, len(prompt) + max_new_tokens)
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            if max_new_tokens:
+                logits = self(torch.tensor([list(prompt)], dtype=torch.long), cache)[0, -1]
+            while len(tokens) < max_new_tokens:
+                last = logits.cpu()
+                token = sample_token(last, temperature, top_p, gen)
+                picked = torch.tensor([token, float(torch.log_softmax(last, -1)[token])],
+                                      dtype=torch.float64, device=self.device)
+                picked = self.tp.broadcast_from_first(picked)
+                tokens.append(int(picked[0]))
+                logprobs.append(float(picked[1]))
+                if tokens[-1] in stop or len(tokens) == max_new_tokens:
+                    break
+                logits = self(torch.tensor([[tokens[-1]]], dtype=torch.long), cache)[0, -1]
+            out.append((tokens, logprobs))
+        return out
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Log-probabilities of each token given the tokens before it (collective).
+
+        Entry ``j`` of a result is ``log p(seq[j+1] | seq[:j+1])`` under ``log_softmax`` of
+        the raw logits, so a sequence of ``n`` tokens gets ``n - 1`` values (the first token
+        has no context and is omitted).
+        """
+        self._check_tokens(sequences, "sequence")
+        out = []
+        for seq in sequences:
+            ids = torch.tensor([list(seq)], dtype=torch.long)
+            logp = torch.log_softmax(self(ids)[0, :-1], dim=-1)
+            out.append(logp.gather(-1, ids[0, 1:, None].to(logp.device))[:, 0].tolist())
+        return out

@@ -1,0 +1,1 @@
+"""The update runtime: schedules compiled from plans, one executor, records and checksums."""

@@ -1,0 +1,188 @@
+"""The one executor: runs a rank's steps with bounded buffers in flight.
+
+Callers on every rank of a transfer call ``execute`` with the steps compiled for that
+rank from the same plan; steps are in one global order on every rank, which with
+oldest-first completion makes any credit window deadlock-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shardsync.runtime.steps import Binding, Step
+
+log = logging.getLogger(__name__)
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    """Moves flat buffers; every call returns a handle whose ``wait`` honours a timeout."""
+
+    def send(self, buf: torch.Tensor, peer: int) -> Work: ...
+    def recv(self, buf: torch.Tensor, peer: int) -> Work: ...
+    def broadcast(self, buf: torch.Tensor, group: str, root: int) -> Work: ...
+    def synchronize(self) -> None: ...
+
+
+@dataclass
+class StepTiming:
+    label: str
+    link: str
+    bytes: int
+    pack_s: float = 0.0
+    transfer_s: float = 0.0
+    unpack_s: float = 0.0
+
+
+@dataclass
+class ExecStats:
+    pack_s: float = 0.0
+    transfer_s: float = 0.0
+    unpack_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    steps: list[StepTiming] = field(default_factory=list)
+    peak_buffer_bytes: int = 0
+
+
+class BufferPool:
+    """Flat buffers reused across steps and updates (one per credit, grown on demand)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.dtype, self.device = dtype, torch.device(device)
+        self._free: list[torch.Tensor] = []
+        self.allocated_bytes = 0
+
+    def get(self, numel: int) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements (return it with ``put``)."""
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+        self.allocated_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def put(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+
+def _buf_view(buf: torch.Tensor, b: Binding) -> torch.Tensor:
+    return buf[b.offset:b.offset + b.numel].view(b.box)[b.sub]
+
+
+def _resolve(b: Binding, local: Mapping[str, torch.Tensor], main: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return (local if b.space == "local" else main)[b.key][b.region]
+
+
+def _main_views(step: Step, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {key: buf[off:off + _numel(shape)].view(shape) for key, off, shape in step.main_views}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _zero_copy(bindings: tuple[Binding, ...], local: Mapping[str, torch.Tensor], dtype: torch.dtype,
+               numel: int) -> torch.Tensor | None:
+    """The local tensor itself when one binding covers all of it (no pack/unpack copy)."""
+    if len(bindings) != 1 or bindings[0].space != "local":
+        return None
+    b = bindings[0]
+    t = local[b.key]
+    if t.dtype != dtype or not t.is_contiguous() or t.numel() != numel:
+        return None
+    if any(r.start != 0 or r.stop != s for r, s in zip(b.region, t.shape, strict=True)):
+        return None
+    return t.view(-1)
+
+
+def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Transport, *,
+            pool: BufferPool, credits: int = 2, detail: bool = False) -> ExecStats:
+    """Run ``steps`` in order, at most ``credits`` buffers in flight; oldest completes first."""
+    stats = ExecStats()
+    inflight: deque = deque()
+    itemsize = torch.empty((), dtype=pool.dtype).element_size()
+
+    def complete_oldest() -> None:
+        step, buf, base, work, pooled, timing, posted = inflight.popleft()
+        t0 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        t1 = time.perf_counter()
+        timing.transfer_s += t1 - posted
+        stats.transfer_s += t1 - t0
+        if pooled and step.drain:  # a direct receive landed in place already
+            main = _main_views(step, buf)
+            for b in step.drain:
+                _resolve(b, local, main).copy_(_buf_view(buf, b))
+        t2 = time.perf_counter()
+        timing.unpack_s += t2 - t1
+        stats.unpack_s += t2 - t1
+        if pooled:
+            pool.put(base)
+
+    for step in steps:
+        while len(inflight) >= credits:
+            complete_oldest()
+        timing = StepTiming(step.label, step.link, step.numel * itemsize)
+        t0 = time.perf_counter()
+        kind = step.comm[0] if step.comm else "local"
+        direct = None
+        if kind == "send" and not step.fill:
+            direct = _zero_copy(step.pack, local, pool.dtype, step.numel)
+        elif kind == "recv":
+            direct = _zero_copy(step.drain, local, pool.dtype, step.numel)
+        base = direct if direct is not None else pool.get(step.numel)
+        buf = base[:step.numel]
+        if direct is None:
+            main = _main_views(step, buf)
+            for b in step.pack:
+                _buf_view(buf, b).copy_(_resolve(b, local, main))
+            for sub in step.fill:
+                sbase = pool.get(sub.numel)
+                sbuf = sbase[:sub.numel]
+                transport.recv(sbuf, sub.peer).wait()
+                for b in sub.bindings:
+                    _resolve(b, local, main).copy_(_buf_view(sbuf, b))
+                stats.bytes_received += sub.numel * itemsize
+                pool.put(sbase)
+        t1 = time.perf_counter()
+        timing.pack_s += t1 - t0
+        stats.pack_s += t1 - t0
+        work: Work | None = None
+        if kind == "send":
+            work = transport.send(buf, step.comm[1])
+            stats.bytes_sent += step.numel * itemsize
+        elif kind == "recv":
+            work = transport.recv(buf, step.comm[1])
+            stats.bytes_received += step.numel * itemsize
+        elif kind == "bcast":
+            work = transport.broadcast(buf, step.comm[1], step.comm[2])
+            if step.comm[3]:
+                stats.bytes_sent += step.numel * itemsize
+            else:
+                stats.bytes_received += step.numel * itemsize
+        inflight.append((step, buf, base, work, direct is None, timing, time.perf_counter()))
+        if detail:
+            stats.steps.append(timing)
+            log.debug("step %s link=%s bytes=%d pack=%.4fs", step.label, step.link, timing.bytes,
+                      timing.pack_s)
+    while inflight:
+        complete_oldest()
+    transport.synchronize()
+    stats.peak_buffer_bytes = pool.allocated_bytes
+    return stats
+

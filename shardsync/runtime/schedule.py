@@ -1,0 +1,161 @@
+"""Compile plans into per-rank step lists (pure: metadata in, steps out).
+
+Sync-group ranks: trainer ranks first (``0..T-1``, Megatron order), then every engine
+rank (engine i's ranks after engine i-1's).  Every rank compiles its own steps from the
+same plans, in one global order, so no per-bucket metadata crosses the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardsync.layout.piece import box_overlap
+from shardsync.plan.bucket import Bucket, make_buckets
+from shardsync.plan.plan import Copy, Plan
+from shardsync.runtime.steps import Binding, Step, SubRecv, full_region
+from shardsync.topology import Topology
+
+
+def _region(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+
+
+def _rel(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b, strict=True))
+
+
+@dataclass(frozen=True)
+class SyncRanks:
+    """Sync-group rank numbering for a topology."""
+
+    topo: Topology
+
+    @property
+    def trainer_world(self) -> int:
+        return self.topo.trainer.world_size
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer_world + self.topo.num_engine_ranks
+
+    def engine(self, engine_rank: int) -> int:
+        """Sync rank of a global engine rank (index into ``topo.engines_layout``)."""
+        return self.trainer_world + engine_rank
+
+    def stage_group(self, stage: int) -> list[int]:
+        """Broadcast group of a stage: its source first, then every engine rank."""
+        src = self.topo.stage_ranks(stage)[0]
+        return [src] + [self.engine(e) for e in range(self.topo.num_engine_ranks)]
+
+
+def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> list[Step]:
+    """Steps of sync rank ``me`` for the shard-to-shard plan."""
+    ranks = SyncRanks(topo)
+    plan = topo.p2p_plan
+    buckets = sorted(make_buckets(plan, budget_bytes), key=lambda b: (b.index, b.src, b.dst))
+    steps = []
+    for b in buckets:
+        src, dst = b.src, ranks.engine(b.dst)
+        link = f"{plan.src.ranks[b.src].label}->{plan.dst.ranks[b.dst].label}"
+        if me == src:
+            pack = tuple(Binding(c.src_local, _region(c.src_offsets, c.sizes), off, c.sizes,
+                                 full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True))
+            steps.append(Step(f"p2p{b.index}", b.numel, ("send", dst), pack=pack, link=link))
+        elif me == dst:
+            drain = tuple(Binding(c.dst_local, _region(c.dst_offsets, c.sizes), off, c.sizes,
+                                  full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True))
+            steps.append(Step(f"p2p{b.index}", b.numel, ("recv", src), drain=drain, link=link))
+    return steps
+
+
+def broadcast_buckets(topo: Topology, budget_bytes: int) -> dict[int, list[Bucket]]:
+    """Per stage, the buckets its source broadcasts (identical for every receiver)."""
+    plan = topo.broadcast_plan
+    out: dict[int, list[Bucket]] = {s: [] for s in range(topo.trainer.pp)}
+    for b in make_buckets(plan, budget_bytes):
+        if b.dst == 0:
+            out[b.src].append(b)
+    return out
+
+
+def _gather_parts(gather: Plan, bucket: Bucket) -> list[tuple[int, Copy, int, tuple, tuple]]:
+    """(src trainer rank, gather copy, bucket copy index, overlap offsets, overlap sizes)."""
+    by_logical: dict[str, list[int]] = {}
+    for i, c in enumerate(bucket.copies):
+        by_logical.setdefault(c.logical, []).append(i)
+    out = []
+    for g in gather.copies:
+        for i in by_logical.get(g.logical, ()):
+            bc = bucket.copies[i]
+            ov = box_overlap(g.logical_offsets, g.sizes, bc.logical_offsets, bc.sizes)
+            if ov is not None:
+                out.append((g.src, g, i, ov[0], ov[1]))
+    return out
+
+
+def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> list[Step]:
+    """Steps of sync rank ``me`` for one stage of the broadcast path (gather, then broadcast)."""
+    ranks = SyncRanks(topo)
+    group = f"stage{stage}"
+    source = topo.stage_ranks(stage)[0]
+    gather = topo.gather_plan
+    engine_rank = me - ranks.trainer_world
+    narrow = None
+    if engine_rank >= 0:
+        engine = next(i for i in range(len(topo.engines))
+                      if topo.engine_rank_offset(i) <= engine_rank < topo.engine_rank_offset(i + 1))
+        local_rank = engine_rank - topo.engine_rank_offset(engine)
+        narrow = {}
+        for c in topo.narrow_plan(engine).copies:
+            if c.dst == local_rank:
+                narrow.setdefault(c.logical, []).append(c)
+    steps: list[Step] = []
+    for b in broadcast_buckets(topo, budget_bytes)[stage]:
+        parts = _gather_parts(gather, b)
+        label = f"bcast{stage}.{b.index}"
+        keys = tuple((f"c{i}", off, c.sizes) for i, (c, off) in enumerate(zip(b.copies, b.offsets, strict=True)))
+        # Gather sends from the stage's other TP ranks, one message per peer, in peer order.
+        peers = sorted({p[0] for p in parts if p[0] != source})
+        fills = []
+        for peer in peers:
+            mine = [p for p in parts if p[0] == peer]
+            send, recv, pos = [], [], 0
+            for _, g, i, ov_off, ov_size in mine:
+                src_off = tuple(so + d for so, d in zip(g.src_offsets, _rel(ov_off, g.logical_offsets), strict=True))
+                send.append(Binding(g.src_local, _region(src_off, ov_size), pos, ov_size, full_region(ov_size)))
+                recv.append(Binding(f"c{i}", _region(_rel(ov_off, b.copies[i].logical_offsets), ov_size),
+                                    pos, ov_size, full_region(ov_size), space="main"))
+                pos += _prod(ov_size)
+            if me == peer:
+                steps.append(Step(f"gather{stage}.{b.index}", pos, ("send", source), pack=tuple(send),
+                                  link=f"tp->source{stage}"))
+            fills.append(SubRecv(peer, pos, tuple(recv)))
+        if me == source:
+            pack = []
+            for _, g, i, ov_off, ov_size in (p for p in parts if p[0] == source):
+                src_off = tuple(so + d for so, d in zip(g.src_offsets, _rel(ov_off, g.logical_offsets), strict=True))
+                bc = b.copies[i]
+                pack.append(Binding(g.src_local, _region(src_off, ov_size), b.offsets[i], bc.sizes,
+                                    _region(_rel(ov_off, bc.logical_offsets), ov_size)))
+            steps.append(Step(label, b.numel, ("bcast", group, 0, True), pack=tuple(pack),
+                              fill=tuple(fills), main_views=keys, link=f"source{stage}->all"))
+        elif narrow is not None:
+            drain = []
+            for i, (bc, off) in enumerate(zip(b.copies, b.offsets, strict=True)):
+                for n in narrow.get(bc.logical, ()):
+                    ov = box_overlap(n.src_offsets, n.sizes, bc.logical_offsets, bc.sizes)
+                    if ov is None:
+                        continue
+                    dst_off = tuple(d + x for d, x in zip(n.dst_offsets, _rel(ov[0], n.src_offsets), strict=True))
+                    drain.append(Binding(n.dst_local, _region(dst_off, ov[1]), off, bc.sizes,
+                                         _region(_rel(ov[0], bc.logical_offsets), ov[1])))
+            steps.append(Step(label, b.numel, ("bcast", group, 0, False), drain=tuple(drain),
+                              link=f"source{stage}->all"))
+    return steps
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

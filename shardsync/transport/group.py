@@ -1,0 +1,135 @@
+"""Standalone process groups spanning trainer and engine processes (never a default group).
+
+Every member connects to one TCPStore (hosted by trainer rank 0) and builds its groups
+under a name prefix, so several syncs (and the trainer's own world) coexist.  Every
+operation carries the group timeout; a timed-out gloo group is broken for good, so the
+owner must ``close`` it and connect again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how the members of one sync meet; sent to engines at connect."""
+
+    host: str
+    port: int
+    world_size: int
+    name: str
+    backend: str = "gloo"
+    timeout_s: float = 60.0
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+
+def open_store(rdv: Rendezvous, *, is_master: bool) -> dist.TCPStore:
+    return dist.TCPStore(rdv.host, rdv.port, rdv.world_size if is_master else None,
+                         is_master, timeout=rdv.timeout, wait_for_workers=False)
+
+
+def _make_pg(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
+             device: torch.device | None):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        return pg
+    raise ValueError(f"backend {backend!r} not supported; use gloo or nccl")
+
+
+class _Work:
+    """A handle whose ``wait`` always applies the group's timeout."""
+
+    def __init__(self, work, timeout: datetime.timedelta) -> None:
+        self._work, self._timeout = work, timeout
+
+    def wait(self) -> None:
+        self._work.wait(self._timeout)
+
+
+class SyncGroup:
+    """The ranks of one sync and their groups: the whole world and named subgroups.
+
+    Collective contract: every member constructs it with the same ``rdv`` and the same
+    ``subgroups`` (name -> member sync ranks, first member is the root), in the same order.
+    """
+
+    def __init__(self, rdv: Rendezvous, rank: int, subgroups: dict[str, Sequence[int]] | None = None,
+                 *, store: dist.Store | None = None, device: torch.device | None = None) -> None:
+        self.rdv, self.rank = rdv, rank
+        self.device = device
+        self._store = store if store is not None else open_store(rdv, is_master=False)
+        base = dist.PrefixStore(rdv.name, self._store)
+        self.world = _make_pg(dist.PrefixStore("world", base), rank, rdv.world_size, rdv.backend,
+                              rdv.timeout, device)
+        self.groups: dict[str, tuple[object, list[int]]] = {}
+        for name, members in (subgroups or {}).items():
+            members = list(members)
+            if rank in members:
+                pg = _make_pg(dist.PrefixStore(name, base), members.index(rank), len(members),
+                              rdv.backend, rdv.timeout, device)
+                self.groups[name] = (pg, members)
+        self._tag = 0
+        self.barrier_calls = 0
+
+    def send(self, buf: torch.Tensor, peer: int) -> _Work:
+        return _Work(self.world.send([buf], peer, 0), self.rdv.timeout)
+
+    def recv(self, buf: torch.Tensor, peer: int) -> _Work:
+        return _Work(self.world.recv([buf], peer, 0), self.rdv.timeout)
+
+    def broadcast(self, buf: torch.Tensor, group: str, root: int) -> _Work:
+        pg, _ = self.groups[group]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        return _Work(pg.broadcast([buf], opts), self.rdv.timeout)
+
+    def barrier(self) -> None:
+        """Whole-world barrier (every member calls it the same number of times)."""
+        self.barrier_calls += 1
+        t = torch.zeros(1, device=self.device) if self.device is not None else torch.zeros(1)
+        self.world.allreduce([t]).wait(self.rdv.timeout)
+
+    def allreduce_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.world.allreduce([t], opts).wait(self.rdv.timeout)
+        return float(t.item())
+
+    def synchronize(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        for pg, _ in self.groups.values():
+            _shutdown(pg)
+        _shutdown(self.world)
+        self.groups.clear()
+
+
+def _shutdown(pg) -> None:
+    for attr in ("shutdown", "abort"):
+        fn = getattr(pg, attr, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # a broken group may refuse; it is dropped either way
+                log.debug("process group %s failed", attr, exc_info=True)
+            return
