@@ -64,6 +64,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine_serve(args: argparse.Namespace) -> int:
+    from shardsync.engine.launch import EngineConfig, serve
+
+    return serve(EngineConfig(model=args.model, tp=args.tp, host=args.host, port=args.port,
+                              seed=args.seed, dtype=args.dtype, device=args.device,
+                              threads=args.threads, log_level=args.log_level))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardsync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    eng = sub.add_parser("engine", help="the reference rollout engine")
+    esub = eng.add_subparsers(dest="engine_command", required=True)
+    p = esub.add_parser("serve", help="start TP workers and the HTTP server on the first")
+    p.add_argument("--model", required=True, help="preset, config.json or HF checkpoint directory")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--seed", type=int, default=0, help="random weights seed (presets/configs)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the model's)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_engine_serve)
     return parser
 
 

@@ -1,0 +1,153 @@
+"""Fan-out of commands from worker 0 to every TP worker, one command at a time.
+
+Commands run strictly in submission order, so a weight update and a generation never
+interleave: requests that arrive during an update wait (bounded by their deadline) and
+run on the new weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardsync.engine.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+
+class BusyError(RuntimeError):
+    """The request waited longer than its deadline (an update was in progress)."""
+
+
+class StaleError(RuntimeError):
+    """The weights are from a failed update; only a full update makes them servable."""
+
+
+class WorkerError(RuntimeError):
+    """A TP worker failed or did not answer; the engine cannot serve consistently."""
+
+
+SERVING = ("generate", "score")
+
+
+@dataclass
+class Command:
+    kind: str
+    args: dict[str, Any]
+    future: Future = field(default_factory=Future)
+    deadline: float | None = None
+    timeout_s: float = 300.0
+
+
+class Dispatcher:
+    def __init__(self, worker: EngineWorker, peers: list, results, *, max_queue: int = 256) -> None:
+        self.worker, self.peers, self.results = worker, peers, results
+        self._q: queue.Queue[Command | None] = queue.Queue(maxsize=max_queue)
+        self._seq = 0
+        self.current: str | None = None
+        # Owned by the dispatch thread: every result is tagged with the version it ran on.
+        self.version = 0
+        self.stale = False
+        self.stale_reason = ""
+
+    def submit(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
+               timeout_s: float = 300.0) -> Future:
+        cmd = Command(kind, args, deadline=None if wait_s is None else time.monotonic() + wait_s,
+                      timeout_s=timeout_s)
+        try:
+            self._q.put_nowait(cmd)
+        except queue.Full:
+            raise BusyError(f"engine queue full ({self._q.maxsize} commands waiting)") from None
+        return cmd.future
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def start(self) -> threading.Thread:
+        t = threading.Thread(target=self._loop, name="engine-dispatch", daemon=True)
+        t.start()
+        return t
+
+    def _loop(self) -> None:
+        while True:
+            cmd = self._q.get()
+            if cmd is None:
+                for q in self.peers:
+                    q.put(None)
+                return
+            if cmd.deadline is not None and time.monotonic() > cmd.deadline:
+                cmd.future.set_exception(BusyError(
+                    "request waited too long: a weight update was in progress; retry"))
+                continue
+            if cmd.kind in SERVING and self.stale:
+                cmd.future.set_exception(StaleError(self.stale_reason))
+                continue
+            self._seq += 1
+            self.current = cmd.kind
+            version = self.version
+            try:
+                results = self._run(cmd)
+            except BaseException as e:  # delivered to the waiting HTTP handler
+                if cmd.kind == "update":
+                    self._mark_stale(f"update {cmd.args['version']} failed: {e}")
+                cmd.future.set_exception(e)
+                continue
+            finally:
+                self.current = None
+            if cmd.kind == "update":
+                failed = [r["error"] for r in results if not r["ok"]]
+                if failed:
+                    self._mark_stale(f"update {cmd.args['version']} failed: {failed[0]}")
+                else:
+                    self.version, self.stale, self.stale_reason = cmd.args["version"], False, ""
+                version = self.version
+            cmd.future.set_result((results, version))
+
+    def _mark_stale(self, reason: str) -> None:
+        self.stale, self.stale_reason = True, reason
+        log.warning("engine stale: %s", reason)
+
+    def _run(self, cmd: Command) -> list[Any]:
+        """Results of every worker, by TP rank."""
+        for q in self.peers:
+            q.put((self._seq, cmd.kind, cmd.args))
+        mine: Any = None
+        error: BaseException | None = None
+        try:
+            mine = self.worker.handle(cmd.kind, cmd.args)
+        except BaseException as e:
+            error = e
+        out: list[Any] = [mine] + [None] * len(self.peers)
+        deadline = time.monotonic() + cmd.timeout_s
+        for _ in self.peers:
+            try:
+                rank, seq, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise WorkerError(f"a TP worker did not finish {cmd.kind!r} within {cmd.timeout_s}s") from None
+            if seq != self._seq:
+                raise WorkerError(f"TP worker {rank} answered command {seq}, expected {self._seq}")
+            if not ok and error is None:
+                error = WorkerError(f"TP worker {rank}: {value}")
+            out[rank] = value
+        if error is not None:
+            raise error
+        return out
+
+
+def peer_loop(worker: EngineWorker, commands, results) -> None:
+    """Main loop of TP workers 1..N-1: run what worker 0 sends until it sends None."""
+    while True:
+        msg = commands.get()
+        if msg is None:
+            return
+        seq, kind, args = msg
+        try:
+            results.put((worker.rank, seq, True, worker.handle(kind, args)))
+        except Exception as e:
+            log.warning("tp%d: command %s failed: %s", worker.rank, kind, e)
+            results.put((worker.rank, seq, False, f"{type(e).__name__}: {e}"))

@@ -1,0 +1,99 @@
+"""``shardsync engine serve``: start TP worker processes; worker 0 also serves HTTP."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    seed: int = 0
+    dtype: str | None = None
+    device: str = "cpu"
+    threads: int = 1
+    request_wait_s: float = 60.0
+    log_level: str = "warning"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results) -> None:
+    from pathlib import Path
+
+    from shardsync.engine.dispatch import Dispatcher, peer_loop
+    from shardsync.engine.worker import EngineWorker
+    from shardsync.models.engine import EngineModel
+    from shardsync.models.weights import checkpoint_source, random_source
+    from shardsync.spec import load_spec
+
+    torch.set_num_threads(cfg.threads)
+    logging.basicConfig(level=cfg.log_level.upper(), format=f"[engine tp{rank}] %(levelname)s %(name)s: %(message)s")
+    group = None
+    if cfg.tp > 1:  # the engine's own world is its TP group (the trainer never joins it)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=rank,
+                                world_size=cfg.tp, timeout=datetime.timedelta(seconds=600))
+        group = dist.group.WORLD
+    spec = load_spec(cfg.model, dtype=cfg.dtype)
+    source = (checkpoint_source(cfg.model) if Path(cfg.model).is_dir()
+              else random_source(spec, cfg.seed))
+    model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=cfg.device)
+    worker = EngineWorker(model, rank, cfg.tp)
+    if rank != 0:
+        peer_loop(worker, commands[rank - 1], results)
+        return
+    import uvicorn
+
+    from shardsync.engine.server import create_app
+
+    dispatcher = Dispatcher(worker, commands, results)
+    dispatcher.start()
+    app = create_app(dispatcher, request_wait_s=cfg.request_wait_s)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    dispatcher.stop()
+
+
+def serve(cfg: EngineConfig) -> int:
+    """Run the engine until interrupted; returns the exit code."""
+    ctx = mp.get_context("spawn")
+    commands = [ctx.Queue() for _ in range(cfg.tp - 1)]
+    results = ctx.Queue()
+    tp_port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cfg, tp_port, commands, results), daemon=False)
+             for r in range(cfg.tp)]
+    for p in procs:
+        p.start()
+
+    def stop(*_: object) -> None:
+        if procs[0].is_alive():
+            os.kill(procs[0].pid, signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    procs[0].join()
+    for q in commands:
+        q.put(None)
+    code = procs[0].exitcode or 0
+    for p in procs[1:]:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return code

@@ -1,0 +1,602 @@
+"""The reference trainer: a Megatron-core-layout TP/PP/DP decoder with AdamW, in plain PyTorch.
+
+Parameters are exactly ``megatron_layout(spec, par).ranks[rank]`` (Megatron-core ``GPTModel``
+names and TP-local shapes, fp32 master weights), so a sync reads them through
+``named_parameters()`` as it would read a real Megatron model.  The math is
+``shardsync.models.ops`` (written to match ``transformers``); the parallel scheme is
+Megatron's, without sequence parallelism:
+
+- vocab-parallel embedding: rank ``r`` looks up padded rows ``[r*P, (r+1)*P)``, other ids
+  give zeros, then all-reduce;
+- column-parallel ``linear_qkv`` / ``linear_fc1`` / ``output_layer`` whose input passes an
+  identity-forward / all-reduce-backward function; row-parallel ``linear_proj`` /
+  ``linear_fc2`` followed by an all-reduce-forward / identity-backward function;
+- vocab-parallel log-softmax: log-probabilities of target tokens are computed from the
+  local logit shard with three small all-reduces (max, target logit, sum of exponentials);
+  full logits are never gathered for training.  Padded vocab columns are excluded (masked
+  to ``-inf``) so results equal ``transformers`` on the unpadded vocab;
+- pipeline: the whole batch is one micro-batch.  Stage ``s`` receives hidden states from
+  ``s-1``, runs its layers and sends to ``s+1``; backward sends the input gradient back.
+- tied embeddings with PP > 1: the last stage's ``output_layer.weight`` copy and the first
+  stage's embedding exchange gradients before the step (Megatron's embedding group), so
+  both copies stay bitwise equal;
+- DP replicas hold the same parameters; gradients are averaged over the DP group.
+
+Collective contract: every rank of the model calls each public method that runs the model
+(``logits``, ``forward_logprobs``, ``policy_logprobs``, ``forward_backward``,
+``finish_grad_sync``, ``optimizer_step``, ``train_step``) in the same order.  All ranks of
+one DP replica pass the same ``input_ids``; ``loss_fn`` is only called on the last stage.
+Results are returned on every rank.  With ``tp == pp == dp == 1`` nothing communicates and
+no process group is needed.
+
+Only "Case A" tensor parallelism (``tp`` divides ``num_kv_heads``) is implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
+from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin
+from shardsync.models.weights import TensorSource, load_rank
+from shardsync.spec import ModelSpec
+
+LossFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW over the fp32 master weights.  Norm weights and biases get no weight decay."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one ``train_step`` returns on every rank."""
+
+    loss: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class TrainerGroups:
+    """The calling process's rank in the model and its TP/PP/DP groups (None when size 1)."""
+
+    rank: int | None
+    tp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+    dp: dist.ProcessGroup | None
+
+
+def megatron_groups(par: MegatronParallel, *, first_rank: int = 0,
+                    timeout_s: float = 60.0) -> TrainerGroups:
+    """Create the TP, PP and DP groups of a model on default-group ranks
+    ``[first_rank, first_rank + par.world_size)`` (Megatron rank order: TP fastest, then DP,
+    then PP).
+
+    Collective over the default group: every process of it calls this with the same
+    arguments, in the same order as its other ``new_group`` calls, member or not.  Groups of
+    size 1 are not created.  Processes outside the model get ``rank=None``.
+    """
+    me = dist.get_rank() - first_rank
+    mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    ranks = range(par.world_size)
+    keys = {"tp": lambda g: par.coords(g)[:2], "pp": lambda g: par.coords(g)[1:],
+            "dp": lambda g: (par.coords(g)[0], par.coords(g)[2])}
+    for kind, size in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp)):
+        if size == 1:
+            continue
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for g in ranks:
+            buckets.setdefault(keys[kind](g), []).append(g)
+        for members in buckets.values():
+            group = dist.new_group([first_rank + g for g in members], timeout=timeout)
+            if me in members:
+                mine[kind] = group
+    return TrainerGroups(me if 0 <= me < par.world_size else None, **mine)
+
+
+def grpo_loss(logprobs: torch.Tensor, *, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2) -> torch.Tensor:
+    """Token-level clipped policy-gradient (GRPO/PPO) loss, masked mean over all tokens.
+
+    ``logprobs``/``old_logprobs``/``mask`` are ``[batch, seq-1]`` (as ``policy_logprobs``
+    returns); ``advantages`` is ``[batch]`` (one per sequence) or ``[batch, seq-1]``.
+    ``loss = -sum(mask * min(r*A, clip(r, 1-clip_low, 1+clip_high)*A)) / sum(mask)`` with
+    ``r = exp(logprobs - old_logprobs)``.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class _Comm:
+    """One process group's collectives with the model's timeout; no-ops at size 1."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int,
+                 timeout: datetime.timedelta) -> None:
+        self.group, self.rank, self.size, self.timeout = group, rank, size, timeout
+
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=op, group=self.group, async_op=True).wait(self.timeout)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group, async_op=True).wait(self.timeout)
+        return parts
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=src, async_op=True).wait(self.timeout)
+        return x
+
+    def send(self, x: torch.Tensor, peer: int) -> None:
+        dist.isend(x.contiguous(), group=self.group, group_dst=peer).wait(self.timeout)
+
+    def recv(self, x: torch.Tensor, peer: int) -> torch.Tensor:
+        dist.irecv(x, group=self.group, group_src=peer).wait(self.timeout)
+        return x
+
+    def exchange(self, x: torch.Tensor, peer: int) -> torch.Tensor:
+        """Send ``x`` to ``peer`` and receive its tensor of the same shape (both call this)."""
+        other = torch.empty_like(x)
+        works = [dist.isend(x.contiguous(), group=self.group, group_dst=peer),
+                 dist.irecv(other, group=self.group, group_src=peer)]
+        for w in works:
+            w.wait(self.timeout)
+        return other
+
+    # Megatron's two TP autograd functions (mappings.py), as methods.
+    def copy_to(self, x: torch.Tensor) -> torch.Tensor:
+        """Identity forward, all-reduce backward: input of a column-parallel op."""
+        return _CopyToTP.apply(x, self) if self.size > 1 else x
+
+    def reduce_from(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduce forward, identity backward: output of a row-parallel op."""
+        return _ReduceFromTP.apply(x, self) if self.size > 1 else x
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: _Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.comm.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: _Comm) -> torch.Tensor:
+        return comm.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    """log softmax(logits)[target] from a vocab shard ``[..., P]`` (fp32, padding = -inf)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int,
+                comm: _Comm) -> torch.Tensor:
+        top = comm.all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
+        shifted = logits - top[..., None]
+        local = targets - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        index = local.clamp(0, logits.shape[-1] - 1)
+        picked = shifted.gather(-1, index[..., None]).squeeze(-1)
+        picked = comm.all_reduce(torch.where(inside, picked, torch.zeros_like(picked)))
+        exp = shifted.exp()
+        total = comm.all_reduce(exp.sum(dim=-1))
+        ctx.save_for_backward(exp.div_(total[..., None]), index, inside)
+        return picked - total.log()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, index, inside = ctx.saved_tensors
+        out = softmax * -grad[..., None]
+        out.scatter_add_(-1, index[..., None], torch.where(inside, grad, 0.0)[..., None])
+        return out, None, None, None
+
+
+class _Weights(nn.Module):
+    """The parameters ``<prefix>.<attr>`` of one Megatron module, taken from ``tensors``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, attrs: Sequence[str],
+                 *, tp_sharded: bool) -> None:
+        super().__init__()
+        for attr in attrs:
+            param = nn.Parameter(tensors.pop(f"{prefix}.{attr}"))
+            # Megatron's attribute: sharded over TP (vs replicated on every TP rank).
+            param.tensor_model_parallel = tp_sharded and not attr.startswith("layer_norm")
+            self.register_parameter(attr, param)
+
+
+class _Layer(nn.Module):
+    """One decoder layer under Megatron's names; both norm spellings (fused / separate)."""
+
+    def __init__(self, model: TrainerModel, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        spec = model.spec
+        self.spec, self.tp, self.dtype = spec, model.tp, model.compute_dtype
+        self.fused = model.par.norm_names == "fused"
+        norm = ("layer_norm_weight",) if self.fused else ()
+        bias = ("bias",) if spec.qkv_bias else ()
+        if not self.fused:
+            self.input_layernorm = _Weights(tensors, prefix + "input_layernorm", ("weight",),
+                                            tp_sharded=False)
+        self.self_attention = nn.Module()
+        att = self.self_attention
+        att.linear_qkv = _Weights(tensors, prefix + "self_attention.linear_qkv",
+                                  (*norm, "weight", *bias), tp_sharded=True)
+        if spec.qk_norm:
+            for name in ("q_layernorm", "k_layernorm"):
+                setattr(att, name, _Weights(tensors, f"{prefix}self_attention.{name}",
+                                            ("weight",), tp_sharded=False))
+        att.linear_proj = _Weights(tensors, prefix + "self_attention.linear_proj", ("weight",),
+                                   tp_sharded=True)
+        if not self.fused:
+            self.pre_mlp_layernorm = _Weights(tensors, prefix + "pre_mlp_layernorm", ("weight",),
+                                              tp_sharded=False)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1 = _Weights(tensors, prefix + "mlp.linear_fc1", (*norm, "weight"),
+                                       tp_sharded=True)
+        self.mlp.linear_fc2 = _Weights(tensors, prefix + "mlp.linear_fc2", ("weight",),
+                                       tp_sharded=True)
+        self.groups = spec.num_kv_heads // self.tp.size
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        spec, tp, dtype = self.spec, self.tp, self.dtype
+
+        def w(weight: torch.Tensor) -> torch.Tensor:
+            return weight.to(dtype)
+
+        b, s, _ = x.shape
+        d, p, eps = spec.head_dim, spec.heads_per_group, spec.rms_norm_eps
+        att, mlp = self.self_attention, self.mlp
+        qkv = att.linear_qkv
+        norm = qkv.layer_norm_weight if self.fused else self.input_layernorm.weight
+        h = tp.copy_to(rms_norm(x, w(norm), eps))
+        fused = F.linear(h, w(qkv.weight), w(qkv.bias) if spec.qkv_bias else None)
+        # Local rows are whole query groups: [q heads of group, k, v] per group (LAYOUTS §4.2).
+        q, k, v = fused.view(b, s, self.groups, p + 2, d).split([p, 1, 1], dim=3)
+        q = q.reshape(b, s, self.groups * p, d)
+        k, v = k.reshape(b, s, self.groups, d), v.reshape(b, s, self.groups, d)
+        if spec.qk_norm:
+            # Replicated gains applied to this rank's heads only: their grads sum over TP.
+            q = rms_norm(q, w(tp.copy_to(att.q_layernorm.weight)), eps)
+            k = rms_norm(k, w(tp.copy_to(att.k_layernorm.weight)), eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
+        x = x + tp.reduce_from(F.linear(out, w(att.linear_proj.weight)))
+        norm = mlp.linear_fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight
+        h = tp.copy_to(rms_norm(x, w(norm), eps))
+        gate, up = F.linear(h, w(mlp.linear_fc1.weight)).chunk(2, dim=-1)
+        return x + tp.reduce_from(F.linear(F.silu(gate) * up, w(mlp.linear_fc2.weight)))
+
+
+class TrainerModel(nn.Module):
+    """One rank of a Megatron-layout trainer: its parameters, forward, backward and AdamW.
+
+    ``rank`` is the rank within the model (Megatron order, see ``MegatronParallel.coords``);
+    ``tp_group``/``pp_group``/``dp_group`` are that rank's groups (``megatron_groups``
+    makes them), required when the dimension is > 1, and their group ranks must be the
+    rank's TP/PP/DP coordinates.  ``source`` fills the parameters through ``load_rank``
+    (None: zeros, to be loaded later).  Parameters are fp32; ``compute_dtype`` (fp32 or
+    bf16) is what forward casts weights and activations to.  ``timeout_s`` bounds every
+    collective and pipeline send/receive.
+    """
+
+    def __init__(self, spec: ModelSpec, par: MegatronParallel, rank: int = 0,
+                 tp_group: dist.ProcessGroup | None = None,
+                 pp_group: dist.ProcessGroup | None = None, *,
+                 dp_group: dist.ProcessGroup | None = None, source: TensorSource | None = None,
+                 compute_dtype: torch.dtype = torch.float32, optim: OptimConfig | None = None,
+                 timeout_s: float = 60.0) -> None:
+        super().__init__()
+        if par.tp > spec.num_kv_heads or spec.num_kv_heads % par.tp:
+            raise ValueError(
+                f"tp={par.tp} does not divide num_kv_heads={spec.num_kv_heads} of {spec.name}: "
+                "the reference trainer implements only tp <= num_kv_heads (Case A, whole "
+                "query groups per rank); use a smaller tp")
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
+        if not 0 <= rank < par.world_size:
+            raise ValueError(f"rank {rank} outside the model's {par.world_size} ranks")
+        self.spec, self.par, self.rank = spec, par, rank
+        self.compute_dtype = compute_dtype
+        self.optim_config = optim or OptimConfig()
+        self.layout: Layout = megatron_layout(spec, dataclasses.replace(par, dtype="float32"))
+        self.rank_layout: RankLayout = self.layout.ranks[rank]
+        pp_rank, dp_rank, tp_rank = par.coords(rank)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.tp = _Comm(_check_group(tp_group, "tp", tp_rank, par.tp), tp_rank, par.tp, timeout)
+        self.pp = _Comm(_check_group(pp_group, "pp", pp_rank, par.pp), pp_rank, par.pp, timeout)
+        self.dp = _Comm(_check_group(dp_group, "dp", dp_rank, par.dp), dp_rank, par.dp, timeout)
+        self.first, self.last = pp_rank == 0, pp_rank == par.pp - 1
+        self.vocab_rows = par.padded_vocab(spec.vocab_size) // par.tp
+        self.vocab_start = tp_rank * self.vocab_rows
+
+        if source is not None:
+            tensors = load_rank(self.layout, rank, source)
+        else:
+            tensors = {t.name: torch.zeros(t.shape) for t in self.rank_layout.tensors}
+        if self.first:
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = _Weights(
+                tensors, "embedding.word_embeddings", ("weight",), tp_sharded=True)
+        self.decoder = nn.Module()
+        layers = par.stage_layers(spec.num_layers)[pp_rank]
+        self.decoder.layers = nn.ModuleList(
+            _Layer(self, tensors, f"decoder.layers.{i}.") for i in range(len(layers)))
+        if self.last:
+            self.decoder.final_layernorm = _Weights(
+                tensors, "decoder.final_layernorm", ("weight",), tp_sharded=False)
+            if "output_layer.weight" in tensors:
+                self.output_layer = _Weights(tensors, "output_layer", ("weight",), tp_sharded=True)
+        assert not tensors, f"layout tensors not placed in the module: {sorted(tensors)}"
+        names = [n for n, _ in self.named_parameters()]
+        assert names == [t.name for t in self.rank_layout.tensors], names
+
+        decay = [p for p in self.parameters() if p.dim() > 1]
+        no_decay = [p for p in self.parameters() if p.dim() <= 1]
+        cfg = self.optim_config
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+        self._grads_synced = True
+
+    # --- pieces of the forward ---------------------------------------------------------------
+
+    def cast(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(self.compute_dtype)
+
+    @property
+    def tied_copy(self) -> bool:
+        """Whether this rank holds one of the two copies of a tied embedding (PP > 1)."""
+        return self.spec.tie_word_embeddings and self.par.pp > 1 and (self.first or self.last)
+
+    def _output_weight(self) -> torch.Tensor:
+        if hasattr(self, "output_layer"):
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight  # tied, PP == 1
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        rows = F.embedding(local.masked_fill(outside, 0),
+                           self.cast(self.embedding.word_embeddings.weight))
+        return self.tp.reduce_from(rows.masked_fill(outside[..., None], 0.0))
+
+    def _stage(self, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run this stage: (received input or None on the first stage, output).
+
+        The last stage's output is the final-normed hidden state; other stages send theirs
+        to the next stage before returning.
+        """
+        b, s = ids.shape
+        if self.first:
+            h_in, h = None, self._embed(ids)
+        else:
+            h_in = self.pp.recv(torch.empty(b, s, self.spec.hidden_size, dtype=self.compute_dtype),
+                                self.pp.rank - 1)
+            h = h_in.requires_grad_(torch.is_grad_enabled())
+        cos, sin = rope_cos_sin(self.spec, torch.arange(s)[None], self.compute_dtype)
+        for layer in self.decoder.layers:
+            h = layer(h, cos, sin)
+        if not self.last:
+            self.pp.send(h.detach(), self.pp.rank + 1)
+            return h_in, h
+        return h_in, rms_norm(h, self.cast(self.decoder.final_layernorm.weight),
+                              self.spec.rms_norm_eps)
+
+    def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of this rank's vocab shard; padded vocab columns are -inf."""
+        logits = F.linear(self.tp.copy_to(h), self.cast(self._output_weight())).float()
+        pad = self.vocab_start + self.vocab_rows - self.spec.vocab_size
+        if pad > 0:
+            cols = torch.arange(self.vocab_rows) + self.vocab_start >= self.spec.vocab_size
+            logits = logits.masked_fill(cols, float("-inf"))
+        return logits
+
+    def _logprobs(self, h: torch.Tensor, ids: torch.Tensor,
+                  targets: torch.Tensor | None) -> torch.Tensor:
+        if targets is None:
+            h, targets = h[:, :-1], ids[:, 1:]
+        return _VocabParallelLogprob.apply(self._local_logits(h), targets, self.vocab_start,
+                                           self.tp)
+
+    def _from_last(self, x: torch.Tensor | None, shape: Sequence[int],
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The last stage's ``x`` on every stage (broadcast over the PP group)."""
+        buf = x.detach().contiguous() if x is not None else torch.empty(tuple(shape), dtype=dtype)
+        return self.pp.broadcast(buf, self.par.pp - 1)
+
+    def _check_ids(self, ids: torch.Tensor, name: str = "input_ids", min_len: int = 2) -> None:
+        if ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] < min_len:
+            raise ValueError(f"{name} must be int64 [batch, seq] with seq >= {min_len}, "
+                             f"got {ids.dtype} {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+            raise ValueError(f"{name} must be token ids in [0, {self.spec.vocab_size})")
+
+    # --- public API ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full fp32 logits ``[batch, seq, vocab_size]`` on every rank (tests/debugging).
+
+        Gathers the vocab shards over TP and broadcasts over PP: fine for tiny models only;
+        training never materialises full logits.
+        """
+        self._check_ids(input_ids, min_len=1)
+        _, h = self._stage(input_ids)
+        full = None
+        if self.last:
+            full = torch.cat(self.tp.all_gather(self._local_logits(h)), dim=-1)
+            full = full[..., :self.spec.vocab_size].contiguous()
+        return self._from_last(full, (*input_ids.shape, self.spec.vocab_size))
+
+    @torch.no_grad()
+    def forward_logprobs(self, input_ids: torch.Tensor,
+                         targets: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 log-probabilities on every rank, computed vocab-parallel (no full logits).
+
+        Without ``targets``: of ``input_ids[:, 1:]`` given their prefixes, ``[batch, seq-1]``.
+        With ``targets`` ``[batch, seq]``: of ``targets[:, j]`` at position ``j``.  No attention
+        mask: pad sequences on the right and mask the loss instead.
+        """
+        self._check_ids(input_ids, min_len=1 if targets is not None else 2)
+        if targets is not None:
+            if targets.shape != input_ids.shape:
+                raise ValueError(f"targets {tuple(targets.shape)} must have input_ids' shape "
+                                 f"{tuple(input_ids.shape)}")
+            self._check_ids(targets, "targets", min_len=1)
+        _, h = self._stage(input_ids)
+        lp = self._logprobs(h, input_ids, targets) if self.last else None
+        b, s = input_ids.shape
+        return self._from_last(lp, (b, s if targets is not None else s - 1))
+
+    def policy_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """GRPO's per-token log-probabilities of ``input_ids[:, 1:]``, ``[batch, seq-1]``, every rank."""
+        return self.forward_logprobs(input_ids)
+
+    def forward_backward(self, input_ids: torch.Tensor, loss_fn: LossFn) -> float:
+        """Forward and backward through the pipeline; gradients accumulate into ``.grad``.
+
+        ``loss_fn(logprobs [batch, seq-1]) -> scalar`` runs on the last stage only (other
+        stages may pass anything).  Returns the loss on every rank.  Call
+        ``optimizer_step`` (or ``train_step``) to apply; several calls accumulate.
+        """
+        self._check_ids(input_ids)
+        self._grads_synced = False
+        h_in, h = self._stage(input_ids)
+        loss = None
+        if self.last:
+            loss = loss_fn(self._logprobs(h, input_ids, None))
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            loss.backward()
+        else:
+            h.backward(self.pp.recv(torch.empty_like(h), self.pp.rank + 1))
+        if h_in is not None:
+            grad = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
+            self.pp.send(grad, self.pp.rank - 1)
+        value = loss.detach().double() if loss is not None else None
+        return float(self._from_last(value, (), torch.float64))
+
+    def finish_grad_sync(self) -> None:
+        """Average gradients over DP, then sum the two tied-embedding copies (PP > 1).
+
+        ``optimizer_step`` calls it; call it yourself only to read the final gradients
+        before the step.  A second call before the next ``forward_backward`` does nothing.
+        DP runs first so that the tied exchange is the last write: both copies end with
+        bitwise equal gradients.
+        """
+        if self._grads_synced:
+            return
+        for p in self.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.dp.size > 1:
+            grads = [p.grad for p in self.parameters()]
+            flat = self.dp.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+            flat.div_(self.dp.size)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+        if self.tied_copy:
+            mine = self._tied_param().grad
+            other = self.pp.exchange(mine, self.par.pp - 1 if self.first else 0)
+            first, last = (mine, other) if self.first else (other, mine)
+            mine.copy_(first + last)
+        self._grads_synced = True
+
+    def _tied_param(self) -> nn.Parameter:
+        return self.embedding.word_embeddings.weight if self.first else self.output_layer.weight
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients (each logical element once), the same on every rank."""
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for name, p in self.named_parameters():
+            if p.grad is None or (self.tied_copy and self.last and name == "output_layer.weight"):
+                continue
+            sq = p.grad.double().pow(2).sum()
+            if p.tensor_model_parallel:
+                sharded += sq
+            else:
+                replicated += sq
+        # Sums in rank order (not all_reduce) so that every rank gets the same bits.
+        stage = sum(self.tp.all_gather(sharded)) + replicated
+        return math.sqrt(float(sum(self.pp.all_gather(stage))))
+
+    def optimizer_step(self, lr: float | None = None) -> float:
+        """Sync gradients, clip to ``max_grad_norm``, AdamW step, zero gradients.
+
+        Returns the gradient norm before clipping (every rank).  ``lr`` overrides the
+        configured learning rate from this step on.
+        """
+        self.finish_grad_sync()
+        norm = self.grad_norm()
+        limit = self.optim_config.max_grad_norm
+        if limit is not None and norm > limit:
+            scale = limit / (norm + 1e-6)
+            for p in self.parameters():
+                p.grad.mul_(scale)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, *,
+                   lr: float | None = None) -> StepStats:
+        """``forward_backward`` then ``optimizer_step``: one training step on every rank.
+
+        For GRPO: ``train_step(ids, functools.partial(grpo_loss, old_logprobs=...,
+        advantages=..., mask=...))``.
+        """
+        loss = self.forward_backward(input_ids, loss_fn)
+        return StepStats(loss=loss, grad_norm=self.optimizer_step(lr))
+
+
+def _check_group(group: dist.ProcessGroup | None, kind: str, coord: int,
+                 size: int) -> dist.ProcessGroup | None:
+    if size == 1:
+        return None
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{kind}={size} needs a {kind}_group (megatron_groups makes them)")
+    if dist.get_world_size(group) != size or dist.get_rank(group) != coord:
+        raise ValueError(
+            f"{kind}_group has rank {dist.get_rank(group)} of {dist.get_world_size(group)}; "
+            f"this rank's {kind} coordinate is {coord} of {size} (Megatron rank order)")
+    return group
