@@ -1,6 +1,12 @@
 """shardsync: plan once which bytes each trainer rank owes each engine rank, then move only those."""
 
-from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
+from shardsync.layout import (
+    EngineParallel,
+    MegatronParallel,
+    engine_layout,
+    full_layout,
+    megatron_layout,
+)
 from shardsync.plan import Plan, PlanError, build_plan, make_buckets
 from shardsync.spec import PRESETS, ModelSpec, load_spec
 from shardsync.topology import Topology

@@ -264,7 +264,7 @@ class EngineModel(nn.Module):
         local = ids - lo
         mine = (local >= 0) & (local < self.vocab_rows)
         h = F.embedding(local.clamp(0, self.vocab_rows - 1), self.model.embed_tokens.weight)
-        return self.tp.all_reduce(h * mine[..., None].to(h.dtype))
+        return self.tp.all_reduce(h.masked_fill(~mine[..., None], 0))
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

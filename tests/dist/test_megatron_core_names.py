@@ -159,11 +159,11 @@ def test_layout_matches_megatron_core_named_parameters(preset: str, tp: int, pp:
         coords = world[rank]["coords"]
         if coords != par.coords(rank):
             problems.append(f"rank {rank}: megatron (pp, dp, tp) = {coords}, "
-                            f"layout {rank_layout.name} = {par.coords(rank)}")
+                            f"layout {rank_layout.label} = {par.coords(rank)}")
         expected = {t.name: tuple(t.shape) for t in rank_layout.tensors}
         lines = _diff(expected, world[rank]["params"][preset])
         if lines:
-            problems.append(f"rank {rank} ({rank_layout.name}):\n" + "\n".join(lines))
+            problems.append(f"rank {rank} ({rank_layout.label}):\n" + "\n".join(lines))
     assert not problems, (
         f"{preset} tp={tp} pp={pp}: layout differs from megatron-core named_parameters()\n"
         + "\n".join(problems)

@@ -1,0 +1,324 @@
+"""The trainer side of a sync: ``WeightSync`` on every trainer rank.
+
+Call sequence (every trainer rank, same order): ``WeightSync(...)`` -> ``connect()`` once
+-> ``update(version)`` after each optimizer step -> optionally ``verify()`` -> ``close()``.
+Trainer rank 0 alone talks HTTP to the engines: O(1) calls per update (begin, finish);
+the other ranks learn the outcome through the sync group's store.  Parameters are read
+in place (no copy of the model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.plan.preconditions import check_p2p
+from shardsync.runtime.checksum import combine, compare, piece_checksums
+from shardsync.runtime.record import UpdateRecord, append_jsonl
+from shardsync.runtime.update import Schedule
+from shardsync.spec import ModelSpec
+from shardsync.topology import Topology
+from shardsync.transport import Rendezvous, SyncGroup
+from shardsync.transport.group import open_store
+
+log = logging.getLogger("shardsync")
+MODES = ("auto", "p2p", "broadcast")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    mode: str = "auto"
+    bucket_mb: float = 64.0
+    credits: int = 2
+    timeout_s: float = 60.0
+    http_timeout_s: float = 60.0
+    backend: str = "gloo"
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine_kind: str = "reference"
+    records_path: str | None = None
+    detail: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+class SyncError(RuntimeError):
+    """An update or connect that did not complete; engines keep (or mark stale) their weights."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WeightSync:
+    def __init__(self, spec: ModelSpec, parallel: MegatronParallel, rank: int,
+                 params: Mapping[str, torch.Tensor], engines: Sequence[str],
+                 config: SyncConfig = SyncConfig(), *, trainer_group=None) -> None:
+        if parallel.world_size > 1 and trainer_group is None:
+            raise ValueError("several trainer ranks need trainer_group (to share the rendezvous "
+                             "address at connect); pass the trainer's process group")
+        if not engines:
+            raise ValueError("no engines given; pass at least one engine URL")
+        self.spec, self.parallel, self.rank = spec, parallel, rank
+        self.params = params
+        self.urls = [u.rstrip("/") for u in engines]
+        self.config = config
+        self.trainer_group = trainer_group
+        self.topo: Topology | None = None
+        self.mode: str | None = None
+        self.fallback_reason: str | None = None
+        self.group: SyncGroup | None = None
+        self._store = None
+        self._sched: Schedule | None = None
+        self._http = httpx.Client(timeout=config.http_timeout_s) if rank == 0 else None
+        self.plan_s = 0.0
+
+    # -- control plane helpers (rank 0) --
+
+    def _call_all(self, method: str, path: str, payloads: Sequence[dict | None] | None = None) -> list[dict]:
+        assert self._http is not None
+        payloads = payloads or [None] * len(self.urls)
+
+        def one(i: int) -> dict:
+            url = self.urls[i] + path
+            r = self._http.request(method, url, json=payloads[i])
+            if r.status_code >= 400:
+                raise SyncError(f"{method} {url} -> {r.status_code}: {r.text[:500]}")
+            return r.json()
+
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            return list(pool.map(one, range(len(self.urls))))
+
+    def _share(self, obj):
+        """Rank 0's ``obj`` on every trainer rank (connect only; the trainer's own group)."""
+        if self.parallel.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.trainer_group, 0)
+                                   if self.trainer_group is not dist.group.WORLD else 0,
+                                   group=self.trainer_group)
+        return box[0]
+
+    def _signal(self, key: str, value: object | None = None):
+        """Rank 0 publishes ``value`` under ``key``; other ranks wait for it (bounded)."""
+        assert self._store is not None
+        if self.rank == 0:
+            self._store.set(key, pickle.dumps(value))
+            return value
+        self._store.wait([key], self.group.rdv.timeout)
+        return pickle.loads(self._store.get(key))
+
+    # -- public API --
+
+    def connect(self) -> None:
+        """Collective over trainer ranks: agree on engines and mode, then join the sync group."""
+        t0 = time.perf_counter()
+        decision = None
+        if self.rank == 0:
+            try:
+                infos = self._call_all("GET", "/weights/info")
+                tps = [i["tp"] for i in infos]
+                dtypes = {i["dtype"] for i in infos}
+                if len(dtypes) != 1:
+                    raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
+                port = self.config.port or _free_port(self.config.host)
+                decision = {"tps": tps, "dtype": dtypes.pop(), "port": port,
+                            "name": f"shardsync-{uuid.uuid4().hex[:8]}"}
+            except Exception as e:
+                decision = {"error": f"{type(e).__name__}: {e}"}
+        decision = self._share(decision)
+        if "error" in decision:
+            raise SyncError(f"connect failed on trainer rank 0: {decision['error']}")
+        dtype = decision["dtype"]
+        topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
+                        tuple(EngineParallel(tp=t, dtype=dtype) for t in decision["tps"]),
+                        engine_kind=self.config.engine_kind)
+        self.mode, self.fallback_reason = self._choose_mode(topo)
+        fingerprints = {"broadcast": topo.broadcast_plan.fingerprint}
+        if self.mode == "p2p":
+            fingerprints["p2p"] = topo.p2p_plan.fingerprint
+        sched = Schedule(topo, self.rank, int(self.config.bucket_mb * 2**20), credits=self.config.credits)
+        for stage in range(topo.trainer.pp):
+            sched.steps("broadcast", stage)
+        if self.mode == "p2p":
+            sched.steps("p2p")
+        world = topo.trainer.world_size + topo.num_engine_ranks
+        rdv = Rendezvous(self.config.host, decision["port"], world, decision["name"],
+                         self.config.backend, self.config.timeout_s)
+        ok = None
+        if self.rank == 0:
+            try:
+                payloads = [self._connect_payload(topo, i, fingerprints, rdv) for i in range(len(self.urls))]
+                self._call_all("POST", "/weights/connect", payloads)
+                ok = {"ok": True}
+            except Exception as e:
+                ok = {"error": str(e)}
+        ok = self._share(ok)
+        if "error" in ok:
+            raise SyncError(f"engines refused the connect: {ok['error']}")
+        self.plan_s = time.perf_counter() - t0
+        if self.rank == 0:
+            self._store = open_store(rdv, is_master=True)
+            with ThreadPoolExecutor(1) as pool:
+                joined = pool.submit(self._call_all, "POST", "/weights/join")
+                self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
+                joined.result()
+        else:
+            self._store = open_store(rdv, is_master=False)
+            self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
+        self.topo, self._sched = topo, sched
+        if self.rank == 0:
+            if self.fallback_reason:
+                log.info("shardsync: mode=auto falls back to broadcast: %s", self.fallback_reason)
+            log.info("shardsync: connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
+                     len(self.urls), decision["tps"], self.mode, time.perf_counter() - t0)
+
+    def _choose_mode(self, topo: Topology) -> tuple[str, str | None]:
+        if self.config.mode == "broadcast":
+            return "broadcast", None
+        verdicts = check_p2p(topo)
+        failed = next((v for v in verdicts if not v.ok), None)
+        if failed is None:
+            return "p2p", None
+        reason = f"p2p precondition {failed.name} failed: {failed.detail}"
+        if self.config.mode == "p2p":
+            raise ValueError(f"mode='p2p' requested but {reason}; use mode='auto' or 'broadcast'")
+        return "broadcast", reason
+
+    def _connect_payload(self, topo: Topology, index: int, fingerprints: dict, rdv: Rendezvous) -> dict:
+        t = self.parallel
+        return {
+            "spec": asdict(topo.spec),
+            "trainer": {"tp": t.tp, "pp": t.pp, "dp": t.dp,
+                        "pp_layers": list(t.pp_layers) if t.pp_layers else None,
+                        "make_vocab_size_divisible_by": t.make_vocab_size_divisible_by,
+                        "norm_names": t.norm_names, "dtype": t.dtype},
+            "engines": [e.tp for e in topo.engines], "engine_index": index,
+            "fingerprints": fingerprints, "bucket_bytes": int(self.config.bucket_mb * 2**20),
+            "credits": self.config.credits, "rendezvous": asdict(rdv),
+        }
+
+    def update(self, version: int) -> UpdateRecord:
+        """Collective over trainer ranks: push the current parameters as ``version``."""
+        if self.group is None or self.topo is None or self._sched is None:
+            raise SyncError("not connected; call connect() first")
+        mode = self.mode
+        t0 = time.perf_counter()
+        go = None
+        if self.rank == 0:
+            fp = (self.topo.p2p_plan if mode == "p2p" else self.topo.broadcast_plan).fingerprint
+            try:
+                self._call_all("POST", "/weights/begin",
+                               [{"version": version, "mode": mode, "fingerprint": fp}] * len(self.urls))
+                go = {"ok": True}
+            except Exception as e:
+                go = {"error": str(e)}
+        go = self._signal(f"v{version}/begin", go)
+        if "error" in go:
+            raise SyncError(f"update {version} refused: {go['error']}")
+        t1 = time.perf_counter()
+        error = None
+        try:
+            stats = self._sched.run(mode, self.params, self.group, barrier=self.group.barrier,
+                                    detail=self.config.detail)
+        except Exception as e:
+            error, stats = f"{type(e).__name__}: {e}", None
+        t2 = time.perf_counter()
+        done = None
+        if self.rank == 0:
+            try:
+                done = {"engines": self._call_all("POST", "/weights/finish",
+                                                  [{"version": version}] * len(self.urls))}
+            except Exception as e:
+                done = {"error": str(e), "engines": []}
+        done = self._signal(f"v{version}/done", done)
+        t3 = time.perf_counter()
+        error = error or done.get("error")
+        plan = self.topo.p2p_plan if mode == "p2p" else self.topo.broadcast_plan
+        labels = lambda s, d: f"{plan.src.ranks[s].label}->{plan.dst.ranks[d].label}"  # noqa: E731
+        engines = done.get("engines", [])
+        record = UpdateRecord(
+            version=version, mode=mode, fallback_reason=self.fallback_reason, ok=error is None,
+            rank=self.rank, bytes_sent=stats.bytes_sent if stats else 0,
+            buckets=len(self._sched.steps(mode)) if mode == "p2p" else sum(
+                len(self._sched.steps(mode, s)) for s in range(self.topo.trainer.pp)),
+            phases={"plan": self.plan_s, "pack": stats.pack_s if stats else 0.0,
+                    "transfer": stats.transfer_s if stats else 0.0,
+                    "unpack": max((e.get("unpack_s", 0.0) for e in engines), default=0.0),
+                    "control": (t1 - t0) + (t3 - t2), "total": t3 - t0},
+            link_bytes={labels(s, d): b for (s, d), b in plan.link_bytes.items()} if self.rank == 0 else {},
+            engines=engines,
+            steps=[asdict(s) for s in stats.steps] if stats and self.config.detail else [],
+            error=error,
+        )
+        if self.rank == 0:
+            (log.info if record.ok else log.error)("shardsync: %s", record.summary())
+            if self.config.records_path:
+                append_jsonl(self.config.records_path, record)
+        if error is not None:
+            self._drop_group()
+            raise SyncError(f"update {version} failed: {error}")
+        return record
+
+    def verify(self) -> list[str]:
+        """Collective over trainer ranks: logical tensors whose engine checksum differs (bitwise).
+
+        Compares each engine's loaded weights with this trainer's parameters converted to the
+        engine dtype; an empty list means every engine holds exactly the trainer's weights.
+        """
+        if self.group is None or self.topo is None:
+            raise SyncError("not connected; call connect() first")
+        lay = self.topo.trainer_layout
+        dtype = getattr(torch, self.topo.wire_dtype)
+        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, dtype)
+        key = f"ck/{uuid.uuid4().hex}" if self.rank == 0 else None
+        key = self._signal(f"ck/{self._next_check()}", key)
+        self._store.set(f"{key}/{self.rank}", pickle.dumps(mine))
+        bad = None
+        if self.rank == 0:
+            parts = []
+            for r in range(self.parallel.world_size):
+                self._store.wait([f"{key}/{r}"], self.group.rdv.timeout)
+                parts.append(pickle.loads(self._store.get(f"{key}/{r}")))
+            expected = combine(parts)
+            bad = []
+            for url, res in zip(self.urls, self._call_all("GET", "/weights/checksum"), strict=True):
+                got = {k: (None if v is None else int(v)) for k, v in res["checksums"].items()}
+                bad += [f"{url}: {n}" for n in compare(expected, got)]
+        return self._signal(f"{key}/result", bad)
+
+    _checks = 0
+
+    def _next_check(self) -> int:
+        self._checks += 1
+        return self._checks
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close(self) -> None:
+        self._drop_group()
+        if self._http is not None:
+            self._http.close()
+
+
+def records_to_json(records: Sequence[UpdateRecord]) -> str:
+    return json.dumps([asdict(r) for r in records])
