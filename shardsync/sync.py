@@ -110,9 +110,7 @@ class WeightSync:
         if self.parallel.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.trainer_group, 0)
-                                   if self.trainer_group is not dist.group.WORLD else 0,
-                                   group=self.trainer_group)
+        dist.broadcast_object_list(box, group=self.trainer_group, group_src=0)
         return box[0]
 
     def _signal(self, key: str, value: object | None = None):

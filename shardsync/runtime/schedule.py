@@ -141,7 +141,7 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> l
                               fill=tuple(fills), main_views=keys, link=f"source{stage}->all"))
         elif narrow is not None:
             drain = []
-            for i, (bc, off) in enumerate(zip(b.copies, b.offsets, strict=True)):
+            for bc, off in zip(b.copies, b.offsets, strict=True):
                 for n in narrow.get(bc.logical, ()):
                     ov = box_overlap(n.src_offsets, n.sizes, bc.logical_offsets, bc.sizes)
                     if ov is None:
