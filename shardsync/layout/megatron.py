@@ -83,6 +83,9 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
         (min(par.tp, par.pp, par.dp) >= 1, "tp, pp and dp must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
+        ((spec.num_heads + 2 * ng) * spec.head_dim % t == 0,
+         f"fused QKV rows (num_heads + 2*num_kv_heads) * head_dim = "
+         f"{(spec.num_heads + 2 * ng) * spec.head_dim} not divisible by tp={t}"),
         (spec.intermediate_size % t == 0,
          f"intermediate_size={spec.intermediate_size} not divisible by tp={t}"),
         (par.norm_names in LAYER_NORM_NAMES,

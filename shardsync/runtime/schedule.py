@@ -48,6 +48,27 @@ class SyncRanks:
         return [src] + [self.engine(e) for e in range(self.topo.num_engine_ranks)]
 
 
+def merge_bindings(bindings: list[Binding]) -> tuple[Binding, ...]:
+    """Fuse neighbours that are contiguous both in the tensor (along dim 0) and in the buffer.
+
+    Aligned TP makes fc1's gate and up halves (and a one-group QKV shard) such neighbours:
+    merged, they cover the whole tensor and the executor skips the pack/unpack copy.
+    """
+    out: list[Binding] = []
+    for b in bindings:
+        p = out[-1] if out else None
+        if (p is not None and p.key == b.key and p.space == b.space
+                and p.sub == full_region(p.box) and b.sub == full_region(b.box)
+                and p.region[1:] == b.region[1:] and p.region[0].stop == b.region[0].start
+                and p.offset + p.numel == b.offset and p.box[1:] == b.box[1:]):
+            box = (p.box[0] + b.box[0],) + p.box[1:]
+            out[-1] = Binding(p.key, (slice(p.region[0].start, b.region[0].stop),) + p.region[1:],
+                              p.offset, box, full_region(box), p.space)
+        else:
+            out.append(b)
+    return tuple(out)
+
+
 def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> list[Step]:
     """Steps of sync rank ``me`` for the shard-to-shard plan."""
     ranks = SyncRanks(topo)
@@ -58,12 +79,12 @@ def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> list[Step]:
         src, dst = b.src, ranks.engine(b.dst)
         link = f"{plan.src.ranks[b.src].label}->{plan.dst.ranks[b.dst].label}"
         if me == src:
-            pack = tuple(Binding(c.src_local, _region(c.src_offsets, c.sizes), off, c.sizes,
-                                 full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True))
+            pack = merge_bindings([Binding(c.src_local, _region(c.src_offsets, c.sizes), off, c.sizes,
+                                           full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True)])
             steps.append(Step(f"p2p{b.index}", b.numel, ("send", dst), pack=pack, link=link))
         elif me == dst:
-            drain = tuple(Binding(c.dst_local, _region(c.dst_offsets, c.sizes), off, c.sizes,
-                                  full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True))
+            drain = merge_bindings([Binding(c.dst_local, _region(c.dst_offsets, c.sizes), off, c.sizes,
+                                            full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True)])
             steps.append(Step(f"p2p{b.index}", b.numel, ("recv", src), drain=drain, link=link))
     return steps
 

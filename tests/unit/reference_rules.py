@@ -1,0 +1,239 @@
+"""Independent reference implementations of the weight-loading rules.
+
+Written from ../shared/reference/LAYOUTS.md (§2-7), the way engine weight loaders and
+Megatron converters do it: plain tensor ops (``narrow``, ``cat``, ``view``) on full
+HuggingFace tensors.  Nothing here uses shardsync's layouts or plans, so agreement
+between the two is evidence that both follow the documented rules; only ``ModelSpec``
+is read, for its numbers.
+
+``synthetic_full`` fills every logical tensor with distinct positive integers (exact in
+float32 below 2**24), so a value names its own tensor and coordinates and zero means
+padding (or "never written").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardsync.spec import ModelSpec
+
+# Architecture flags per family (LAYOUTS.md §2.2 "Flags behind the optional rows").
+QKV_BIAS = {"qwen2": True, "qwen3": False, "llama": False}
+QK_NORM = {"qwen2": False, "qwen3": True, "llama": False}
+
+# Megatron names of (input norm, pre-MLP norm) per spec flavour (LAYOUTS.md §2.2).
+MEGATRON_NORMS = {
+    "fused": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
+    "separate": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+}
+
+Shards = list[dict[str, torch.Tensor]]
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and full shapes ([out, in] linears); a tied lm_head is absent."""
+    H, h, ng, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    F, V = spec.intermediate_size, spec.vocab_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for n in range(spec.num_layers):
+        a = f"model.layers.{n}."
+        out[a + "input_layernorm.weight"] = (H,)
+        out[a + "self_attn.q_proj.weight"] = (h * d, H)
+        out[a + "self_attn.k_proj.weight"] = (ng * d, H)
+        out[a + "self_attn.v_proj.weight"] = (ng * d, H)
+        if QKV_BIAS[spec.family]:
+            out[a + "self_attn.q_proj.bias"] = (h * d,)
+            out[a + "self_attn.k_proj.bias"] = (ng * d,)
+            out[a + "self_attn.v_proj.bias"] = (ng * d,)
+        if QK_NORM[spec.family]:
+            out[a + "self_attn.q_norm.weight"] = (d,)
+            out[a + "self_attn.k_norm.weight"] = (d,)
+        out[a + "self_attn.o_proj.weight"] = (H, h * d)
+        out[a + "post_attention_layernorm.weight"] = (H,)
+        out[a + "mlp.gate_proj.weight"] = (F, H)
+        out[a + "mlp.up_proj.weight"] = (F, H)
+        out[a + "mlp.down_proj.weight"] = (H, F)
+    out["model.norm.weight"] = (H,)
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (V, H)
+    return out
+
+
+def synthetic_full(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every HF tensor filled with ids 1, 2, 3, ... (unique across the model)."""
+    out, next_id = {}, 1
+    for name, shape in hf_shapes(spec).items():
+        n = 1
+        for s in shape:
+            n *= s
+        out[name] = torch.arange(next_id, next_id + n, dtype=torch.float64).reshape(shape).to(dtype)
+        next_id += n
+    if dtype == torch.float32 and next_id >= 2**24:
+        raise ValueError("model too large for exact float32 ids")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Engines (SGLang 0.5.x / vLLM): LAYOUTS.md §6.2, §7
+# ---------------------------------------------------------------------------------------
+
+def engine_padded_vocab(vocab: int, tp: int) -> int:
+    pad = 64
+    if _ceil_to(vocab, 64) % tp:
+        pad = 64 * tp
+    return _ceil_to(vocab, pad)
+
+
+def _engine_vocab_shard(w: torch.Tensor, tp: int, r: int) -> torch.Tensor:
+    V = w.shape[0]
+    per = engine_padded_vocab(V, tp) // tp
+    lo, hi = min(r * per, V), min((r + 1) * per, V)
+    out = torch.zeros((per,) + tuple(w.shape[1:]), dtype=w.dtype)
+    out[: hi - lo] = w[lo:hi]
+    return out
+
+
+def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int) -> Shards:
+    """What each engine TP rank holds after ``load_weights`` of ``full`` (engine-local names)."""
+    h, ng, d, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    nq, f = h // tp, F // tp
+    ranks = []
+    for r in range(tp):
+        if tp >= ng:
+            k0, nkv = r // (tp // ng), 1  # KV head replicated over tp/ng consecutive ranks
+        else:
+            nkv = ng // tp
+            k0 = r * nkv
+        out: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": _engine_vocab_shard(full["model.embed_tokens.weight"], tp, r)
+        }
+        for n in range(spec.num_layers):
+            a = f"model.layers.{n}."
+            out[a + "input_layernorm.weight"] = full[a + "input_layernorm.weight"].clone()
+            for suffix in ("weight", "bias") if QKV_BIAS[spec.family] else ("weight",):
+                q = full[a + "self_attn.q_proj." + suffix].narrow(0, r * nq * d, nq * d)
+                k = full[a + "self_attn.k_proj." + suffix].narrow(0, k0 * d, nkv * d)
+                v = full[a + "self_attn.v_proj." + suffix].narrow(0, k0 * d, nkv * d)
+                out[a + "self_attn.qkv_proj." + suffix] = torch.cat([q, k, v], 0)
+            if QK_NORM[spec.family]:
+                for x in ("q_norm", "k_norm"):
+                    out[a + f"self_attn.{x}.weight"] = full[a + f"self_attn.{x}.weight"].clone()
+            out[a + "self_attn.o_proj.weight"] = full[a + "self_attn.o_proj.weight"].narrow(
+                1, r * nq * d, nq * d).clone()
+            out[a + "post_attention_layernorm.weight"] = full[a + "post_attention_layernorm.weight"].clone()
+            gate = full[a + "mlp.gate_proj.weight"].narrow(0, r * f, f)
+            up = full[a + "mlp.up_proj.weight"].narrow(0, r * f, f)
+            out[a + "mlp.gate_up_proj.weight"] = torch.cat([gate, up], 0)
+            out[a + "mlp.down_proj.weight"] = full[a + "mlp.down_proj.weight"].narrow(1, r * f, f).clone()
+        out["model.norm.weight"] = full["model.norm.weight"].clone()
+        if not spec.tie_word_embeddings:
+            out["lm_head.weight"] = _engine_vocab_shard(full["lm_head.weight"], tp, r)
+        ranks.append(out)
+    return ranks
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron-core GPTModel: LAYOUTS.md §2-6
+# ---------------------------------------------------------------------------------------
+
+def _part(x: torch.Tensor, tp: int, r: int, dim: int) -> torch.Tensor:
+    """Chunk ``r`` of ``tp`` equal chunks along ``dim`` (Megatron's ``divide`` asserts evenness)."""
+    assert x.shape[dim] % tp == 0, f"{x.shape[dim]} rows do not split over tp={tp}"
+    n = x.shape[dim] // tp
+    return x.narrow(dim, r * n, n)
+
+
+def megatron_padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    return _ceil_to(vocab, divisible_by * tp)
+
+
+def stage_sizes(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None) -> list[int]:
+    if pp_layers is not None:
+        assert len(pp_layers) == pp and sum(pp_layers) == num_layers
+        return list(pp_layers)
+    assert num_layers % pp == 0
+    return [num_layers // pp] * pp
+
+
+def fused_qkv(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Global fused QKV: per query group [its p q heads; its k head; its v head] (§4.1)."""
+    ng, p, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+    rest = tuple(q.shape[1:])
+    grouped = torch.cat([q.reshape((ng, p, d) + rest), k.reshape((ng, 1, d) + rest),
+                         v.reshape((ng, 1, d) + rest)], dim=1)  # [ng, p+2, d, (H)]
+    return grouped.reshape((-1,) + rest)
+
+
+def _megatron_vocab_shard(w: torch.Tensor, tp: int, r: int, divisible_by: int,
+                          pad_value: float) -> torch.Tensor:
+    V = w.shape[0]
+    Vp = megatron_padded_vocab(V, tp, divisible_by)
+    pad = torch.full((Vp - V,) + tuple(w.shape[1:]), pad_value, dtype=w.dtype)
+    return _part(torch.cat([w, pad], 0), tp, r, 0).clone()
+
+
+def megatron_shards(
+    spec: ModelSpec,
+    full: dict[str, torch.Tensor],
+    tp: int,
+    pp: int = 1,
+    pp_layers: tuple[int, ...] | None = None,
+    divisible_by: int = 128,
+    norm_names: str = "fused",
+    dp: int = 1,
+    pad_value: float = 0.0,
+) -> Shards:
+    """Every Megatron rank's ``named_parameters`` (prefixes stripped), rank order tp-dp-pp.
+
+    ``pad_value`` fills the vocab padding rows (Megatron initializes them; they may be
+    nonzero, LAYOUTS.md §10.12), so tests can check they never reach an engine.
+    """
+    attn_norm, mlp_norm = MEGATRON_NORMS[norm_names]
+    sizes = stage_sizes(spec.num_layers, pp, pp_layers)
+    starts = [sum(sizes[:s]) for s in range(pp)]
+    tied = spec.tie_word_embeddings
+    per_stage: list[Shards] = []
+    for s in range(pp):
+        first, last = s == 0, s == pp - 1
+        stage: Shards = []
+        for r in range(tp):
+            out: dict[str, torch.Tensor] = {}
+            if first:
+                out["embedding.word_embeddings.weight"] = _megatron_vocab_shard(
+                    full["model.embed_tokens.weight"], tp, r, divisible_by, pad_value)
+            for local in range(sizes[s]):
+                n = starts[s] + local
+                a, m = f"model.layers.{n}.", f"decoder.layers.{local}."
+                out[m + attn_norm] = full[a + "input_layernorm.weight"].clone()
+                for suffix in ("weight", "bias") if QKV_BIAS[spec.family] else ("weight",):
+                    qkv = fused_qkv(spec, *(full[a + f"self_attn.{x}_proj." + suffix] for x in "qkv"))
+                    # Plain column-parallel split of the fused rows (Case A and Case B, §4.2).
+                    out[m + "self_attention.linear_qkv." + suffix] = _part(qkv, tp, r, 0).clone()
+                if QK_NORM[spec.family]:
+                    out[m + "self_attention.q_layernorm.weight"] = full[a + "self_attn.q_norm.weight"].clone()
+                    out[m + "self_attention.k_layernorm.weight"] = full[a + "self_attn.k_norm.weight"].clone()
+                out[m + "self_attention.linear_proj.weight"] = _part(full[a + "self_attn.o_proj.weight"], tp, r, 1).clone()
+                out[m + mlp_norm] = full[a + "post_attention_layernorm.weight"].clone()
+                gate = _part(full[a + "mlp.gate_proj.weight"], tp, r, 0)
+                up = _part(full[a + "mlp.up_proj.weight"], tp, r, 0)
+                out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+                out[m + "mlp.linear_fc2.weight"] = _part(full[a + "mlp.down_proj.weight"], tp, r, 1).clone()
+            if last:
+                out["decoder.final_layernorm.weight"] = full["model.norm.weight"].clone()
+                if not tied:
+                    out["output_layer.weight"] = _megatron_vocab_shard(
+                        full["lm_head.weight"], tp, r, divisible_by, pad_value)
+                elif pp > 1:
+                    out["output_layer.weight"] = _megatron_vocab_shard(
+                        full["model.embed_tokens.weight"], tp, r, divisible_by, pad_value)
+            stage.append(out)
+        per_stage.append(stage)
+    ranks: Shards = []
+    for s in range(pp):
+        for _ in range(dp):
+            ranks.extend({k: t.clone() for k, t in shard.items()} for shard in per_stage[s])
+    return ranks
