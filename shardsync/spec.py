@@ -131,12 +131,21 @@ class ModelSpec:
 def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if family is None and not archs and cfg.get("model_type") in FAMILY_FLAGS:
+        family = cfg["model_type"]
     if family is None:
         raise ValueError(
             f"{name}: architecture {archs or cfg.get('model_type')!r} is not supported; "
             f"supported architectures: {sorted(ARCHITECTURES)} (dense decoders only)"
         )
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    # transformers 5 writes rope settings under rope_parameters instead of the top level.
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
+    rope.pop("rope_theta", None)
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = rope
     head_dim = cfg.get("head_dim") or hidden // heads
     if family == "llama" and cfg.get("attention_bias"):
         raise ValueError(f"{name}: Llama with attention_bias=true is not supported")
@@ -152,8 +161,8 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         vocab_size=cfg["vocab_size"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
     )
@@ -207,7 +216,7 @@ _PRESET_LIST = [
     _preset("tiny-qwen2", "qwen2", 256, 4, 8, 2, 32, 640, 1000, True,
             max_position_embeddings=2048, dtype="float32"),
     _preset("tiny-llama", "llama", 256, 4, 8, 4, 32, 512, 1200, False,
-            rope_scaling=_llama3_rope(8.0), max_position_embeddings=2048, dtype="float32"),
+            rope_scaling=_llama3_rope(8.0), max_position_embeddings=16384, dtype="float32"),
 ]
 PRESETS: dict[str, ModelSpec] = {s.name: s for s in _PRESET_LIST}
 

@@ -48,6 +48,8 @@ class SyncConfig:
     host: str = "127.0.0.1"
     port: int = 0
     engine_kind: str = "reference"
+    engine_pp: int = 1
+    quantization: str | None = None
     records_path: str | None = None
     detail: bool = False
 
@@ -146,7 +148,8 @@ class WeightSync:
         dtype = decision["dtype"]
         topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
                         tuple(EngineParallel(tp=t, dtype=dtype) for t in decision["tps"]),
-                        engine_kind=self.config.engine_kind)
+                        engine_kind=self.config.engine_kind, engine_pp=self.config.engine_pp,
+                        quantization=self.config.quantization)
         self.mode, self.fallback_reason = self._choose_mode(topo)
         fingerprints = {"broadcast": topo.broadcast_plan.fingerprint}
         if self.mode == "p2p":
@@ -183,8 +186,8 @@ class WeightSync:
         self.topo, self._sched = topo, sched
         if self.rank == 0:
             if self.fallback_reason:
-                log.info("shardsync: mode=auto falls back to broadcast: %s", self.fallback_reason)
-            log.info("shardsync: connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
+                log.info("[rank 0] mode=auto falls back to broadcast: %s", self.fallback_reason)
+            log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
                      len(self.urls), decision["tps"], self.mode, time.perf_counter() - t0)
 
     def _choose_mode(self, topo: Topology) -> tuple[str, str | None]:
@@ -266,7 +269,7 @@ class WeightSync:
             error=error,
         )
         if self.rank == 0:
-            (log.info if record.ok else log.error)("shardsync: %s", record.summary())
+            (log.info if record.ok else log.error)("[rank 0] %s", record.summary())
             if self.config.records_path:
                 append_jsonl(self.config.records_path, record)
         if error is not None:

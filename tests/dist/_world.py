@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 
@@ -19,7 +20,9 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, args: tuple, out) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
     try:
         fn(rank, *args, out)
     except BaseException:
@@ -28,24 +31,42 @@ def _entry(fn: Callable, rank: int, args: tuple, out) -> None:
 
 
 def run_world(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float = 120) -> dict[int, object]:
-    """Run ``fn(rank, *args, out)`` in ``nprocs`` spawned processes; each puts (rank, result).
+    """Run ``fn(rank, *args, out)`` in ``nprocs`` fresh processes; each puts (rank, result).
 
-    Fails (after killing every process) if any process errors or the world outlives
-    ``timeout`` seconds.
+    Processes come from a forkserver that imported torch once (spawn semantics, no
+    inherited threads or groups).  Fails, after killing every process, if a process
+    errors, dies without a result, or the world outlives ``timeout`` seconds in total.
+    Results should be plain Python (tensors as ``torch.save`` bytes).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "shardsync.plan", "shardsync.runtime.update"])
     out = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # children read it when torch initializes
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
     results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < nprocs:
             try:
-                rank, res = out.get(timeout=timeout)
+                rank, res = out.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"world of {nprocs} timed out after {timeout}s; "
-                                   f"results from ranks {sorted(results)}") from None
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} died without a result "
+                                       f"(exit codes {[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"world of {nprocs} timed out after {timeout}s; "
+                                       f"results from ranks {sorted(results)}") from None
+                continue
             if isinstance(res, dict) and "__error__" in res:
                 raise RuntimeError(f"rank {rank} failed:\n{res['__error__']}")
             results[rank] = res
