@@ -72,6 +72,16 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
                               threads=args.threads, log_level=args.log_level))
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shardsync.demo import DemoConfig, run_demo
+
+    tps = _engine_tps(args.engine_tp, args.engines)
+    cfg = DemoConfig(model=args.model, trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp,
+                     engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
+                     seed=args.seed, lr=args.lr, out=args.out)
+    return run_demo(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardsync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("demo", help="GRPO steps between a reference trainer and engine servers")
+    p.add_argument("--model", default="tiny-qwen3")
+    p.add_argument("--trainer-tp", type=int, default=2)
+    p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--engine-tp", default="2", help="engine TP, or a comma list (one per engine)")
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--mode", default="both", choices=["both", "auto", "p2p", "broadcast"])
+    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/demo")
+    p.set_defaults(func=cmd_demo)
 
     eng = sub.add_parser("engine", help="the reference rollout engine")
     esub = eng.add_subparsers(dest="engine_command", required=True)

@@ -84,6 +84,7 @@ class WeightSync:
         self.trainer_group = trainer_group
         self.topo: Topology | None = None
         self.mode: str | None = None
+        self.modes: tuple[str, ...] = ()
         self.fallback_reason: str | None = None
         self.group: SyncGroup | None = None
         self._store = None
@@ -151,6 +152,8 @@ class WeightSync:
                         engine_kind=self.config.engine_kind, engine_pp=self.config.engine_pp,
                         quantization=self.config.quantization)
         self.mode, self.fallback_reason = self._choose_mode(topo)
+        # Both paths are planned when p2p is possible, so each update may pick either.
+        self.modes = ("p2p", "broadcast") if self.mode == "p2p" else ("broadcast",)
         fingerprints = {"broadcast": topo.broadcast_plan.fingerprint}
         if self.mode == "p2p":
             fingerprints["p2p"] = topo.p2p_plan.fingerprint
@@ -215,11 +218,19 @@ class WeightSync:
             "credits": self.config.credits, "rendezvous": asdict(rdv),
         }
 
-    def update(self, version: int) -> UpdateRecord:
-        """Collective over trainer ranks: push the current parameters as ``version``."""
+    def update(self, version: int, *, mode: str | None = None) -> UpdateRecord:
+        """Collective over trainer ranks: push the current parameters as ``version``.
+
+        ``mode`` overrides the connected mode for this update (``"broadcast"`` always works;
+        ``"p2p"`` when its preconditions held at connect).  Re-sending the engine's current
+        version is allowed (a resync).
+        """
         if self.group is None or self.topo is None or self._sched is None:
             raise SyncError("not connected; call connect() first")
-        mode = self.mode
+        mode = mode or self.mode
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} not available for this connection (have {self.modes}"
+                             f"{'; ' + self.fallback_reason if self.fallback_reason else ''})")
         t0 = time.perf_counter()
         go = None
         if self.rank == 0:
@@ -255,7 +266,8 @@ class WeightSync:
         labels = lambda s, d: f"{plan.src.ranks[s].label}->{plan.dst.ranks[d].label}"  # noqa: E731
         engines = done.get("engines", [])
         record = UpdateRecord(
-            version=version, mode=mode, fallback_reason=self.fallback_reason, ok=error is None,
+            version=version, mode=mode, ok=error is None,
+            fallback_reason=self.fallback_reason if mode == "broadcast" else None,
             rank=self.rank, bytes_sent=stats.bytes_sent if stats else 0,
             buckets=len(self._sched.steps(mode)) if mode == "p2p" else sum(
                 len(self._sched.steps(mode, s)) for s in range(self.topo.trainer.pp)),

@@ -291,7 +291,7 @@ class _Layer(nn.Module):
         k, v = k.reshape(b, s, self.groups, d), v.reshape(b, s, self.groups, d)
         if spec.qk_norm:
             # Replicated gains applied to this rank's heads only: their grads sum over TP.
-            q = rms_norm(q, w(att.q_layernorm.weight), eps)
+            q = rms_norm(q, w(tp.copy_to(att.q_layernorm.weight)), eps)
             k = rms_norm(k, w(tp.copy_to(att.k_layernorm.weight)), eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -543,7 +543,10 @@ class TrainerModel(nn.Module):
         return self.embedding.word_embeddings.weight if self.first else self.output_layer.weight
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the gradients (each logical element once), the same on every rank."""
+        """Global L2 norm of the gradients (each logical element once), the same on every rank.
+
+        Collective over the TP group, then the PP group (``optimizer_step`` calls it).
+        """
         sharded = torch.zeros((), dtype=torch.float64)
         replicated = torch.zeros((), dtype=torch.float64)
         for name, p in self.named_parameters():

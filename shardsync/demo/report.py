@@ -1,0 +1,62 @@
+"""Per-step table, summary and plot of a demo run."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def header(modes: list[str]) -> str:
+    cols = [f"{'step':>4} {'reward':>7} {'loss':>8}"]
+    for m in modes:
+        cols.append(f"{m + ' ms':>13} {'pack/xfer/unpack/ctl ms':>25} {'busiest KiB':>11}")
+    cols.append(f"{'|lp diff|':>10} {'checksum':>8}")
+    return " ".join(cols)
+
+
+def row(r: dict, modes: list[str]) -> str:
+    cols = [f"{r['step']:>4} {r['reward']:>7.3f} {r['loss']:>8.4f}"]
+    for m in modes:
+        u = r["updates"][m]
+        p = u["phases"]
+        cols.append(f"{p['total'] * 1e3:>13.1f} "
+                    f"{'/'.join(f'{p[k] * 1e3:.1f}' for k in ('pack', 'transfer', 'unpack', 'control')):>25} "
+                    f"{u['busiest_link_bytes'] / 1024:>11.1f}")
+    ok = all(u["checksum_ok"] for u in r["updates"].values())
+    cols.append(f"{r['logprob_abs_diff']:>10.2e} {'ok' if ok else 'MISMATCH':>8}")
+    return " ".join(cols)
+
+
+def summary(rows: list[dict], modes: list[str]) -> list[str]:
+    out = []
+    med = {m: statistics.median(r["updates"][m]["phases"]["total"] for r in rows) for m in modes}
+    for m in modes:
+        out.append(f"median {m} update: {med[m] * 1e3:.1f} ms")
+    if "p2p" in med and "broadcast" in med:
+        out.append(f"p2p / broadcast update time: {med['p2p'] / med['broadcast']:.2f}")
+    ok = all(u["checksum_ok"] for r in rows for u in r["updates"].values())
+    out.append(f"bitwise checksum after every sync: {'ok' if ok else 'MISMATCH'}")
+    return out
+
+
+def plot(rows: list[dict], modes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [r["step"] for r in rows]
+    for m in modes:
+        a.plot(steps, [r["updates"][m]["phases"]["total"] * 1e3 for r in rows], marker="o", label=m)
+    a.set_xlabel("step")
+    a.set_ylabel("update time (ms)")
+    a.set_title("weight update time per mode")
+    a.legend()
+    b.plot(steps, [r["reward"] for r in rows], marker="o", color="tab:green")
+    b.set_xlabel("step")
+    b.set_ylabel("mean reward")
+    b.set_title("GRPO reward (rollouts before the step)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
