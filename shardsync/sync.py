@@ -269,6 +269,7 @@ class WeightSync:
             version=version, mode=mode, ok=error is None,
             fallback_reason=self.fallback_reason if mode == "broadcast" else None,
             rank=self.rank, bytes_sent=stats.bytes_sent if stats else 0,
+            buffer_bytes=stats.peak_buffer_bytes if stats else 0,
             buckets=len(self._sched.steps(mode)) if mode == "p2p" else sum(
                 len(self._sched.steps(mode, s)) for s in range(self.topo.trainer.pp)),
             phases={"plan": self.plan_s, "pack": stats.pack_s if stats else 0.0,

@@ -97,6 +97,7 @@ class UpdateResult(BaseModel):
     unpack_s: float = 0.0
     total_s: float = 0.0
     bytes_received: int = 0
+    buffer_bytes: int = 0
     buckets: int = 0
 
 

@@ -228,6 +228,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
                 unpack_s=max((r.get("unpack_s", 0.0) for r in results), default=0.0),
                 total_s=max((r.get("total_s", 0.0) for r in results), default=0.0),
                 bytes_received=sum(r.get("bytes_received", 0) for r in results),
+                buffer_bytes=max((r.get("buffer_bytes", 0) for r in results), default=0),
                 buckets=sum(r.get("buckets", 0) for r in results),
             )
             state.last = res

@@ -99,7 +99,9 @@ class EngineWorker:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "pack_s": stats.pack_s, "transfer_s": stats.transfer_s,
                 "unpack_s": stats.unpack_s, "total_s": time.perf_counter() - t0,
-                "bytes_received": stats.bytes_received, "buckets": len(sched.steps(mode))}
+                "bytes_received": stats.bytes_received, "buffer_bytes": stats.peak_buffer_bytes,
+                "buckets": sum(len(sched.steps(mode, s)) for s in
+                               range(topo.trainer.pp if mode == "broadcast" else 1))}
 
     def checksum(self) -> dict:
         rl = self.model.layout.ranks[self.rank]

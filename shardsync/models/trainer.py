@@ -47,8 +47,18 @@ from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin
+from shardsync.models.parallel import (
+    Comm,
+    TrainerGroups,
+    VocabParallelLogprob,
+    check_group,
+    megatron_groups,
+)
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.spec import ModelSpec
+
+__all__ = ["LossFn", "OptimConfig", "StepStats", "TrainerGroups", "TrainerModel", "grpo_loss",
+           "megatron_groups"]
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -72,45 +82,6 @@ class StepStats:
     grad_norm: float
 
 
-@dataclass(frozen=True)
-class TrainerGroups:
-    """The calling process's rank in the model and its TP/PP/DP groups (None when size 1)."""
-
-    rank: int | None
-    tp: dist.ProcessGroup | None
-    pp: dist.ProcessGroup | None
-    dp: dist.ProcessGroup | None
-
-
-def megatron_groups(par: MegatronParallel, *, first_rank: int = 0,
-                    timeout_s: float = 60.0) -> TrainerGroups:
-    """Create the TP, PP and DP groups of a model on default-group ranks
-    ``[first_rank, first_rank + par.world_size)`` (Megatron rank order: TP fastest, then DP,
-    then PP).
-
-    Collective over the default group: every process of it calls this with the same
-    arguments, in the same order as its other ``new_group`` calls, member or not.  Groups of
-    size 1 are not created.  Processes outside the model get ``rank=None``.
-    """
-    me = dist.get_rank() - first_rank
-    mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None}
-    timeout = datetime.timedelta(seconds=timeout_s)
-    ranks = range(par.world_size)
-    keys = {"tp": lambda g: par.coords(g)[:2], "pp": lambda g: par.coords(g)[1:],
-            "dp": lambda g: (par.coords(g)[0], par.coords(g)[2])}
-    for kind, size in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp)):
-        if size == 1:
-            continue
-        buckets: dict[tuple[int, int], list[int]] = {}
-        for g in ranks:
-            buckets.setdefault(keys[kind](g), []).append(g)
-        for members in buckets.values():
-            group = dist.new_group([first_rank + g for g in members], timeout=timeout)
-            if me in members:
-                mine[kind] = group
-    return TrainerGroups(me if 0 <= me < par.world_size else None, **mine)
-
-
 def grpo_loss(logprobs: torch.Tensor, *, old_logprobs: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2) -> torch.Tensor:
     """Token-level clipped policy-gradient (GRPO/PPO) loss, masked mean over all tokens.
@@ -127,103 +98,6 @@ def grpo_loss(logprobs: torch.Tensor, *, old_logprobs: torch.Tensor, advantages:
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-class _Comm:
-    """One process group's collectives with the model's timeout; no-ops at size 1."""
-
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int,
-                 timeout: datetime.timedelta) -> None:
-        self.group, self.rank, self.size, self.timeout = group, rank, size, timeout
-
-    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, op=op, group=self.group, async_op=True).wait(self.timeout)
-        return x
-
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.size == 1:
-            return [x]
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group, async_op=True).wait(self.timeout)
-        return parts
-
-    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        if self.size > 1:
-            dist.broadcast(x, group=self.group, group_src=src, async_op=True).wait(self.timeout)
-        return x
-
-    def send(self, x: torch.Tensor, peer: int) -> None:
-        dist.isend(x.contiguous(), group=self.group, group_dst=peer).wait(self.timeout)
-
-    def recv(self, x: torch.Tensor, peer: int) -> torch.Tensor:
-        dist.irecv(x, group=self.group, group_src=peer).wait(self.timeout)
-        return x
-
-    def exchange(self, x: torch.Tensor, peer: int) -> torch.Tensor:
-        """Send ``x`` to ``peer`` and receive its tensor of the same shape (both call this)."""
-        other = torch.empty_like(x)
-        works = [dist.isend(x.contiguous(), group=self.group, group_dst=peer),
-                 dist.irecv(other, group=self.group, group_src=peer)]
-        for w in works:
-            w.wait(self.timeout)
-        return other
-
-    # Megatron's two TP autograd functions (mappings.py), as methods.
-    def copy_to(self, x: torch.Tensor) -> torch.Tensor:
-        """Identity forward, all-reduce backward: input of a column-parallel op."""
-        return _CopyToTP.apply(x, self) if self.size > 1 else x
-
-    def reduce_from(self, x: torch.Tensor) -> torch.Tensor:
-        """All-reduce forward, identity backward: output of a row-parallel op."""
-        return _ReduceFromTP.apply(x, self) if self.size > 1 else x
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: _Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.comm.all_reduce(grad.contiguous().clone()), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: _Comm) -> torch.Tensor:
-        return comm.all_reduce(x.contiguous().clone())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _VocabParallelLogprob(torch.autograd.Function):
-    """log softmax(logits)[target] from a vocab shard ``[..., P]`` (fp32, padding = -inf)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int,
-                comm: _Comm) -> torch.Tensor:
-        top = comm.all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
-        shifted = logits - top[..., None]
-        local = targets - start
-        inside = (local >= 0) & (local < logits.shape[-1])
-        index = local.clamp(0, logits.shape[-1] - 1)
-        picked = shifted.gather(-1, index[..., None]).squeeze(-1)
-        picked = comm.all_reduce(torch.where(inside, picked, torch.zeros_like(picked)))
-        exp = shifted.exp()
-        total = comm.all_reduce(exp.sum(dim=-1))
-        ctx.save_for_backward(exp.div_(total[..., None]), index, inside)
-        return picked - total.log()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, index, inside = ctx.saved_tensors
-        out = softmax * -grad[..., None]
-        out.scatter_add_(-1, index[..., None], torch.where(inside, grad, 0.0)[..., None])
-        return out, None, None, None
 
 
 class _Weights(nn.Module):
@@ -338,9 +212,9 @@ class TrainerModel(nn.Module):
         self.rank_layout: RankLayout = self.layout.ranks[rank]
         pp_rank, dp_rank, tp_rank = par.coords(rank)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.tp = _Comm(_check_group(tp_group, "tp", tp_rank, par.tp), tp_rank, par.tp, timeout)
-        self.pp = _Comm(_check_group(pp_group, "pp", pp_rank, par.pp), pp_rank, par.pp, timeout)
-        self.dp = _Comm(_check_group(dp_group, "dp", dp_rank, par.dp), dp_rank, par.dp, timeout)
+        self.tp = Comm(check_group(tp_group, "tp", tp_rank, par.tp), tp_rank, par.tp, timeout)
+        self.pp = Comm(check_group(pp_group, "pp", pp_rank, par.pp), pp_rank, par.pp, timeout)
+        self.dp = Comm(check_group(dp_group, "dp", dp_rank, par.dp), dp_rank, par.dp, timeout)
         self.first, self.last = pp_rank == 0, pp_rank == par.pp - 1
         self.vocab_rows = par.padded_vocab(spec.vocab_size) // par.tp
         self.vocab_start = tp_rank * self.vocab_rows
@@ -377,7 +251,7 @@ class TrainerModel(nn.Module):
 
     # --- pieces of the forward ---------------------------------------------------------------
 
-    def cast(self, weight: torch.Tensor) -> torch.Tensor:
+    def _cast(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.to(self.compute_dtype)
 
     @property
@@ -394,7 +268,7 @@ class TrainerModel(nn.Module):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_rows)
         rows = F.embedding(local.masked_fill(outside, 0),
-                           self.cast(self.embedding.word_embeddings.weight))
+                           self._cast(self.embedding.word_embeddings.weight))
         return self.tp.reduce_from(rows.masked_fill(outside[..., None], 0.0))
 
     def _stage(self, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -416,12 +290,12 @@ class TrainerModel(nn.Module):
         if not self.last:
             self.pp.send(h.detach(), self.pp.rank + 1)
             return h_in, h
-        return h_in, rms_norm(h, self.cast(self.decoder.final_layernorm.weight),
+        return h_in, rms_norm(h, self._cast(self.decoder.final_layernorm.weight),
                               self.spec.rms_norm_eps)
 
     def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of this rank's vocab shard; padded vocab columns are -inf."""
-        logits = F.linear(self.tp.copy_to(h), self.cast(self._output_weight())).float()
+        logits = F.linear(self.tp.copy_to(h), self._cast(self._output_weight())).float()
         pad = self.vocab_start + self.vocab_rows - self.spec.vocab_size
         if pad > 0:
             cols = torch.arange(self.vocab_rows) + self.vocab_start >= self.spec.vocab_size
@@ -432,7 +306,7 @@ class TrainerModel(nn.Module):
                   targets: torch.Tensor | None) -> torch.Tensor:
         if targets is None:
             h, targets = h[:, :-1], ids[:, 1:]
-        return _VocabParallelLogprob.apply(self._local_logits(h), targets, self.vocab_start,
+        return VocabParallelLogprob.apply(self._local_logits(h), targets, self.vocab_start,
                                            self.tp)
 
     def _from_last(self, x: torch.Tensor | None, shape: Sequence[int],
@@ -590,16 +464,3 @@ class TrainerModel(nn.Module):
         """
         loss = self.forward_backward(input_ids, loss_fn)
         return StepStats(loss=loss, grad_norm=self.optimizer_step(lr))
-
-
-def _check_group(group: dist.ProcessGroup | None, kind: str, coord: int,
-                 size: int) -> dist.ProcessGroup | None:
-    if size == 1:
-        return None
-    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{kind}={size} needs a {kind}_group (megatron_groups makes them)")
-    if dist.get_world_size(group) != size or dist.get_rank(group) != coord:
-        raise ValueError(
-            f"{kind}_group has rank {dist.get_rank(group)} of {dist.get_world_size(group)}; "
-            f"this rank's {kind} coordinate is {coord} of {size} (Megatron rank order)")
-    return group

@@ -21,6 +21,7 @@ class UpdateRecord:
     bytes_sent: int
     buckets: int
     phases: dict[str, float]
+    buffer_bytes: int = 0
     link_bytes: dict[str, int] = field(default_factory=dict)
     engines: list[dict[str, Any]] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)

@@ -133,10 +133,8 @@ def _run_case(case: Case, name: str, rank: int, groups: Any, grpo: dict[str, tor
     out["changed"] = {n: not torch.equal(before[n], after[n]) for n in after}
     out["grad_nonzero"] = {n: bool(g.any()) for n, g in grads.items()}
     if model.tied_copy:
-        out["tied"] = (before, after)[1]["embedding.word_embeddings.weight" if model.first
-                                         else "output_layer.weight"]
-        out["tied_before"] = before["embedding.word_embeddings.weight" if model.first
-                                    else "output_layer.weight"]
+        copy = "embedding.word_embeddings.weight" if model.first else "output_layer.weight"
+        out["tied_before"], out["tied"] = before[copy], after[copy]
     if not case.bf16:
         key = (name, par.dp)
         if key not in refs:
@@ -370,13 +368,11 @@ def test_dp_replicas_agree(world):
                 assert r["step_err"] == twin["step_err"]  # same shards after the step
 
 
-def test_bf16_compute_close_to_transformers_bf16(world):
+def test_bf16_compute_close_to_transformers_bf16(world, hf_ref):
     case = next(c for c in CASES if c.bf16)
     (name,) = case.specs
-    spec = PRESETS[name]
     with torch.no_grad():
-        expected = _hf_model(spec, torch.bfloat16)(torch.randint(
-            0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))).logits
+        expected = _hf_model(PRESETS[name], torch.bfloat16)(hf_ref[name]["grpo"]["ids"]).logits
     for _, res in _results(world, case, name):
         assert all(dtype == torch.float32 for _, _, dtype in res["params"])  # master weights
         assert _rel(res["logits"], expected.float()) <= 2e-2

@@ -1,0 +1,158 @@
+"""P2P vs broadcast update time, side by side in one run, through the full stack.
+
+An engine server (subprocess, TP workers) and trainer ranks (spawned, fp32 master weights,
+Megatron layout) connect once; then updates alternate p2p / broadcast so both modes see
+the same machine state.  Reports the median (and p90) of the measured updates per mode,
+the p2p/broadcast ratio, per-phase times, and each rank's executor buffer peak (the extra
+memory an update needs: p2p stays within credits x bucket on every trainer rank; the
+broadcast source also holds gather buffers).
+
+    python benchmarks/sync_modes.py --model tiny-qwen3 --model Qwen2.5-0.5B --updates 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine(model: str, tp: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", model,
+                             "--tp", str(tp), "--port", str(port)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(1)
+        if proc.poll() is not None:
+            raise RuntimeError("engine exited")
+    raise TimeoutError("engine did not start")
+
+
+def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespace, model: str, out) -> None:
+    from shardsync.layout import MegatronParallel
+    from shardsync.models.weights import load_rank, random_source
+    from shardsync.spec import load_spec
+    from shardsync.sync import SyncConfig, WeightSync
+    from shardsync.topology import Topology
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    spec = load_spec(model)
+    par = MegatronParallel(tp=args.trainer_tp, dtype="float32")
+    params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0))
+    sync = WeightSync(spec, par, rank, params, [url],
+                      SyncConfig(mode="auto", bucket_mb=args.bucket_mb, credits=args.credits,
+                                 timeout_s=600), trainer_group=dist.group.WORLD)
+    sync.connect()
+    rows = []
+    version = 0
+    for i in range(args.warmup + args.updates):
+        for mode in ("p2p", "broadcast") if i % 2 == 0 else ("broadcast", "p2p"):
+            version += 1
+            rec = sync.update(version, mode=mode)
+            if i >= args.warmup:
+                rows.append({"mode": mode, "phases": rec.phases, "buffer_bytes": rec.buffer_bytes,
+                             "engine_buffer_bytes": max((e.get("buffer_bytes", 0) for e in rec.engines), default=0),
+                             "busiest": rec.busiest_link_bytes, "bytes": sum(rec.link_bytes.values())})
+    ok = sync.verify() == []
+    sync.close()
+    dist.destroy_process_group()
+    out.put((rank, {"rows": rows, "checksum_ok": ok}))
+
+
+def bench_model(model: str, args: argparse.Namespace) -> dict:
+    proc, url = _engine(model, args.engine_tp)
+    try:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        world, port = args.trainer_tp, _free_port()
+        procs = [ctx.Process(target=_trainer, args=(r, world, port, url, args, model, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        res = dict(out.get(timeout=3600) for _ in procs)
+        for p in procs:
+            p.join(60)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    summary = {"model": model, "checksum_ok": all(r["checksum_ok"] for r in res.values()), "modes": {}}
+    for mode in ("p2p", "broadcast"):
+        rows0 = [r for r in res[0]["rows"] if r["mode"] == mode]
+        totals = sorted(r["phases"]["total"] for r in rows0)
+        summary["modes"][mode] = {
+            "median_s": statistics.median(totals),
+            "p90_s": totals[min(len(totals) - 1, int(0.9 * len(totals)))],
+            "n": len(totals),
+            "phases_median_s": {k: statistics.median(r["phases"][k] for r in rows0)
+                                for k in ("pack", "transfer", "unpack", "control")},
+            "busiest_link_bytes": rows0[0]["busiest"], "bytes": rows0[0]["bytes"],
+            "buffer_bytes_per_trainer_rank": {r: max(x["buffer_bytes"] for x in v["rows"] if x["mode"] == mode)
+                                              for r, v in sorted(res.items())},
+            "engine_buffer_bytes": max(r["engine_buffer_bytes"] for r in rows0),
+        }
+    summary["ratio_p2p_over_broadcast"] = summary["modes"]["p2p"]["median_s"] / summary["modes"]["broadcast"]["median_s"]
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="preset or config.json (repeatable)")
+    ap.add_argument("--trainer-tp", type=int, default=2)
+    ap.add_argument("--engine-tp", type=int, default=2)
+    ap.add_argument("--updates", type=int, default=10, help="measured updates per mode")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=64)
+    ap.add_argument("--credits", type=int, default=2)
+    ap.add_argument("--out", default="sync_modes.json")
+    args = ap.parse_args()
+    models = args.model or ["tiny-qwen3", "Qwen2.5-0.5B"]
+    results = [bench_model(m, args) for m in models]
+    MiB = 2**20
+    print(f"trainer TP{args.trainer_tp} -> engine TP{args.engine_tp}, bucket {args.bucket_mb} MiB, "
+          f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")
+    print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'pack':>7} {'xfer':>7} {'unpack':>7} "
+          f"{'ctl':>6} {'busiest MiB':>11} {'trainer buf MiB (per rank)':>27} {'engine buf MiB':>14}")
+    for r in results:
+        for mode, m in r["modes"].items():
+            ph = m["phases_median_s"]
+            bufs = "/".join(f"{b / MiB:.1f}" for b in m["buffer_bytes_per_trainer_rank"].values())
+            print(f"{r['model']:<14} {mode:<10} {m['median_s'] * 1e3:>10.1f} {m['p90_s'] * 1e3:>8.1f} "
+                  f"{ph['pack'] * 1e3:>7.1f} {ph['transfer'] * 1e3:>7.1f} {ph['unpack'] * 1e3:>7.1f} "
+                  f"{ph['control'] * 1e3:>6.1f} {m['busiest_link_bytes'] / MiB:>11.1f} {bufs:>27} "
+                  f"{m['engine_buffer_bytes'] / MiB:>14.1f}")
+        print(f"{r['model']:<14} p2p/broadcast = {r['ratio_p2p_over_broadcast']:.2f}   "
+              f"checksum {'ok' if r['checksum_ok'] else 'MISMATCH'}")
+    with open(args.out, "w") as f:
+        json.dump({"machine": f"{platform.node()} {platform.platform()} {os.cpu_count()} cpus",
+                   "args": vars(args), "results": results}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
