@@ -178,6 +178,12 @@ def world(request: pytest.FixtureRequest) -> tuple[int, list[dict[Any, Any]]]:
     return request.param, request.getfixturevalue(f"tp{request.param}")
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda t: f"tp{t}")
+def generation_world(request: pytest.FixtureRequest) -> tuple[int, list[dict[Any, Any]]]:
+    """Worlds that ran generation (TP 4 checks logits only, see ``tp4``)."""
+    return request.param, request.getfixturevalue(f"tp{request.param}")
+
+
 # --- tests ------------------------------------------------------------------------------------
 
 
@@ -226,10 +232,9 @@ def test_ranks_agree(world):
                 assert result[name]["sampled"] == ranks[0][name]["sampled"]
 
 
-def test_generate_is_reproducible_and_scores_match(world):
-    _, ranks = world
-    if not ranks[0]["generation"]:
-        pytest.skip("generation is checked at TP 1 and 2")
+def test_generate_is_reproducible_and_scores_match(generation_world):
+    _, ranks = generation_world
+    assert ranks[0]["generation"]
     for name in SPECS:
         first, second = ranks[0][name]["sampled"]
         assert first == second

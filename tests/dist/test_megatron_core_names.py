@@ -22,9 +22,6 @@ from shardsync.layout import MegatronParallel, megatron_layout
 from shardsync.spec import PRESETS, ModelSpec
 from tests.dist._world import free_port, run_world
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron.core") is None, reason="megatron-core not installed"
-)
 
 PRESET_NAMES = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
 GRID = ((1, 1), (2, 1), (1, 2), (2, 2))  # (tp, pp); world size tp * pp
