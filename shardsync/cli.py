@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--mode", default="both", choices=["both", "auto", "p2p", "broadcast"])
     p.add_argument("--bucket-mb", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/demo")
     p.set_defaults(func=cmd_demo)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def header(modes: list[str]) -> str:
-    cols = [f"{'step':>4} {'reward':>7} {'loss':>8}"]
+    cols = [f"{'step':>4} {'reward':>7} {'grad norm':>9}"]
     for m in modes:
         cols.append(f"{m + ' ms':>13} {'pack/xfer/unpack/ctl ms':>25} {'busiest KiB':>11}")
     cols.append(f"{'|lp diff|':>10} {'checksum':>8}")
@@ -15,7 +15,7 @@ def header(modes: list[str]) -> str:
 
 
 def row(r: dict, modes: list[str]) -> str:
-    cols = [f"{r['step']:>4} {r['reward']:>7.3f} {r['loss']:>8.4f}"]
+    cols = [f"{r['step']:>4} {r['reward']:>7.3f} {r['grad_norm']:>9.3f}"]
     for m in modes:
         u = r["updates"][m]
         p = u["phases"]

@@ -41,7 +41,7 @@ class DemoConfig:
     group: int = 4
     prompt_len: int = 8
     max_new_tokens: int = 8
-    lr: float = 1e-3
+    lr: float = 1e-2
     seed: int = 0
     out: str = "out/demo"
     timeout_s: float = 120.0
