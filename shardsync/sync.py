@@ -193,6 +193,17 @@ class WeightSync:
             log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
                      len(self.urls), decision["tps"], self.mode, time.perf_counter() - t0)
 
+    def add_engine(self, url: str) -> None:
+        """Collective over trainer ranks: bring a new engine in while training runs.
+
+        Reconnects every engine in one new sync group (plans are rebuilt for the new
+        engine list); the next ``update`` is a full update for all, after which the new
+        engine serves the current version like the others.
+        """
+        self._drop_group()
+        self.urls.append(url.rstrip("/"))
+        self.connect()
+
     def _choose_mode(self, topo: Topology) -> tuple[str, str | None]:
         if self.config.mode == "broadcast":
             return "broadcast", None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -9,6 +10,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -19,10 +21,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, args: tuple, out) -> None:
+class _Out:
+    """What ``fn`` gets as ``out``: ``put((rank, result))`` ships the result as bytes
+    (``torch.save``), so tensors survive their process exiting first."""
+
+    def __init__(self, queue) -> None:
+        self._queue = queue
+
+    def put(self, item: tuple[int, object]) -> None:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(item[1], buf)
+        self._queue.put((item[0], buf.getvalue()))
+
+
+def _entry(fn: Callable, rank: int, args: tuple, queue) -> None:
     import torch
 
     torch.set_num_threads(1)
+    out = _Out(queue)
     try:
         fn(rank, *args, out)
     except BaseException:
@@ -67,6 +85,7 @@ def run_world(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float = 1
                     raise TimeoutError(f"world of {nprocs} timed out after {timeout}s; "
                                        f"results from ranks {sorted(results)}") from None
                 continue
+            res = torch.load(io.BytesIO(res), weights_only=False)
             if isinstance(res, dict) and "__error__" in res:
                 raise RuntimeError(f"rank {rank} failed:\n{res['__error__']}")
             results[rank] = res

@@ -91,17 +91,13 @@ def _world_rank(rank: int, world: int, port: int, ckpt_dirs: dict[str, str], gen
         result = _rank_checks(rank, world, dist.group.WORLD, ckpt_dirs, generation)
     finally:
         dist.destroy_process_group()
-    # Bytes, not tensors: a queued tensor travels as a shared-memory handle that can die with
-    # this process before the parent reads it ("Connection reset by peer").
-    buf = io.BytesIO()
-    torch.save(result, buf)
-    out.put((rank, buf.getvalue()))
+    out.put((rank, result))  # run_world ships it as bytes
 
 
 def _run_world(world: int, ckpt_dirs: dict[str, str], generation: bool) -> list[dict[Any, Any]]:
     got = run_world(_world_rank, world, args=(world, free_port(), ckpt_dirs, generation),
                     timeout=WORLD_TIMEOUT_S)
-    return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
+    return [got[r] for r in range(world)]
 
 
 # --- transformers reference -------------------------------------------------------------------

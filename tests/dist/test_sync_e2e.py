@@ -62,3 +62,44 @@ def test_trainer_tp2_engine_tp2(mode: str) -> None:
         assert gen["weight_version"] == 2
     finally:
         stop_engine(proc)
+
+
+def _trainer_grow(rank: int, world: int, port: int, urls: list[str], out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    spec = PRESETS["tiny-qwen2"]
+    par = MegatronParallel(tp=2, dtype="float32")
+    lay = Topology(spec, par).trainer_layout
+    params = load_rank(lay, rank, random_source(spec, seed=21))
+    sync = WeightSync(spec, par, rank, params, urls[:1], SyncConfig(bucket_mb=0.05, timeout_s=30),
+                      trainer_group=dist.group.WORLD)
+    sync.connect()
+    sync.update(1)
+    fresh = load_rank(lay, rank, random_source(spec, seed=22))
+    for k, v in params.items():
+        v.copy_(fresh[k])
+    sync.add_engine(urls[1])  # a TP-1 engine joins the TP-2 one mid-run
+    rec = sync.update(2)
+    res = {"mode": rec.mode, "engines": len(rec.engines), "verify": sync.verify()}
+    sync.close()
+    dist.destroy_process_group()
+    out.put((rank, res))
+
+
+def test_two_engines_of_different_tp_and_one_added_mid_run() -> None:
+    a, url_a = start_engine("tiny-qwen2", 2)
+    b, url_b = start_engine("tiny-qwen2", 1, seed=99)  # starts from other weights
+    try:
+        results = run_world(_trainer_grow, 2, args=(2, free_port(), [url_a, url_b]), timeout=180)
+        assert results[0]["mode"] == "p2p" and results[0]["engines"] == 2
+        assert results[0]["verify"] == [] and results[1]["verify"] == []
+        for url in (url_a, url_b):
+            r = httpx.post(url + "/generate", json={"prompts": [[4, 5]], "max_new_tokens": 2}, timeout=30)
+            assert r.status_code == 200 and r.json()["weight_version"] == 2
+        same = {"prompts": [[4, 5, 6]], "max_new_tokens": 4, "temperature": 0.0}
+        outs = [httpx.post(u + "/generate", json=same, timeout=30).json()["outputs"] for u in (url_a, url_b)]
+        assert outs[0][0]["tokens"] == outs[1][0]["tokens"], "both engines hold the same weights"
+    finally:
+        stop_engine(a)
+        stop_engine(b)

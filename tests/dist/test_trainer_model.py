@@ -10,10 +10,6 @@ HF-coordinate tensors), so only small results travel back; the tests below asser
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
-import queue
-import socket
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +23,7 @@ from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megat
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import PRESETS, ModelSpec
+from tests.dist._world import free_port, run_world
 
 SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
 TIED = tuple(s for s in SPECS if PRESETS[s].tie_word_embeddings)
@@ -167,52 +164,18 @@ def _world_checks(rank: int, world: int, inputs: dict[str, dict[str, torch.Tenso
 # --- spawned gloo world -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple,
-            results: mp.Queue) -> None:
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-        try:
-            results.put((rank, fn(rank, world, *args), None))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
+        out.put((rank, fn(rank, world, *args)))
+    finally:
+        dist.destroy_process_group()
 
 
 def _run_world(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; their results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, value, error = results.get(timeout=WORLD_TIMEOUT_S)
-            if error:
-                pytest.fail(f"rank {rank} of {world} failed:\n{error}")
-            got[rank] = value
-        for p in procs:
-            p.join(timeout=30)
-            assert p.exitcode == 0, f"worker exited with {p.exitcode}"
-    except queue.Empty:
-        pytest.fail(f"world of {world} timed out after {WORLD_TIMEOUT_S}s; ranks done: {sorted(got)}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+    got = run_world(_worker, world, args=(world, free_port(), fn, args), timeout=WORLD_TIMEOUT_S)
     return [got[r] for r in range(world)]
 
 

@@ -18,6 +18,8 @@ from tests.dist._world import free_port, run_world
 def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
     torch.set_num_threads(1)
     spec = PRESETS[case["model"]]
+    if case.get("mqa"):
+        spec = spec.replace(num_kv_heads=1)
     if case.get("wire"):
         spec = spec.replace(dtype=case["wire"])
     topo = Topology(spec, MegatronParallel(**case["trainer"], dtype="float32"),
@@ -53,6 +55,18 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
 
 
 CASES = {
+    # TP mismatch in both directions, KV replication (engine TP > kv heads), MQA
+    "tp2-tp1": dict(model="tiny-qwen3", trainer=dict(tp=2), engines=[1], modes=["p2p", "broadcast"]),
+    "tp2-tp4-kvrep": dict(model="tiny-qwen3", trainer=dict(tp=2), engines=[4], modes=["p2p", "broadcast"]),
+    "tp4-tp2": dict(model="tiny-llama", trainer=dict(tp=4), engines=[2], modes=["p2p", "broadcast"]),
+    "tp1-tp4": dict(model="tiny-qwen2", trainer=dict(tp=1), engines=[4], modes=["p2p", "broadcast"]),
+    "mqa-tp1-tp4": dict(model="tiny-llama", mqa=True, trainer=dict(tp=1), engines=[4],
+                        modes=["p2p", "broadcast"]),
+    # pipeline parallel trainers
+    "tp1pp2": dict(model="tiny-qwen3", trainer=dict(tp=1, pp=2), engines=[2], modes=["p2p", "broadcast"]),
+    # many engines, different TP, DP replicas spreading the sending
+    "dp2-2engines": dict(model="tiny-qwen3", trainer=dict(tp=1, dp=2), engines=[2, 1],
+                         modes=["p2p", "broadcast"]),
     "tp2-tp2": dict(model="tiny-qwen3", trainer=dict(tp=2), engines=[2], modes=["p2p", "broadcast", "p2p"]),
     "tp2pp2-tp4-bf16": dict(model="tiny-qwen2", trainer=dict(tp=2, pp=2), engines=[4], wire="bfloat16",
                             modes=["broadcast", "p2p"]),
