@@ -31,6 +31,11 @@ def _fmt_bytes(n: int) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardsync.plan.summary import summarize
 
+    if args.matrix:
+        from shardsync.plan.matrix import render_markdown
+
+        print(render_markdown(), end="")
+        return 0
     spec = load_spec(args.model, dtype=args.dtype)
     trainer = MegatronParallel(tp=args.trainer_tp, pp=args.trainer_pp, dp=args.trainer_dp,
                                make_vocab_size_divisible_by=args.vocab_divisible_by)
@@ -82,6 +87,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(cfg)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from shardsync.bench.args import config_from_args
+    from shardsync.bench.run import main as run_bench
+
+    try:
+        return run_bench(config_from_args(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardsync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-divisible-by", type=int, default=128)
     p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--matrix", action="store_true",
+                   help="print the fallback matrix (every topology x mode -> path and why) as markdown")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="GRPO steps between a reference trainer and engine servers")
@@ -113,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/demo")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="sweep transports and engine-wave policies on this hardware")
+    from shardsync.bench.args import add_arguments as add_bench_arguments
+
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
 
     eng = sub.add_parser("engine", help="the reference rollout engine")
     esub = eng.add_subparsers(dest="engine_command", required=True)

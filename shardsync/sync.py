@@ -23,6 +23,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from shardsync.delta.transfer import DeltaRunner, Snapshot
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.plan.preconditions import check_p2p
 from shardsync.runtime.checksum import combine, compare, piece_checksums
@@ -34,7 +35,8 @@ from shardsync.transport import Rendezvous, SyncGroup
 from shardsync.transport.group import open_store
 
 log = logging.getLogger("shardsync")
-MODES = ("auto", "p2p", "broadcast")
+MODES = ("auto", "p2p", "broadcast", "delta")
+DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,10 +54,17 @@ class SyncConfig:
     quantization: str | None = None
     records_path: str | None = None
     detail: bool = False
+    delta_transport: str = "p2p"
+    delta_dir: str | None = None
+    delta_pin_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.delta_transport not in DELTA_TRANSPORTS:
+            raise ValueError(f"delta_transport must be one of {DELTA_TRANSPORTS}, got {self.delta_transport!r}")
+        if self.mode == "delta" and self.delta_transport == "disk" and not self.delta_dir:
+            raise ValueError("delta over disk needs delta_dir (a directory every engine can read)")
 
 
 class SyncError(RuntimeError):
@@ -89,6 +98,9 @@ class WeightSync:
         self.group: SyncGroup | None = None
         self._store = None
         self._sched: Schedule | None = None
+        self._snapshot: Snapshot | None = None
+        self._delta: DeltaRunner | None = None
+        self._synced: int | None = None
         self._http = httpx.Client(timeout=config.http_timeout_s) if rank == 0 else None
         self.plan_s = 0.0
 
@@ -187,6 +199,13 @@ class WeightSync:
             self._store = open_store(rdv, is_master=False)
             self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
         self.topo, self._sched = topo, sched
+        if self.config.mode == "delta":
+            if self._snapshot is None:
+                self._snapshot = Snapshot(self.params, getattr(torch, topo.wire_dtype),
+                                          pin=self.config.delta_pin_memory)
+            self._delta = DeltaRunner(topo, self.rank, sched.bucket_bytes, credits=self.config.credits,
+                                      snapshot=self._snapshot)
+            self._synced = None  # a (re)connected engine set starts with a full update
         if self.rank == 0:
             if self.fallback_reason:
                 log.info("[rank 0] mode=auto falls back to broadcast: %s", self.fallback_reason)
@@ -205,6 +224,7 @@ class WeightSync:
         self.connect()
 
     def _choose_mode(self, topo: Topology) -> tuple[str, str | None]:
+        """The full-update path: p2p when its preconditions hold (auto, delta), else broadcast."""
         if self.config.mode == "broadcast":
             return "broadcast", None
         verdicts = check_p2p(topo)
@@ -215,6 +235,23 @@ class WeightSync:
         if self.config.mode == "p2p":
             raise ValueError(f"mode='p2p' requested but {reason}; use mode='auto' or 'broadcast'")
         return "broadcast", reason
+
+    # -- delta --
+
+    def _delta_transport(self) -> str:
+        t = self.config.delta_transport
+        return "broadcast" if t == "p2p" and "p2p" not in self.modes else t
+
+    def _delta_plan(self) -> str | None:
+        """Rank 0's choice for this update: a delta transport, or None for a full update."""
+        if self._snapshot is None or not self._snapshot.valid or self._synced is None:
+            return None  # the first sync is always full
+        versions = self._call_all("GET", "/weights/version")
+        if any(v["stale"] or v["weight_version"] != self._synced for v in versions):
+            log.info("[rank 0] delta skipped: engines at versions %s, trainer synced %s; full update",
+                     [v["weight_version"] for v in versions], self._synced)
+            return None
+        return self._delta_transport()
 
     def _connect_payload(self, topo: Topology, index: int, fingerprints: dict, rdv: Rendezvous) -> dict:
         t = self.parallel
@@ -233,35 +270,45 @@ class WeightSync:
         """Collective over trainer ranks: push the current parameters as ``version``.
 
         ``mode`` overrides the connected mode for this update (``"broadcast"`` always works;
-        ``"p2p"`` when its preconditions held at connect).  Re-sending the engine's current
-        version is allowed (a resync).
+        ``"p2p"`` when its preconditions held at connect).  With ``mode="delta"`` configured,
+        an update sends only changed elements when every engine holds the version this
+        trainer synced last, and a full update otherwise (first sync, a restarted or stale
+        engine, a missed step).  Re-sending the engine's current version is allowed.
         """
         if self.group is None or self.topo is None or self._sched is None:
             raise SyncError("not connected; call connect() first")
-        mode = mode or self.mode
-        if mode not in self.modes:
+        if mode is not None and mode not in self.modes:
             raise ValueError(f"mode {mode!r} not available for this connection (have {self.modes}"
                              f"{'; ' + self.fallback_reason if self.fallback_reason else ''})")
         t0 = time.perf_counter()
         go = None
         if self.rank == 0:
-            fp = (self.topo.p2p_plan if mode == "p2p" else self.topo.broadcast_plan).fingerprint
             try:
-                self._call_all("POST", "/weights/begin",
-                               [{"version": version, "mode": mode, "fingerprint": fp}] * len(self.urls))
-                go = {"ok": True}
+                delta = self._delta_plan() if self.config.mode == "delta" and mode is None else None
+                wire = f"delta-{delta}" if delta else (mode or self.mode)
+                plan = self.topo.p2p_plan if wire.removeprefix("delta-") == "p2p" else self.topo.broadcast_plan
+                body = {"version": version, "mode": wire, "fingerprint": plan.fingerprint}
+                if delta:
+                    body["base_version"] = self._synced
+                self._call_all("POST", "/weights/begin", [body] * len(self.urls))
+                go = {"mode": wire}
             except Exception as e:
                 go = {"error": str(e)}
         go = self._signal(f"v{version}/begin", go)
         if "error" in go:
             raise SyncError(f"update {version} refused: {go['error']}")
+        mode = go["mode"]
         t1 = time.perf_counter()
-        error = None
+        error, stats, dstats = None, None, None
         try:
-            stats = self._sched.run(mode, self.params, self.group, barrier=self.group.barrier,
-                                    detail=self.config.detail)
+            if mode.startswith("delta-"):
+                assert self._delta is not None
+                dstats = self._delta.run(mode.removeprefix("delta-"), self.params, self.group)
+            else:
+                stats = self._sched.run(mode, self.params, self.group, barrier=self.group.barrier,
+                                        detail=self.config.detail)
         except Exception as e:
-            error, stats = f"{type(e).__name__}: {e}", None
+            error = f"{type(e).__name__}: {e}"
         t2 = time.perf_counter()
         done = None
         if self.rank == 0:
@@ -273,33 +320,52 @@ class WeightSync:
         done = self._signal(f"v{version}/done", done)
         t3 = time.perf_counter()
         error = error or done.get("error")
-        plan = self.topo.p2p_plan if mode == "p2p" else self.topo.broadcast_plan
-        labels = lambda s, d: f"{plan.src.ranks[s].label}->{plan.dst.ranks[d].label}"  # noqa: E731
-        engines = done.get("engines", [])
-        record = UpdateRecord(
-            version=version, mode=mode, ok=error is None,
-            fallback_reason=self.fallback_reason if mode == "broadcast" else None,
-            rank=self.rank, bytes_sent=stats.bytes_sent if stats else 0,
-            buffer_bytes=stats.peak_buffer_bytes if stats else 0,
-            buckets=len(self._sched.steps(mode)) if mode == "p2p" else sum(
-                len(self._sched.steps(mode, s)) for s in range(self.topo.trainer.pp)),
-            phases={"plan": self.plan_s, "pack": stats.pack_s if stats else 0.0,
-                    "transfer": stats.transfer_s if stats else 0.0,
-                    "unpack": max((e.get("unpack_s", 0.0) for e in engines), default=0.0),
-                    "control": (t1 - t0) + (t3 - t2), "total": t3 - t0},
-            link_bytes={labels(s, d): b for (s, d), b in plan.link_bytes.items()} if self.rank == 0 else {},
-            engines=engines,
-            steps=[asdict(s) for s in stats.steps] if stats and self.config.detail else [],
-            error=error,
-        )
+        record = self._record(version, mode, error, stats, dstats, done.get("engines", []),
+                              {"control": (t1 - t0) + (t3 - t2), "total": t3 - t0})
         if self.rank == 0:
             (log.info if record.ok else log.error)("[rank 0] %s", record.summary())
             if self.config.records_path:
                 append_jsonl(self.config.records_path, record)
         if error is not None:
+            self._synced = None
             self._drop_group()
             raise SyncError(f"update {version} failed: {error}")
+        if self._snapshot is not None:
+            self._snapshot.refresh()
+            self._synced = version
         return record
+
+    def _record(self, version: int, mode: str, error: str | None, stats, dstats, engines: list,
+                times: dict[str, float]) -> UpdateRecord:
+        assert self.topo is not None and self._sched is not None
+        unpack = max((e.get("unpack_s", 0.0) for e in engines), default=0.0)
+        if dstats is not None:
+            phases = {"plan": self.plan_s, "pack": dstats.encode_s, "transfer": dstats.transfer_s,
+                      "unpack": unpack, **times}
+            delta = {"elements": dstats.elements, "bytes_sent": dstats.bytes_sent,
+                     "encodings": dict(dstats.encodings),
+                     "engine_changed": sum(e.get("changed", 0) for e in engines),
+                     "engine_bytes_received": sum(e.get("bytes_received", 0) for e in engines)}
+            return UpdateRecord(version=version, mode=mode, ok=error is None, fallback_reason=None,
+                                rank=self.rank, bytes_sent=dstats.bytes_sent, buckets=0, phases=phases,
+                                engines=engines, error=error, delta=delta,
+                                link_bytes={f"rank{self.rank}->engines": dstats.bytes_sent})
+        plan = self.topo.p2p_plan if mode == "p2p" else self.topo.broadcast_plan
+        buckets = sum(len(self._sched.steps(mode, s)) for s in
+                      range(self.topo.trainer.pp if mode == "broadcast" else 1))
+        return UpdateRecord(
+            version=version, mode=mode, ok=error is None,
+            fallback_reason=self.fallback_reason if mode == "broadcast" else None,
+            rank=self.rank, bytes_sent=stats.bytes_sent if stats else 0,
+            buffer_bytes=stats.peak_buffer_bytes if stats else 0, buckets=buckets,
+            phases={"plan": self.plan_s, "pack": stats.pack_s if stats else 0.0,
+                    "transfer": stats.transfer_s if stats else 0.0, "unpack": unpack, **times},
+            link_bytes={f"{plan.src.ranks[s].label}->{plan.dst.ranks[d].label}": b
+                        for (s, d), b in plan.link_bytes.items()} if self.rank == 0 else {},
+            engines=engines,
+            steps=[asdict(s) for s in stats.steps] if stats and self.config.detail else [],
+            error=error,
+        )
 
     def verify(self) -> list[str]:
         """Collective over trainer ranks: logical tensors whose engine checksum differs (bitwise).

@@ -15,7 +15,7 @@ MiB = 2**20
 class BenchConfig:
     """Everything one ``shardsync bench`` run needs; list fields are sweep axes."""
 
-    nproc: int = 5
+    nproc: int | None = None  # None: 5 when spawning, WORLD_SIZE under torchrun
     trainer_ranks: int = 1
     engine_group_size: int | None = None
     engine_group_sizes: tuple[int, ...] | None = None

@@ -75,7 +75,7 @@ def partition(world_size: int, *, trainer_ranks: int = 1, group_size: int | None
             raise ValueError(f"--engine-group-sizes must list positive sizes, got {sizes}")
         if sum(sizes) != engines:
             first = trainer_ranks + sum(sizes)
-            what = (f"ranks {first}..{world_size - 1} are in no group" if sum(sizes) < engines
+            what = (f"{_ranks(first, world_size - 1)} in no group" if sum(sizes) < engines
                     else f"they name {sum(sizes) - engines} rank(s) beyond the last rank {world_size - 1}")
             raise ValueError(f"--engine-group-sizes {','.join(map(str, sizes))} covers {sum(sizes)} "
                              f"engine ranks but the world has {engines} ({trainer_ranks}.."
@@ -85,3 +85,7 @@ def partition(world_size: int, *, trainer_ranks: int = 1, group_size: int | None
         groups.append(tuple(range(start, start + s)))
         start += s
     return BenchLayout(world_size, tuple(range(trainer_ranks)), tuple(groups))
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first} is" if first == last else f"ranks {first}..{last} are"

@@ -79,8 +79,9 @@ class ConnectRequest(_Msg):
 
 class BeginRequest(_Msg):
     version: int = Field(ge=0)
-    mode: Literal["p2p", "broadcast"]
+    mode: Literal["p2p", "broadcast", "delta-p2p", "delta-broadcast"]
     fingerprint: str
+    base_version: int | None = Field(None, ge=0, description="delta modes: the version the delta is against")
 
 
 class FinishRequest(_Msg):
@@ -97,6 +98,7 @@ class UpdateResult(BaseModel):
     unpack_s: float = 0.0
     total_s: float = 0.0
     bytes_received: int = 0
+    changed: int = 0
     buffer_bytes: int = 0
     buckets: int = 0
 

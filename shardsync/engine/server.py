@@ -188,13 +188,21 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
         with state.lock:
             if not state.fingerprints:
                 raise ApiError(409, "not connected: call /weights/connect and /weights/join first")
-            expected = state.fingerprints.get(req.mode)
+            plan_mode = req.mode.removeprefix("delta-")
+            expected = state.fingerprints.get(plan_mode)
             if expected != req.fingerprint:
                 raise ApiError(409, f"{req.mode} plan fingerprint {req.fingerprint} does not match the "
                                     f"connected plan {expected}; weights unchanged")
             if req.version < dispatcher.version:
                 raise ApiError(409, f"version {req.version} is older than the engine's "
                                     f"{dispatcher.version}; weights unchanged")
+            if req.mode.startswith("delta-"):
+                if req.base_version is None:
+                    raise ApiError(422, "a delta update needs base_version")
+                if dispatcher.stale or req.base_version != dispatcher.version:
+                    raise ApiError(409, f"delta against version {req.base_version} refused: this engine "
+                                        f"holds version {dispatcher.version}"
+                                        f"{' (stale)' if dispatcher.stale else ''}; send a full update")
             if any(not f.done() for _, f in state.updates.values()):
                 raise ApiError(409, "another update is in progress")
             timeout = 3600.0
@@ -217,7 +225,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
             results, error = [], f"{type(e).__name__}: {e}"
         with state.lock:
             if error is None:
-                state.count(f"updates_total_{mode}")
+                state.count(f"updates_total_{mode.replace('-', '_')}")
             else:  # the dispatcher marked the engine stale; the sync group is gone
                 state.fingerprints = {}
                 state.count("updates_failed_total")
@@ -228,6 +236,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
                 unpack_s=max((r.get("unpack_s", 0.0) for r in results), default=0.0),
                 total_s=max((r.get("total_s", 0.0) for r in results), default=0.0),
                 bytes_received=sum(r.get("bytes_received", 0) for r in results),
+                changed=sum(r.get("changed", 0) for r in results),
                 buffer_bytes=max((r.get("buffer_bytes", 0) for r in results), default=0),
                 buckets=sum(r.get("buckets", 0) for r in results),
             )

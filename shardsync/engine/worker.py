@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from shardsync.delta.transfer import DeltaRunner
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.engine import EngineModel
 from shardsync.runtime.checksum import piece_checksums
@@ -55,6 +56,7 @@ class EngineWorker:
             p.requires_grad_(False)
         self.params = dict(model.named_parameters())
         self.sync: tuple[Topology, Schedule, SyncGroup, int] | None = None
+        self.delta: DeltaRunner | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -83,6 +85,8 @@ class EngineWorker:
         group = SyncGroup(rdv, me, sched.subgroups(), device=self.model.device
                           if self.model.device.type == "cuda" else None)
         self.sync = (topo, sched, group, req["engine_index"])
+        self.delta = DeltaRunner(topo, me, req["bucket_bytes"], credits=req["credits"],
+                                 rank=self.model.layout.ranks[self.rank])
         return {"rank": self.rank, "sync_rank": me}
 
     def update(self, version: int, mode: str) -> dict[str, Any]:
@@ -92,6 +96,12 @@ class EngineWorker:
         topo, sched, group, _ = self.sync
         t0 = time.perf_counter()
         try:
+            if mode.startswith("delta-"):
+                d = self.delta.run(mode.removeprefix("delta-"), self.params, group)
+                return {"ok": True, "pack_s": 0.0, "transfer_s": d.transfer_s, "unpack_s": d.apply_s,
+                        "total_s": time.perf_counter() - t0, "bytes_received": d.bytes_received,
+                        "changed": d.changed, "buffer_bytes": self.delta.pool.allocated_bytes,
+                        "buckets": 0}
             stats = sched.run(mode, self.params, group, barrier=group.barrier)
         except Exception as e:  # the group is broken after a failed collective
             log.warning("tp%d: update %d (%s) failed: %s", self.rank, version, mode, e)

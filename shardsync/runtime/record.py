@@ -26,6 +26,7 @@ class UpdateRecord:
     engines: list[dict[str, Any]] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    delta: dict[str, Any] | None = None
 
     @property
     def total_s(self) -> float:

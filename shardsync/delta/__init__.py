@@ -1,0 +1,1 @@
+"""Delta sync: send only the elements that changed since the engine's version."""

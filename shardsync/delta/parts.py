@@ -1,0 +1,116 @@
+"""Parts: the unit a delta is diffed, encoded and applied in (pure metadata + tensor ops).
+
+A part is one copy of a plan seen from its owner: a box of a logical tensor that one
+trainer rank holds in one local tensor.  p2p parts are the p2p plan's copies (one
+receiver each); broadcast and disk parts are the gather plan's copies of a stage (every
+engine rank keeps the intersection with its own pieces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shardsync.layout.piece import Box, RankLayout, box_overlap
+from shardsync.plan.plan import Copy, Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    owner: int
+    local: str
+    local_offsets: Box
+    logical: str
+    offsets: Box
+    sizes: Box
+
+    @staticmethod
+    def of(c: Copy) -> Part:
+        return Part(c.src, c.src_local, c.src_offsets, c.logical, c.logical_offsets, c.sizes)
+
+    def region(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.local_offsets, self.sizes, strict=True))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def p2p_parts(plan: Plan, src: int, dst: int) -> list[Part]:
+    """The parts of one link, in plan order."""
+    return [Part.of(c) for c in plan.copies if c.src == src and c.dst == dst]
+
+
+def stage_parts(gather: Plan, stage_ranks: list[int]) -> list[Part]:
+    """A stage's parts: owners in rank order, each owner's parts in plan order."""
+    by_owner: dict[int, list[Part]] = {r: [] for r in stage_ranks}
+    for c in gather.copies:
+        if c.src in by_owner:
+            by_owner[c.src].append(Part.of(c))
+    return [p for r in stage_ranks for p in by_owner[r]]
+
+
+Target = tuple[str, tuple[slice, ...], tuple[slice, ...]]  # (local name, local region, part sub-box)
+
+
+def targets_for(part: Part, rank: RankLayout) -> list[Target]:
+    """Where the elements of ``part`` live on a rank: (local tensor, its region, part sub-box)."""
+    out = []
+    for p in rank.pieces:
+        if p.logical != part.logical:
+            continue
+        ov = box_overlap(p.offsets, p.sizes, part.offsets, part.sizes)
+        if ov is None:
+            continue
+        off, size = ov
+        local = tuple(slice(lo + o - po, lo + o - po + s)
+                      for lo, o, po, s in zip(p.local_offsets, off, p.offsets, size, strict=True))
+        sub = tuple(slice(o - qo, o - qo + s) for o, qo, s in zip(off, part.offsets, size, strict=True))
+        out.append((p.local, local, sub))
+    return out
+
+
+def _inside(idx: list[torch.Tensor], sub: tuple[slice, ...]) -> torch.Tensor:
+    mask = torch.ones_like(idx[0], dtype=torch.bool)
+    for i, s in zip(idx, sub, strict=True):
+        mask &= (i >= s.start) & (i < s.stop)
+    return mask
+
+
+def apply_values(part: Part, positions: torch.Tensor | None, values: torch.Tensor,
+                 tensors: Mapping[str, torch.Tensor], targets: list[Target]) -> int:
+    """Write a part's new values into every target; returns elements written."""
+    written = 0
+    if positions is None:
+        box = values.view(part.sizes)
+        for name, region, sub in targets:
+            tensors[name][region].copy_(box[sub])
+            written += box[sub].numel()
+        return written
+    idx = list(torch.unravel_index(positions, part.sizes))
+    for name, region, sub in targets:
+        m = _inside(idx, sub)
+        if not bool(m.any()):
+            continue
+        local = tuple(i[m] - s.start + r.start for i, s, r in zip(idx, sub, region, strict=True))
+        tensors[name].index_put_(local, values[m].to(tensors[name].dtype))
+        written += int(m.sum())
+    return written
+
+
+def apply_xor(part: Part, mask_bits: torch.Tensor, tensors: Mapping[str, torch.Tensor],
+              targets: list[Target]) -> None:
+    """XOR a part's dense bit mask into every target (exactly once, on the right base)."""
+    from shardsync.delta.encode import _INT
+
+    box = mask_bits.view(part.sizes)
+    for name, region, sub in targets:
+        t = tensors[name]
+        view = t[region]
+        mixed = view.contiguous().view(_INT[t.element_size()]) ^ box[sub]
+        view.copy_(mixed.view(t.dtype))

@@ -1,0 +1,237 @@
+"""Delta updates over the sync group: encode on the owners, move bytes, apply on engines.
+
+Collective over every sync rank, like a full update.  Sizes are announced first (one
+int64 per link), then the payload moves as uint8 chunks through the one executor.
+p2p: every trainer rank diffs its own shards and sends each engine rank only its parts.
+broadcast: a stage's TP ranks send their encoded parts to the stage source, which
+broadcasts the concatenation; every engine rank keeps what falls in its pieces.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from shardsync.delta.encode import HEADER, decode, encode, encoding_of
+from shardsync.delta.parts import Part, apply_values, p2p_parts, stage_parts, targets_for
+from shardsync.layout.piece import RankLayout
+from shardsync.runtime.executor import BufferPool, execute
+from shardsync.runtime.schedule import SyncRanks
+from shardsync.runtime.steps import Binding, Step
+from shardsync.topology import Topology
+from shardsync.transport import SyncGroup
+
+
+@dataclass
+class DeltaStats:
+    encode_s: float = 0.0
+    transfer_s: float = 0.0
+    apply_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    changed: int = 0
+    elements: int = 0
+    encodings: Counter = field(default_factory=Counter)
+
+    def merge(self, other: DeltaStats) -> None:
+        for k in ("encode_s", "transfer_s", "apply_s", "bytes_sent", "bytes_received", "changed", "elements"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.encodings.update(other.encodings)
+
+
+class Snapshot:
+    """The last synced values of a trainer rank's shards, in the wire dtype, on the host.
+
+    Memory: one copy of the rank's local tensors at the wire dtype (pinned if asked).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype, *, pin: bool = False) -> None:
+        self.params, self.dtype = params, dtype
+        self.values = {n: torch.empty(p.shape, dtype=dtype, device="cpu", pin_memory=pin)
+                       for n, p in params.items()}
+        self.valid = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.values.values())
+
+    def refresh(self) -> None:
+        for n, p in self.params.items():
+            self.values[n].copy_(p.detach())
+        self.valid = True
+
+    def encode(self, parts: list[Part], stats: DeltaStats) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = []
+        for part in parts:
+            new = self.params[part.local][part.region()].detach().to("cpu", self.dtype)
+            blob = encode(new, self.values[part.local][part.region()])
+            stats.encodings[encoding_of(blob)] += 1
+            stats.elements += part.numel
+            out.append(blob)
+        stats.encode_s += time.perf_counter() - t0
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
+
+
+def _split(payload: torch.Tensor, parts: list[Part], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Cut a concatenation of encoded parts back into parts (each is self-delimiting)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    out, pos = [], 0
+    for _ in parts:
+        enc, count = payload[pos:pos + HEADER].clone().view(torch.int64).tolist()
+        per = {0: item, 1: 4 + item, 2: 2 + item}[enc]
+        n = HEADER + count * per
+        out.append(payload[pos:pos + n])
+        pos += n
+    if pos != payload.numel():
+        raise ValueError(f"delta payload has {payload.numel() - pos} trailing bytes: layouts disagree")
+    return out
+
+
+def _apply(parts: list[Part], blobs: list[torch.Tensor], tensors: Mapping[str, torch.Tensor],
+           rank: RankLayout, dtype: torch.dtype, stats: DeltaStats) -> None:
+    t0 = time.perf_counter()
+    for part, blob in zip(parts, blobs, strict=True):
+        pos, vals = decode(blob, part.numel, dtype)
+        stats.changed += part.numel if pos is None else pos.numel()
+        apply_values(part, pos, vals, tensors, targets_for(part, rank))
+    stats.apply_s += time.perf_counter() - t0
+
+
+def _chunks(n: int, budget: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + budget)) for a in range(0, n, budget)] or []
+
+
+def _bind(key: str, n: int) -> tuple[Binding, ...]:
+    return (Binding(key, (slice(0, n),), 0, (n,), (slice(0, n),)),)
+
+
+def _move_p2p(group: SyncGroup, me: int, links: list[tuple[int, int]], payloads: dict[int, torch.Tensor],
+              budget: int, credits: int, pool: BufferPool) -> dict[int, torch.Tensor]:
+    """One variable-size payload per link (src, dst): sizes first, then uint8 chunks in one
+    global order (link, chunk).  Returns what this rank received, by source."""
+    sizes, works = {}, []
+    for s, d in links:
+        if me == s:
+            works.append(group.send(torch.tensor([payloads[d].numel()], dtype=torch.int64), d))
+        elif me == d:
+            sizes[s] = torch.zeros(1, dtype=torch.int64)
+            works.append(group.recv(sizes[s], s))
+    for w in works:
+        w.wait()
+    local: dict[str, torch.Tensor] = {}
+    received: dict[int, torch.Tensor] = {}
+    steps = []
+    for i, (s, d) in enumerate(links):
+        if me == s:
+            data = payloads[d]
+        elif me == d:
+            data = received[s] = torch.empty(int(sizes[s].item()), dtype=torch.uint8)
+        else:
+            continue
+        for j, (a, b) in enumerate(_chunks(data.numel(), budget)):
+            key = f"l{i}.{j}"
+            local[key] = data[a:b]
+            if me == s:
+                steps.append(Step(key, b - a, ("send", d), pack=_bind(key, b - a)))
+            else:
+                steps.append(Step(key, b - a, ("recv", s), drain=_bind(key, b - a)))
+    execute(steps, local, group, pool=pool, credits=credits)
+    return received
+
+
+def _move_bcast(group: SyncGroup, name: str, payload: torch.Tensor | None, budget: int,
+                credits: int, pool: BufferPool) -> torch.Tensor | None:
+    """Broadcast one variable-size payload from the group's root (``payload`` given there)."""
+    if name not in group.groups:
+        return None
+    root = payload is not None
+    size = torch.tensor([payload.numel() if root else 0], dtype=torch.int64)
+    group.broadcast(size, name, 0).wait()
+    data = payload if root else torch.empty(int(size.item()), dtype=torch.uint8)
+    local, steps = {}, []
+    for j, (a, b) in enumerate(_chunks(data.numel(), budget)):
+        key = f"b{j}"
+        local[key] = data[a:b]
+        bind = _bind(key, b - a)
+        steps.append(Step(key, b - a, ("bcast", name, 0, root), pack=bind if root else (),
+                          drain=() if root else bind))
+    execute(steps, local, group, pool=pool, credits=credits)
+    return data
+
+
+@dataclass
+class DeltaRunner:
+    """One sync rank's side of delta updates (trainer: ``snapshot`` set; engine: ``rank``)."""
+
+    topo: Topology
+    me: int
+    budget: int
+    credits: int = 2
+    snapshot: Snapshot | None = None
+    rank: RankLayout | None = None
+
+    def __post_init__(self) -> None:
+        self.ranks = SyncRanks(self.topo)
+        self.dtype = getattr(torch, self.topo.wire_dtype)
+        self.pool = BufferPool(torch.uint8)
+
+    def run(self, transport: str, tensors: Mapping[str, torch.Tensor], group: SyncGroup) -> DeltaStats:
+        stats = DeltaStats()
+        t0 = time.perf_counter()
+        if transport == "p2p":
+            self._p2p(tensors, group, stats)
+        elif transport == "broadcast":
+            for stage in range(self.topo.trainer.pp):
+                self._stage(stage, tensors, group, stats)
+                group.barrier()
+        else:
+            raise ValueError(f"delta transport {transport!r} runs through files, not the group")
+        stats.transfer_s = time.perf_counter() - t0 - stats.encode_s - stats.apply_s
+        return stats
+
+    def _p2p(self, tensors: Mapping[str, torch.Tensor], group: SyncGroup, stats: DeltaStats) -> None:
+        plan = self.topo.p2p_plan
+        links = sorted({(c.src, self.ranks.engine(c.dst)) for c in plan.copies})
+        payloads = {}
+        if self.snapshot is not None:
+            for s, d in links:
+                if s == self.me:
+                    payloads[d] = self.snapshot.encode(p2p_parts(plan, s, d - self.ranks.trainer_world), stats)
+                    stats.bytes_sent += payloads[d].numel()
+        got = _move_p2p(group, self.me, links, payloads, self.budget, self.credits, self.pool)
+        if self.rank is not None:
+            for s, payload in sorted(got.items()):
+                parts = p2p_parts(plan, s, self.me - self.ranks.trainer_world)
+                stats.bytes_received += payload.numel()
+                _apply(parts, _split(payload, parts, self.dtype), tensors, self.rank, self.dtype, stats)
+
+    def _stage(self, stage: int, tensors: Mapping[str, torch.Tensor], group: SyncGroup,
+               stats: DeltaStats) -> None:
+        members = self.topo.stage_ranks(stage)
+        source = members[0]
+        parts = stage_parts(self.topo.gather_plan, members)
+        mine = [p for p in parts if p.owner == self.me]
+        # gather the encoded parts at the stage source
+        gather_links = [(r, source) for r in members if r != source]
+        payloads = {}
+        own = None
+        if self.snapshot is not None and self.me in members:
+            own = self.snapshot.encode(mine, stats)
+            if self.me != source:
+                payloads[source] = own
+                stats.bytes_sent += own.numel()
+        got = _move_p2p(group, self.me, gather_links, payloads, self.budget, self.credits, self.pool)
+        # the source broadcasts the concatenation, in member order
+        total = None
+        if self.me == source:
+            total = torch.cat([own] + [got[r] for r in members if r != source])
+            stats.bytes_sent += total.numel()
+        payload = _move_bcast(group, f"stage{stage}", total, self.budget, self.credits, self.pool)
+        if self.rank is not None and payload is not None:
+            stats.bytes_received += payload.numel()
+            _apply(parts, _split(payload, parts, self.dtype), tensors, self.rank, self.dtype, stats)

@@ -1,0 +1,226 @@
+"""The fallback matrix: which path a sync takes for a topology and a mode, and why.
+
+Every answer comes from the precondition table (``check_p2p``); this module only
+enumerates topologies and applies the mode rules of ``WeightSync._choose_mode``:
+
+- ``auto``: p2p when every precondition holds, else broadcast, naming the first failure;
+- ``p2p``: p2p, or refused with the ``ValueError`` that ``WeightSync.connect`` raises;
+- ``broadcast``: always broadcast.
+
+A topology whose trainer or engine layout cannot be built (Megatron or the engine would
+refuse that TP) is ``refused`` in every mode: no process of that shape can start, so
+there is nothing to fall back to.  ``shardsync plan --matrix`` prints ``render_markdown()``,
+which is what ``docs/fallback_matrix.md`` holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.plan.preconditions import PRECONDITIONS, Verdict, check_p2p
+from shardsync.spec import PRESETS, ModelSpec
+from shardsync.topology import ENGINE_KINDS, Topology
+
+MODES = ("auto", "p2p", "broadcast")
+MODELS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
+# Preconditions whose failure means the deployment itself cannot exist.
+_EXISTENCE = ("trainer_layout", "engine_layout")
+
+# TP relation -> (trainer TP, first engine TP) for a spec.
+RELATIONS: dict[str, Callable[[ModelSpec], tuple[int, int]]] = {
+    "equal": lambda s: (2, 2),
+    "trainer > engine": lambda s: (4, 2),
+    "trainer < engine": lambda s: (1, 2),
+    "engine > kv heads": lambda s: (2, 2 * s.num_kv_heads),
+    "engine non-pow2": lambda s: (2, 3),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One topology of the matrix (metadata only)."""
+
+    model: str
+    relation: str
+    trainer_tp: int
+    trainer_pp: int = 1
+    engine_tps: tuple[int, ...] = (1,)
+    engine_kind: str = "reference"
+    engine_pp: int = 1
+    quantization: str | None = None
+    spec_changes: tuple[tuple[str, int], ...] = ()
+    note: str = ""
+
+    def topology(self) -> Topology:
+        spec = PRESETS[self.model].replace(**dict(self.spec_changes))
+        return Topology(spec, MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp),
+                        tuple(EngineParallel(tp=t) for t in self.engine_tps),
+                        engine_kind=self.engine_kind, engine_pp=self.engine_pp,
+                        quantization=self.quantization)
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: str
+    path: str  # "p2p", "broadcast" or "refused"
+    why: str   # empty for p2p and for a requested broadcast
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A case with its precondition verdicts and the decision of every mode."""
+
+    case: Case
+    verdicts: tuple[Verdict, ...] = field(repr=False)
+
+    @property
+    def first_failure(self) -> Verdict | None:
+        return next((v for v in self.verdicts if not v.ok), None)
+
+    @property
+    def impossible(self) -> Verdict | None:
+        return next((v for v in self.verdicts if v.name in _EXISTENCE and not v.ok), None)
+
+    @cached_property
+    def decisions(self) -> tuple[Decision, ...]:
+        return tuple(decide(self, m) for m in MODES)
+
+
+def decide(entry: Entry, mode: str) -> Decision:
+    """The path ``WeightSync`` takes for ``entry`` when configured with ``mode``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if (bad := entry.impossible) is not None:
+        return Decision(mode, "refused", f"no such deployment ({bad.name}): {bad.detail}")
+    if mode == "broadcast":
+        return Decision(mode, "broadcast", "")
+    failed = entry.first_failure
+    if failed is None:
+        return Decision(mode, "p2p", "")
+    # Same wording as WeightSync._choose_mode (tests/unit/test_matrix.py holds them equal).
+    reason = f"p2p precondition {failed.name} failed: {failed.detail}"
+    if mode == "p2p":
+        return Decision(mode, "refused", f"ValueError: mode='p2p' requested but {reason}; "
+                                         "use mode='auto' or 'broadcast'")
+    return Decision(mode, "broadcast", reason)
+
+
+def grid_cases() -> Iterator[Case]:
+    """model x TP relation x trainer PP x engines x engine kind, in a fixed order."""
+    for model in MODELS:
+        spec = PRESETS[model]
+        for relation, tps in RELATIONS.items():
+            t_tp, e_tp = tps(spec)
+            for pp in (1, 2):
+                # The second engine differs in TP from the first (TP 1, or 2 beside a TP 1).
+                for engines in ((e_tp,), (e_tp, 1 if e_tp != 1 else 2)):
+                    for kind in ENGINE_KINDS:
+                        yield Case(model=model, relation=relation, trainer_tp=t_tp, trainer_pp=pp,
+                                   engine_tps=engines, engine_kind=kind)
+
+
+def extra_cases() -> list[Case]:
+    """The preconditions the grid never trips (settings outside its axes)."""
+    base = dict(model="tiny-qwen3", relation="equal", trainer_tp=2, engine_tps=(2,))
+    # 12 heads, 6 KV heads and FFN 768 divide by 3, so an engine of TP 3 exists; the 64-padded
+    # vocab (1024) does not, which vLLM's vocab split needs.
+    tp3 = dict(model="tiny-qwen2", relation="engine non-pow2", trainer_tp=2, engine_tps=(3,),
+               spec_changes=(("num_heads", 12), ("num_kv_heads", 6), ("intermediate_size", 768)))
+    return [
+        Case(**base, engine_kind="tensorrt-llm", note="unknown engine kind"),
+        Case(**base, engine_pp=2, note="engine runs PP 2"),
+        Case(**base, quantization="fp8", note="engine quantizes at load time"),
+        Case(**{**base, "trainer_tp": 3, "relation": "trainer non-pow2"},
+             note="Megatron refuses TP 3 for 8 heads"),
+        Case(**tp3, note="12 heads, 6 KV heads, FFN 768: TP 3 divides"),
+        Case(**tp3, engine_kind="vllm", note="same, vLLM: padded vocab 1024 does not split by 3"),
+    ]
+
+
+def build(cases: list[Case] | None = None) -> list[Entry]:
+    cases = list(grid_cases()) + extra_cases() if cases is None else cases
+    return [Entry(c, tuple(check_p2p(c.topology()))) for c in cases]
+
+
+def _cell(entry: Entry, mode: str) -> str:
+    return next(d.path for d in entry.decisions if d.mode == mode)
+
+
+def _why(entry: Entry) -> str:
+    parts = []
+    if (bad := entry.impossible) is not None:
+        parts.append(f"no such deployment: `{bad.name}`: {bad.detail}")
+    failed = entry.first_failure
+    if failed is not None and failed != bad:
+        parts.append(f"`{failed.name}`: {failed.detail}")
+    return "; ".join(parts).replace("|", "\\|")
+
+
+def _table(entries: list[Entry], with_note: bool) -> list[str]:
+    head = "| model | TP relation | trainer | engines TP | kind | auto | p2p | broadcast | why |"
+    if with_note:
+        head = head.replace("| model |", "| case | model |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for e in entries:
+        c = e.case
+        cells = [c.model, c.relation, f"TP{c.trainer_tp} PP{c.trainer_pp}",
+                 "+".join(str(t) for t in c.engine_tps), c.engine_kind,
+                 *(_cell(e, m) for m in MODES), _why(e)]
+        if with_note:
+            cells.insert(0, c.note)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_markdown(entries: list[Entry] | None = None) -> str:
+    """The whole matrix as a markdown document (deterministic: same code, same text)."""
+    entries = build() if entries is None else entries
+    grid = [e for e in entries if not e.case.note]
+    extra = [e for e in entries if e.case.note]
+    counts = {p: sum(_cell(e, "auto") == p for e in grid) for p in ("p2p", "broadcast", "refused")}
+    out = [
+        "# Fallback matrix",
+        "",
+        "Generated by `shardsync plan --matrix > docs/fallback_matrix.md` from the",
+        "precondition table in `shardsync/plan/preconditions.py`; do not edit by hand.",
+        "",
+        "Each row is one topology; the columns `auto`, `p2p` and `broadcast` give the path",
+        "`WeightSync` takes when configured with that mode:",
+        "",
+        "- `auto`: p2p when every precondition holds, otherwise broadcast; rank 0 logs",
+        "  `mode=auto falls back to broadcast: p2p precondition <name> failed: <detail>`.",
+        "- `p2p`: p2p, or refused: `connect()` raises `ValueError: mode='p2p' requested but",
+        "  p2p precondition <name> failed: <detail>; use mode='auto' or 'broadcast'`.",
+        "- `broadcast`: always broadcast.",
+        "- `refused` in every column: the trainer or an engine of that shape cannot exist",
+        "  (Megatron or the engine refuses the TP), so no path applies.",
+        "",
+        "`why` names the first failing precondition and its detail (the `<name>` and",
+        "`<detail>` above).  Preconditions, in order of evaluation:",
+        "",
+        *(f"{i}. `{p.name}`: {p.requirement}" for i, p in enumerate(PRECONDITIONS, 1)),
+        "",
+        "Axes: model (tiny presets, one per family) x TP relation x trainer PP (1, 2) x",
+        "engines (one; or two of different TP: the second has TP 1, or TP 2 beside a TP-1",
+        "engine) x engine kind.  TP relations: equal 2->2; trainer > engine 4->2;",
+        "trainer < engine 1->2; engine > kv heads 2->2*kv (KV heads replicated);",
+        "engine non-pow2 2->3.  Engine PP 1, no quantization.",
+        "",
+        f"Grid: {len(grid)} topologies; with `auto`: {counts['p2p']} p2p, "
+        f"{counts['broadcast']} broadcast, {counts['refused']} refused.",
+        "",
+        *_table(grid, with_note=False),
+        "",
+        "## Preconditions outside the grid",
+        "",
+        "Settings the grid does not vary, one row each.  `dense_family` and `plan_covers`",
+        "cannot fail here: `ModelSpec` refuses a non-dense family before a topology exists,",
+        "and the planner covers every engine element whenever both layouts build.",
+        "",
+        *_table(extra, with_note=True),
+        "",
+    ]
+    return "\n".join(out)
