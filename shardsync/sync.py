@@ -18,11 +18,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
 import torch
 import torch.distributed as dist
 
+from shardsync.delta.disk import DiskPublisher
 from shardsync.delta.transfer import DeltaRunner, Snapshot
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.plan.preconditions import check_p2p
@@ -100,6 +102,7 @@ class WeightSync:
         self._sched: Schedule | None = None
         self._snapshot: Snapshot | None = None
         self._delta: DeltaRunner | None = None
+        self._disk: DiskPublisher | None = None
         self._synced: int | None = None
         self._http = httpx.Client(timeout=config.http_timeout_s) if rank == 0 else None
         self.plan_s = 0.0
@@ -205,6 +208,10 @@ class WeightSync:
                                           pin=self.config.delta_pin_memory)
             self._delta = DeltaRunner(topo, self.rank, sched.bucket_bytes, credits=self.config.credits,
                                       snapshot=self._snapshot)
+            if self.config.delta_transport == "disk":
+                Path(self.config.delta_dir).mkdir(parents=True, exist_ok=True)
+                self._disk = DiskPublisher(topo, self.rank, str(self.config.delta_dir), self._snapshot,
+                                           budget=sched.bucket_bytes, credits=self.config.credits)
             self._synced = None  # a (re)connected engine set starts with a full update
         if self.rank == 0:
             if self.fallback_reason:
@@ -290,7 +297,8 @@ class WeightSync:
                 body = {"version": version, "mode": wire, "fingerprint": plan.fingerprint}
                 if delta:
                     body["base_version"] = self._synced
-                self._call_all("POST", "/weights/begin", [body] * len(self.urls))
+                if delta != "disk":  # files need no receive loop: engines pull after publishing
+                    self._call_all("POST", "/weights/begin", [body] * len(self.urls))
                 go = {"mode": wire}
             except Exception as e:
                 go = {"error": str(e)}
@@ -298,6 +306,8 @@ class WeightSync:
         if "error" in go:
             raise SyncError(f"update {version} refused: {go['error']}")
         mode = go["mode"]
+        if mode == "delta-disk":
+            return self._update_disk(version, t0)
         t1 = time.perf_counter()
         error, stats, dstats = None, None, None
         try:
@@ -334,6 +344,54 @@ class WeightSync:
             self._snapshot.refresh()
             self._synced = version
         return record
+
+    def _update_disk(self, version: int, t0: float) -> UpdateRecord:
+        """Delta through files: every trainer rank writes its share, rank 0 publishes and asks
+        each engine to pull (one HTTP call per engine), then all ranks learn the outcome."""
+        assert self._disk is not None and self._synced is not None
+        t1 = time.perf_counter()
+        error, dstats = None, None
+        try:
+            dstats = self._disk.write(version, self._synced, self.group)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        written = self._store_all(f"v{version}/written", error)
+        done = None
+        if self.rank == 0:
+            try:
+                if any(written):
+                    raise SyncError(f"writing version {version} failed: {next(w for w in written if w)}")
+                self._disk.publish(version, self._synced)
+                root = str(self.config.delta_dir)
+                done = {"engines": self._call_all("POST", "/weights/pull",
+                                                  [{"root": root, "version": version}] * len(self.urls))}
+            except Exception as e:
+                done = {"error": str(e), "engines": []}
+        t2 = time.perf_counter()
+        done = self._signal(f"v{version}/done", done)
+        error = error or done.get("error")
+        record = self._record(version, "delta-disk", error, None, dstats, done.get("engines", []),
+                              {"control": time.perf_counter() - t2 + (t1 - t0),
+                               "total": time.perf_counter() - t0})
+        if self.rank == 0:
+            (log.info if record.ok else log.error)("[rank 0] %s", record.summary())
+            if self.config.records_path:
+                append_jsonl(self.config.records_path, record)
+        if error is not None:
+            self._synced = None  # the next update is a full one
+            raise SyncError(f"update {version} failed: {error}")
+        assert self._snapshot is not None
+        self._snapshot.refresh()
+        self._synced = version
+        return record
+
+    def _store_all(self, key: str, value: object) -> list:
+        """Every trainer rank's ``value`` (via the store), on every rank."""
+        assert self._store is not None and self.group is not None
+        self._store.set(f"{key}/{self.rank}", pickle.dumps(value))
+        keys = [f"{key}/{r}" for r in range(self.parallel.world_size)]
+        self._store.wait(keys, self.group.rdv.timeout)
+        return [pickle.loads(self._store.get(k)) for k in keys]
 
     def _record(self, version: int, mode: str, error: str | None, stats, dstats, engines: list,
                 times: dict[str, float]) -> UpdateRecord:

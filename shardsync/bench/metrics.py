@@ -89,8 +89,10 @@ def iteration_metrics(ranks: Mapping[int, Mapping], *, shared_clock: bool) -> di
             s[0], s[1] = min(s[0], t[3] - shift), max(s[1], t[4] - shift)
     phases = {k: max(it["phases"].get(k, 0.0) for it in ranks.values())
               for k in sorted({k for it in ranks.values() for k in it["phases"]})}
+    share = sum(idle.values()) / len(idle) / slowest if idle and slowest > 0 else 0.0
     return {"latency_s": slowest, "rank_latency_s": lat, "skew_s": skew(lat.values()),
-            "idle_s": idle, "max_inflight_bytes": inflight, "delivered_bytes": delivered,
+            "idle_s": idle, "idle_fraction": share, "max_inflight_bytes": inflight,
+            "delivered_bytes": delivered,
             "group_spans": {g: tuple(s) for g, s in spans.items()},
             "active_groups": int(max_overlap((s, e, 1) for s, e in spans.values())),
             "phases_s": phases}
@@ -113,7 +115,7 @@ def aggregate(iterations: Sequence[Mapping]) -> dict:
         "latency_s": summary(lat),
         "skew_s": summary([it["skew_s"] for it in iterations]),
         "idle_s": idle,
-        "idle_fraction": (sum(idle.values()) / len(idle) / p50) if idle and p50 > 0 else 0.0,
+        "idle_fraction": percentile([it["idle_fraction"] for it in iterations], 50),
         "max_inflight_bytes": inflight,
         "max_inflight_bytes_any_rank": max(inflight.values(), default=0),
         "max_active_groups": max(it["active_groups"] for it in iterations),

@@ -73,7 +73,7 @@ def table(rep: dict) -> str:
                  f"{m['max_active_groups']}/{r['bound_groups']}")
         lines.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
     lines.append("latency: slowest rank, last completion after the iteration barrier; skew: spread of "
-                 "rank finish times; idle%: mean share of the iteration a rank has nothing in flight; "
+                 "rank finish times; idle%: mean share of an iteration a rank has nothing in flight (p50); "
                  "GB/s: bytes landed on engine ranks / p50; credits: asked->used under the cap; "
                  "inflight: observed max per rank / bound; "
                  "groups: observed max active engine groups / policy bound")

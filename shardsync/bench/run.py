@@ -129,11 +129,13 @@ def _run_point(cfg: BenchConfig, prep: Prepared, point: Point, rank: int, group:
     pool = make_pool(point.reuse, device)
     is_trainer = rank in prep.layout.trainers
     args = (program, tracer, pool, prep.credits[point], group, is_trainer)
+    warmed = 0
     for _ in range(cfg.warmup):
         _iteration(*args)
+        warmed += 1
     warm_syncs = tracer.device_syncs
     measured = [_iteration(*args) for _ in range(cfg.iters)]
-    return {"warmup": cfg.warmup, "iterations": measured, "device_syncs": tracer.device_syncs - warm_syncs,
+    return {"warmup": warmed, "iterations": measured, "device_syncs": tracer.device_syncs - warm_syncs,
             "pool_allocated_bytes": pool.allocated_bytes}
 
 
@@ -143,8 +145,9 @@ def evaluate(cfg: BenchConfig, prep: Prepared, point: Point, per_rank: dict[int,
     wl = prep.workloads[(point.transport, point.bucket_bytes)]
     rows = [t for d in per_rank.values() for it in d["iterations"] for t in it["transfers"]]
     cuda = device.startswith("cuda")
-    sync_points = ["world barrier before each iteration", "go/done barriers per engine group",
-                   "blocking wait per transfer" + (" + torch.cuda.synchronize" if cuda else " (host)")]
+    then = " + torch.cuda.synchronize" if cuda else ""
+    sync_points = [f"world barrier{then} before each iteration", f"go/done barriers{then} per engine group",
+                   f"blocking wait{then} per transfer completion"]
     prov = Provenance(backend=backend, device=device, clock_domain="host" if hosts == 1 else "rank",
                       hosts=hosts, sync_points=tuple(sync_points),
                       device_syncs=sum(d["device_syncs"] for d in per_rank.values()),

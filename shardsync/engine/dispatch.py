@@ -33,6 +33,7 @@ class WorkerError(RuntimeError):
 
 
 SERVING = ("generate", "score")
+UPDATES = ("update", "pull")  # commands that write weights: they set the version or staleness
 
 
 @dataclass
@@ -93,13 +94,13 @@ class Dispatcher:
             try:
                 results = self._run(cmd)
             except BaseException as e:  # delivered to the waiting HTTP handler
-                if cmd.kind == "update":
+                if cmd.kind in UPDATES:
                     self._mark_stale(f"update {cmd.args['version']} failed: {e}")
                 cmd.future.set_exception(e)
                 continue
             finally:
                 self.current = None
-            if cmd.kind == "update":
+            if cmd.kind in UPDATES:
                 failed = [r["error"] for r in results if not r["ok"]]
                 if failed:
                     self._mark_stale(f"update {cmd.args['version']} failed: {failed[0]}")

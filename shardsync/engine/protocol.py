@@ -84,6 +84,13 @@ class BeginRequest(_Msg):
     base_version: int | None = Field(None, ge=0, description="delta modes: the version the delta is against")
 
 
+class PullRequest(_Msg):
+    """Apply a delta version published on disk (every TP worker reads its own parts)."""
+
+    root: str = Field(min_length=1, max_length=4096)
+    version: int = Field(ge=0)
+
+
 class FinishRequest(_Msg):
     version: int = Field(ge=0)
 

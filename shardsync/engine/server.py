@@ -29,6 +29,7 @@ from shardsync.engine.protocol import (
     InfoResponse,
     LogprobsRequest,
     LogprobsResponse,
+    PullRequest,
     UpdateResult,
     VersionResponse,
 )
@@ -247,6 +248,38 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
         if error is not None:
             raise ApiError(503, f"update {req.version} failed: {error}; the engine refuses "
                                 "generation until a full update")
+        return res
+
+    @app.post("/weights/pull", response_model=UpdateResult)
+    async def pull(req: PullRequest) -> UpdateResult:
+        """Apply a delta version from a shared directory (delta over disk; no sync group)."""
+        from shardsync.delta.disk import read_manifest
+
+        try:
+            manifest = read_manifest(req.root, req.version)
+        except FileNotFoundError as e:
+            raise ApiError(404, str(e)) from None
+        if dispatcher.stale or manifest["base_version"] != dispatcher.version:
+            raise ApiError(409, f"version {req.version} is a delta against {manifest['base_version']}; this "
+                                f"engine holds {dispatcher.version}{' (stale)' if dispatcher.stale else ''}; "
+                                "send a full update")
+        args = {"root": req.root, "version": req.version, "current": dispatcher.version}
+        try:
+            results, _ = await asyncio.wrap_future(dispatcher.submit("pull", args, timeout_s=3600.0))
+        except Exception as e:
+            raise ApiError(503, f"pull of version {req.version} failed: {e}; engine stale") from None
+        error = next((r["error"] for r in results if not r["ok"]), None)
+        if error is not None:
+            state.count("updates_failed_total")
+            raise ApiError(503, f"pull of version {req.version} failed: {error}; the engine refuses "
+                                "generation until a full update")
+        state.count("updates_total_delta_disk")
+        res = UpdateResult(version=req.version, mode="delta-disk", ok=True,
+                           unpack_s=max(r["unpack_s"] for r in results),
+                           total_s=max(r["total_s"] for r in results),
+                           bytes_received=sum(r["bytes_received"] for r in results),
+                           changed=sum(r["changed"] for r in results))
+        state.last = res
         return res
 
     @app.get("/weights/checksum")

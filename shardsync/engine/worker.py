@@ -113,6 +113,19 @@ class EngineWorker:
                 "buckets": sum(len(sched.steps(mode, s)) for s in
                                range(topo.trainer.pp if mode == "broadcast" else 1))}
 
+    def pull(self, root: str, version: int, current: int) -> dict[str, Any]:
+        """Apply delta ``version`` from ``root`` (a shared directory) to this rank's weights."""
+        from shardsync.delta.disk import apply_version
+
+        t0 = time.perf_counter()
+        try:
+            d = apply_version(root, version, current, self.params, self.model.layout.ranks[self.rank])
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True, "pack_s": 0.0, "transfer_s": 0.0, "unpack_s": d.apply_s,
+                "total_s": time.perf_counter() - t0, "bytes_received": d.bytes_received,
+                "changed": d.changed, "buffer_bytes": 0, "buckets": 0}
+
     def checksum(self) -> dict:
         rl = self.model.layout.ranks[self.rank]
         return piece_checksums(rl, self.params, self.model.layout.logical, self.model.dtype)

@@ -60,18 +60,26 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
     out.put((rank, res))
 
 
-@pytest.mark.parametrize("transport", ["p2p", "broadcast"])
+@pytest.mark.parametrize("transport", ["p2p", "broadcast", "disk"])
 def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, tmp_path) -> None:
     proc, url = start_engine("tiny-qwen3", 2, extra=("--dtype", "bfloat16"))
+    delta_dir = str(tmp_path / "versions") if transport == "disk" else None
     try:
-        res = run_world(_trainer, 2, args=(2, free_port(), url, transport, None), timeout=240)
+        res = run_world(_trainer, 2, args=(2, free_port(), url, transport, delta_dir), timeout=240)
         r0 = res[0]
         full = "p2p"  # full updates take p2p whenever its preconditions hold
         assert r0["modes"] == [full, f"delta-{transport}", f"delta-{transport}", full], r0["modes"]
         assert all(v == [] for v in r0["verify"]), r0["verify"]
         assert all(n > 0 for n in r0["density"]), "an optimizer step changes some bf16 elements"
-        status, text, version = r0["wrong_base"]
-        assert status == 409 and "send a full update" in text and version == 4
+        if transport == "disk":
+            # versions 2 and 3 were published as files; 4 went through the group (full)
+            published = sorted(p.name for p in (tmp_path / "versions").iterdir())
+            assert published == ["v000002", "v000003"], published
+            r = httpx.post(url + "/weights/pull", timeout=10, json={"root": delta_dir, "version": 3})
+            assert r.status_code == 409 and "send a full update" in r.text  # base 2, engine holds 4
+        else:
+            status, text, version = r0["wrong_base"]
+            assert status == 409 and "send a full update" in text and version == 4
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
     finally:
         stop_engine(proc)

@@ -1,0 +1,194 @@
+"""Delta versions on disk: each pipeline stage writes its own safetensors file, rank 0
+publishes the version atomically, engines pull and apply.
+
+Layout of ``root``::
+
+    v000007/manifest.json        {version, base_version, encoding, compression, checksum, stages}
+    v000007/stage0.safetensors   uint8 tensor per part (XOR vs the previous bytes, zstd),
+                                 metadata: part boxes, wire dtype, xxh64 of every blob
+    .v000008.tmp/                a version being written: never read
+
+Publishing is write, fsync, rename: a reader sees a whole version or none.  XOR applies
+exactly once on the right base, so every pull checks ``base_version`` first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from shardsync.delta.encode import xor_decode, xor_encode
+from shardsync.delta.parts import Part, apply_xor, stage_parts, targets_for
+from shardsync.delta.transfer import DeltaStats, Snapshot, _move_p2p
+from shardsync.layout.piece import RankLayout
+from shardsync.runtime.executor import BufferPool
+from shardsync.topology import Topology
+from shardsync.transport import SyncGroup
+
+MANIFEST = "manifest.json"
+
+
+def version_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f"v{version:06d}"
+
+
+def _tmp_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f".v{version:06d}.tmp"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pack_blobs(blobs: list[bytes]) -> torch.Tensor:
+    sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64).view(torch.uint8)
+    body = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs if b]
+    return torch.cat([sizes, *body])
+
+
+def _unpack_blobs(data: torch.Tensor, n: int) -> list[bytes]:
+    sizes = data[:8 * n].clone().view(torch.int64).tolist()
+    out, pos = [], 8 * n
+    for s in sizes:
+        out.append(data[pos:pos + s].numpy().tobytes())
+        pos += s
+    return out
+
+
+@dataclass
+class DiskPublisher:
+    """Trainer side.  Collective over the trainer ranks of the sync group (engines do not
+    take part): every DP-0 rank encodes its parts, each stage source writes the stage's
+    file, trainer rank 0 writes the manifest and renames the version into place."""
+
+    topo: Topology
+    me: int
+    root: str
+    snapshot: Snapshot
+    budget: int = 64 * 2**20
+    credits: int = 2
+
+    def __post_init__(self) -> None:
+        self.pool = BufferPool(torch.uint8)
+
+    def write(self, version: int, base_version: int, group: SyncGroup | None) -> DeltaStats:
+        """Write this rank's share of ``version`` into the temporary directory."""
+        stats = DeltaStats()
+        tmp = _tmp_dir(self.root, version)
+        for stage in range(self.topo.trainer.pp):
+            members = self.topo.stage_ranks(stage)
+            if self.me not in members:
+                continue
+            parts = stage_parts(self.topo.gather_plan, members)
+            t0 = time.perf_counter()
+            blobs = []
+            for p in parts:
+                if p.owner != self.me:
+                    continue
+                new = self.snapshot.params[p.local][p.region()].detach().to("cpu", self.snapshot.dtype)
+                blobs.append(xor_encode(new, self.snapshot.values[p.local][p.region()]))
+                stats.elements += p.numel
+            stats.encodings["xor+zstd"] += len(blobs)
+            stats.encode_s += time.perf_counter() - t0
+            source = members[0]
+            links = [(r, source) for r in members if r != source]
+            mine = _pack_blobs(blobs)
+            got = {}
+            if links:
+                assert group is not None, "TP > 1 needs the sync group to gather parts"
+                got = _move_p2p(group, self.me, links, {source: mine} if self.me != source else {},
+                                self.budget, self.credits, self.pool)
+            if self.me != source:
+                stats.bytes_sent += mine.numel()
+                continue
+            all_blobs: list[bytes] = []
+            for r in members:
+                n = sum(1 for p in parts if p.owner == r)
+                all_blobs += _unpack_blobs(mine if r == source else got[r], n)
+            stats.bytes_sent += sum(len(b) for b in all_blobs)
+            self._write_stage(tmp, stage, parts, all_blobs)
+        return stats
+
+    def _write_stage(self, tmp: Path, stage: int, parts: list[Part], blobs: list[bytes]) -> None:
+        from safetensors.torch import save_file
+
+        tmp.mkdir(parents=True, exist_ok=True)
+        meta = [[p.logical, list(p.offsets), list(p.sizes), xxhash.xxh64_hexdigest(b)]
+                for p, b in zip(parts, blobs, strict=True)]
+        tensors = {f"p{i}": torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
+                   else torch.empty(0, dtype=torch.uint8) for i, b in enumerate(blobs)}
+        path = tmp / f"stage{stage}.safetensors"
+        save_file(tensors, str(path), metadata={"parts": json.dumps(meta), "dtype": self.topo.wire_dtype,
+                                                "encoding": "xor", "compression": "zstd"})
+        _fsync(path)
+
+    def publish(self, version: int, base_version: int,
+                before_rename: Callable[[], None] | None = None) -> Path:
+        """Trainer rank 0, after every stage wrote: manifest, fsync, atomic rename."""
+        tmp, final = _tmp_dir(self.root, version), version_dir(self.root, version)
+        manifest = {"version": version, "base_version": base_version, "encoding": "xor",
+                    "compression": "zstd", "checksum": "xxh64", "dtype": self.topo.wire_dtype,
+                    "stages": [f"stage{s}.safetensors" for s in range(self.topo.trainer.pp)]}
+        missing = [s for s in manifest["stages"] if not (tmp / s).is_file()]
+        if missing:
+            raise RuntimeError(f"version {version}: stage files {missing} were not written")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        if before_rename is not None:
+            before_rename()
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(Path(self.root))
+        return final
+
+
+def read_manifest(root: str | Path, version: int) -> dict:
+    path = version_dir(root, version) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no published version {version} under {root} (missing {path})")
+    return json.loads(path.read_text())
+
+
+def apply_version(root: str | Path, version: int, current: int, tensors: Mapping[str, torch.Tensor],
+                  rank: RankLayout) -> DeltaStats:
+    """Engine side: apply a published delta to this rank's tensors, after checking its base."""
+    from safetensors import safe_open
+
+    manifest = read_manifest(root, version)
+    if manifest["base_version"] != current:
+        raise ValueError(f"version {version} is a delta against {manifest['base_version']}, "
+                         f"this engine holds {current}; it needs a full update")
+    stats = DeltaStats()
+    t0 = time.perf_counter()
+    dtype = getattr(torch, manifest["dtype"])
+    for stage_file in manifest["stages"]:
+        with safe_open(str(version_dir(root, version) / stage_file), "pt") as f:
+            meta = json.loads(f.metadata()["parts"])
+            for i, (logical, offsets, sizes, digest) in enumerate(meta):
+                part = Part(-1, "", (), logical, tuple(offsets), tuple(sizes))
+                targets = targets_for(part, rank)
+                if not targets:
+                    continue
+                blob = f.get_tensor(f"p{i}").numpy().tobytes()
+                if xxhash.xxh64_hexdigest(blob) != digest:
+                    raise ValueError(f"{stage_file} part {i} ({logical}) fails its xxh64 checksum")
+                stats.bytes_received += len(blob)
+                mask = xor_decode(blob, part.numel, dtype)
+                stats.changed += int((mask != 0).sum())
+                apply_xor(part, mask, tensors, targets)
+    stats.apply_s = time.perf_counter() - t0
+    return stats

@@ -1,0 +1,162 @@
+"""One trainer rank's GRPO loop, independent of how the rank was started.
+
+The embedded demo (``shardsync.demo``) starts its ranks with ``torch.multiprocessing``;
+launchers in this package (Ray) start them elsewhere and call ``trainer_rank`` there.  The
+loop is the demo's: rollouts from the engines, trainer logprobs, GRPO loss, optimizer step,
+then one weight update per mode with an optional bitwise check.  Rows have the demo's shape,
+so ``shardsync.demo.report`` prints them.
+
+Collective contract: every trainer rank iterates ``trainer_rank`` with the same ``cfg`` and
+``where`` (except ``rank``), step by step, in lockstep; only rank 0 calls the engines' HTTP
+API for rollouts (the batch reaches the others through the trainer's default group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from shardsync.demo import DemoConfig, task
+from shardsync.runtime.record import UpdateRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSite:
+    """Where one trainer rank meets the others and the engines.
+
+    ``init_method`` is trainer rank 0's default-group address (``tcp://ip:port``);
+    ``sync_host`` is the address rank 0 hosts the sync rendezvous (TCPStore) on, reachable
+    from every engine; ``engines`` are the engine servers' base URLs.
+    """
+
+    rank: int
+    init_method: str
+    sync_host: str
+    engines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step as rank 0 saw it: the demo's row, the modes it updated with, the records."""
+
+    row: dict
+    modes: tuple[str, ...]
+    records: tuple[UpdateRecord, ...]
+
+
+def _weights(cfg: DemoConfig):
+    """Initial trainer weights: the checkpoint when ``cfg.model`` is a directory, else the
+    preset's random weights (the same ones an engine started with that seed holds)."""
+    from shardsync.models.weights import checkpoint_source, random_source
+    from shardsync.spec import load_spec
+
+    spec = load_spec(cfg.model)
+    if Path(cfg.model).is_dir():
+        return spec, checkpoint_source(cfg.model)
+    return spec, random_source(spec, cfg.seed)
+
+
+def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, version: int) -> dict:
+    """Rank 0: ``cfg.prompts`` prompts spread round-robin over the engines (all engines
+    asked at once), ``cfg.group`` samples each, scored by ``task.reward``."""
+    prompts = task.make_prompts(step, cfg.prompts, cfg.prompt_len, vocab, cfg.seed)
+    batches = [[p for i, p in enumerate(prompts) if i % len(engines) == e for _ in range(cfg.group)]
+               for e in range(len(engines))]
+
+    def generate(e: int) -> list[dict]:
+        if not batches[e]:
+            return []
+        r = httpx.post(engines[e] + "/generate", timeout=cfg.timeout_s, json={
+            "prompts": batches[e], "max_new_tokens": cfg.max_new_tokens, "temperature": 1.0,
+            "seed": cfg.seed * 7919 + step})
+        r.raise_for_status()
+        body = r.json()
+        if body["weight_version"] != version:
+            raise RuntimeError(f"{engines[e]} answered with weight version "
+                               f"{body['weight_version']}, expected {version}")
+        return body["outputs"]
+
+    with ThreadPoolExecutor(len(engines)) as pool:
+        outputs = list(pool.map(generate, range(len(engines))))
+    ids, logprobs, rewards = [], [], []
+    for batch, outs in zip(batches, outputs, strict=True):
+        for prompt, out in zip(batch, outs, strict=True):
+            ids.append(prompt + out["tokens"])
+            logprobs.append(out["logprobs"])
+            rewards.append(task.reward(out["tokens"], vocab))
+    return {"ids": ids, "engine_logprobs": logprobs, "rewards": rewards}
+
+
+def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> Iterator[StepResult]:
+    """Run one trainer rank for ``cfg.steps`` steps, yielding after each step's updates.
+
+    Joins the trainer's default group at ``where.init_method`` (gloo), builds the model
+    (``TrainerModel``) and the sync (``WeightSync``, rendezvous on ``where.sync_host``),
+    and tears both down when the generator finishes or is closed.  ``verify=False`` skips
+    the bitwise checksum after each update (``checksum_ok`` is then None).
+    """
+    from shardsync.layout import MegatronParallel
+    from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+    from shardsync.sync import SyncConfig, WeightSync
+
+    torch.set_num_threads(1)
+    rank = where.rank
+    par = MegatronParallel(tp=cfg.trainer_tp, pp=cfg.trainer_pp, dtype="float32")
+    dist.init_process_group("gloo", init_method=where.init_method, rank=rank,
+                            world_size=par.world_size,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    sync = None
+    try:
+        spec, source = _weights(cfg)
+        groups = megatron_groups(par, timeout_s=cfg.timeout_s)
+        model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
+                             source=source, optim=OptimConfig(lr=cfg.lr), timeout_s=cfg.timeout_s)
+        sync = WeightSync(spec, par, rank, dict(model.named_parameters()), list(where.engines),
+                          SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode,
+                                     bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
+                                     host=where.sync_host),
+                          trainer_group=dist.group.WORLD)
+        sync.connect()
+        modes = [m for m in cfg.modes if m in sync.modes] if cfg.mode == "both" else [sync.mode]
+        for step in range(1, cfg.steps + 1):
+            box = [rollouts(cfg, where.engines, step, spec.vocab_size, step - 1) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            batch = box[0]
+            ids = torch.tensor(batch["ids"], dtype=torch.long)
+            start = cfg.prompt_len - 1  # first position whose next token was sampled
+            mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+            mask[:, start:] = 1.0
+            old = model.policy_logprobs(ids)
+            rewards = torch.tensor(batch["rewards"])
+            loss = functools.partial(grpo_loss, old_logprobs=old, mask=mask,
+                                     advantages=task.group_advantages(rewards, cfg.group))
+            stats = model.train_step(ids, loss)
+            records, updates = [], {}
+            for mode in modes:
+                rec = sync.update(step, mode=mode)
+                bad = sync.verify() if verify else None
+                records.append(rec)
+                updates[mode] = {"phases": rec.phases, "busiest_link_bytes": rec.busiest_link_bytes,
+                                 "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
+                                 "checksum_ok": None if bad is None else not bad,
+                                 "mismatch": (bad or [])[:5], "fallback": rec.fallback_reason}
+            lp_diff = (old[:, start:] - torch.tensor(batch["engine_logprobs"])).abs().mean()
+            row = {"step": step, "reward": float(rewards.mean()), "loss": stats.loss,
+                   "grad_norm": stats.grad_norm, "logprob_abs_diff": float(lp_diff),
+                   "version": step, "updates": updates}
+            yield StepResult(row, tuple(modes), tuple(records))
+    finally:
+        if sync is not None:
+            sync.close()
+        dist.destroy_process_group()
