@@ -83,7 +83,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     tps = _engine_tps(args.engine_tp, args.engines)
     cfg = DemoConfig(model=args.model, trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp,
                      engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
-                     seed=args.seed, lr=args.lr, out=args.out)
+                     seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
+                     engine_dtype=args.engine_dtype)
     return run_demo(cfg)
 
 
@@ -125,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-tp", default="2", help="engine TP, or a comma list (one per engine)")
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--mode", default="both", choices=["both", "auto", "p2p", "broadcast"])
+    p.add_argument("--mode", default="both", choices=["both", "auto", "p2p", "broadcast", "delta"])
+    p.add_argument("--delta-transport", default="p2p", choices=["p2p", "broadcast", "disk"])
+    p.add_argument("--engine-dtype", default=None, help="engine weights dtype (delta: bfloat16)")
     p.add_argument("--bucket-mb", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=None, help="default 1e-2; 1e-5 with --mode delta")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/demo")
     p.set_defaults(func=cmd_demo)

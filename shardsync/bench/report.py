@@ -83,8 +83,9 @@ def table(rep: dict) -> str:
 def _fixed(rep: dict) -> dict:
     """The first value of every axis the latency plot does not show."""
     c = rep["config"]
-    return {"credits": c["credits"][0], "inflight_cap_bytes": None if c["inflight_mb"][0] is None
-            else int(c["inflight_mb"][0] * MiB), "stride_s": c["stride_us"][0] * 1e-6, "reuse": c["reuse"][0]}
+    cap = c["inflight_mb"][0]
+    return {"credits": c["credits"][0], "inflight_cap_bytes": None if cap is None else int(cap * MiB),
+            "stride_s": c["stride_us"][0] * 1e-6, "reuse": c["reuse"][0]}
 
 
 def plot(rep: dict, out_dir: str | Path) -> list[Path]:
@@ -125,6 +126,16 @@ def plot(rep: dict, out_dir: str | Path) -> list[Path]:
     return [lat_path, plot_inflight(rep, out / "inflight.png")]
 
 
+def _median_trace(traces: list[dict]) -> dict[int, dict]:
+    """The measured iteration whose slowest-rank latency is the median (a typical one)."""
+    def latency(tr: dict) -> float:
+        return max((max(t[4] for t in v["transfers"]) - v["t0"] for v in tr.values() if v["transfers"]),
+                   default=0.0)
+
+    ranked = sorted(traces, key=latency)
+    return {int(k): v for k, v in ranked[(len(ranked) - 1) // 2].items()}
+
+
 def plot_inflight(rep: dict, path: Path) -> Path:
     """Bytes in flight at the trainer ranks and each engine group's active span, per policy."""
     import matplotlib
@@ -134,13 +145,13 @@ def plot_inflight(rep: dict, path: Path) -> Path:
 
     fixed = _fixed(rep)
     first = rep["results"][0]["point"]
-    rows = [r for r in rep["results"] if r.get("traces") and all(r["point"][k] == v for k, v in fixed.items())
-            and r["point"]["transport"] == first["transport"] and r["point"]["bucket_bytes"] == first["bucket_bytes"]]
+    fixed |= {"transport": first["transport"], "bucket_bytes": first["bucket_bytes"]}
+    rows = [r for r in rep["results"] if r.get("traces") and all(r["point"][k] == v for k, v in fixed.items())]
     trainers = set(rep["layout"]["trainers"])
     fig, axes = plt.subplots(len(rows), 1, figsize=(7, 1.6 * len(rows) + 0.6), squeeze=False, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, r in zip(axes[:, 0], rows, strict=True):
-        trace = {int(k): v for k, v in r["traces"][-1].items()}
+        trace = _median_trace(r["traces"])
         origin = min(v["t0"] for v in trace.values())
         events = []
         spans: dict[int, list[float]] = {}
@@ -165,7 +176,7 @@ def plot_inflight(rep: dict, path: Path) -> Path:
         ax.set_title(f"{_policy(r)}: {r['metrics']['max_active_groups']} group(s) at once "
                      f"(bound {r['bound_groups']})", fontsize=8)
         ax.legend(fontsize=6, loc="upper right")
-    axes[-1, 0].set_xlabel(f"ms since the iteration barrier (last measured iteration; {first['transport']}, "
+    axes[-1, 0].set_xlabel(f"ms since the iteration barrier (median iteration; {first['transport']}, "
                            f"{first['bucket_bytes'] / MiB:g} MiB, credits {fixed['credits']})")
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -90,35 +90,39 @@ def _sleep_until(deadline: float) -> None:
 
 
 def _run_program(program: list[Item], tracer: TracingTransport, pool, credits: int,
-                 group: SyncGroup, is_trainer: bool) -> dict[str, float]:
+                 group: SyncGroup, is_trainer: bool) -> tuple[dict[str, float], list[list]]:
+    """Run one rank's program; returns phase times and its barriers as (kind, group, in, out)."""
     phases = dict.fromkeys(("pack", "transfer", "unpack", "control", "gate"), 0.0)
+    control: list[list] = []
     wave, wave_start = -1, 0.0
     for item in program:
         if isinstance(item, (Go, Done)):
             t = _clock()
-            if isinstance(item, Go):
-                if item.wave != wave:
-                    wave, wave_start = item.wave, t
-                if is_trainer and item.offset_s > 0:
-                    _sleep_until(wave_start + item.offset_s)
-                    phases["gate"] += _clock() - t
-                    t = _clock()
+            if isinstance(item, Go) and is_trainer and item.offset_s > 0:
+                # a wave starts when its first group starts: the exit of its first go barrier
+                _sleep_until(wave_start + item.offset_s)
+                phases["gate"] += _clock() - t
+                t = _clock()
             group_barrier(group, f"ctrl{item.group}")
-            phases["control"] += _clock() - t
+            t_out = _clock()
+            phases["control"] += t_out - t
+            control.append(["go" if isinstance(item, Go) else "done", item.group, t, t_out])
+            if isinstance(item, Go) and item.wave != wave:
+                wave, wave_start = item.wave, t_out
         else:
             st = execute(list(item), {}, tracer, pool=pool, credits=credits)
             phases["pack"] += st.pack_s
             phases["transfer"] += st.transfer_s
             phases["unpack"] += st.unpack_s
-    return phases
+    return phases, control
 
 
 def _iteration(program, tracer, pool, credits, group, is_trainer) -> dict:
     group.barrier()
     group.synchronize()
     t0 = _clock()
-    phases = _run_program(program, tracer, pool, credits, group, is_trainer)
-    return {"t0": t0, "transfers": [r.row() for r in tracer.take()], "phases": phases}
+    phases, control = _run_program(program, tracer, pool, credits, group, is_trainer)
+    return {"t0": t0, "transfers": [r.row() for r in tracer.take()], "phases": phases, "control": control}
 
 
 def _run_point(cfg: BenchConfig, prep: Prepared, point: Point, rank: int, group: SyncGroup,
@@ -170,8 +174,9 @@ def evaluate(cfg: BenchConfig, prep: Prepared, point: Point, per_rank: dict[int,
     iters = [iteration_metrics({r: d["iterations"][i] for r, d in per_rank.items()}, shared_clock=hosts == 1)
              for i in range(prov.iters_measured)]
     out["metrics"] = aggregate(iters)
-    out["traces"] = [{r: {"t0": d["iterations"][i]["t0"], "transfers": d["iterations"][i]["transfers"]}
-                      for r, d in per_rank.items()} for i in range(prov.iters_measured)]
+    keep = ("t0", "transfers", "control")
+    out["traces"] = [{r: {k: d["iterations"][i][k] for k in keep} for r, d in per_rank.items()}
+                     for i in range(prov.iters_measured)]
     return out
 
 
@@ -312,7 +317,8 @@ def _torchrun(cfg: BenchConfig) -> int:
     device = resolve_device(cfg.device, local)
     backend = "nccl" if device.type == "cuda" else "gloo"
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    name = f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    name = f"bench-{run_id}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     rdv = Rendezvous(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
                      name, backend, cfg.timeout_s)
     logging.basicConfig(level=logging.WARNING, format=f"[bench rank {rank}] %(name)s: %(message)s")

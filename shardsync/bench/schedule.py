@@ -5,7 +5,8 @@ through the runtime executor (oldest-first completion, so any credit window is
 deadlock-free), and a rank drains its transfers before each control barrier it joins.
 Per wave: ``go`` barriers (one per engine group), the groups' messages round-robin, then
 ``done`` barriers.  With a stride, a group's ``go`` sits just before its first message
-and trainer ranks hold it until the group's start offset has passed.
+and trainer ranks hold it until its offset has passed since the wave's first group
+started (that group's ``go`` returned).
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ def row(r: dict, modes: list[str]) -> str:
                     f"{u['busiest_link_bytes'] / 1024:>11.1f}")
     ok = all(u["checksum_ok"] for u in r["updates"].values())
     cols.append(f"{r['logprob_abs_diff']:>10.2e} {'ok' if ok else 'MISMATCH':>8}")
+    paths = {u.get("path") for m, u in r["updates"].items() if m == "delta"}
+    if paths:
+        u = r["updates"]["delta"]
+        sent = (u.get("delta") or {}).get("bytes_sent")
+        cols.append(f"  {paths.pop()}" + (f" ({sent / 1024:.1f} KiB sent by rank 0)" if sent else ""))
     return " ".join(cols)
 
 

@@ -41,10 +41,18 @@ class DemoConfig:
     group: int = 4
     prompt_len: int = 8
     max_new_tokens: int = 8
-    lr: float = 1e-2
+    lr: float | None = None  # None: 1e-2 (reward visibly rises), 1e-5 for delta (RL-typical, sparse)
     seed: int = 0
     out: str = "out/demo"
     timeout_s: float = 120.0
+    delta_transport: str = "p2p"
+    engine_dtype: str | None = None  # None: the model's; delta defaults to bfloat16
+
+    @property
+    def learning_rate(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 1e-5 if self.mode == "delta" else 1e-2
 
     @property
     def modes(self) -> list[str]:
@@ -64,6 +72,9 @@ def start_engines(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
         port = _free_port()
         cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
                "--tp", str(tp), "--port", str(port), "--seed", str(cfg.seed)]
+        dtype = cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else None)
+        if dtype:
+            cmd += ["--dtype", dtype]
         engines.append((subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"))
     deadline = time.monotonic() + cfg.timeout_s
     for proc, url in engines:
@@ -118,14 +129,18 @@ def _trainer(rank: int, cfg: DemoConfig, port: int, urls: list[str], results) ->
     spec = load_spec(cfg.model)
     groups = megatron_groups(par, timeout_s=cfg.timeout_s)
     model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
-                         source=random_source(spec, cfg.seed), optim=OptimConfig(lr=cfg.lr))
+                         source=random_source(spec, cfg.seed), optim=OptimConfig(lr=cfg.learning_rate))
     out = Path(cfg.out)
     sync = WeightSync(spec, par, rank, dict(model.named_parameters()), urls,
                       SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode, bucket_mb=cfg.bucket_mb,
-                                 timeout_s=cfg.timeout_s, records_path=str(out / "records.jsonl") if rank == 0 else None),
+                                 timeout_s=cfg.timeout_s, records_path=str(out / "records.jsonl") if rank == 0 else None,
+                                 delta_transport=cfg.delta_transport, delta_dir=str(out / "versions")),
                       trainer_group=dist.group.WORLD)
     sync.connect()
-    modes = [m for m in cfg.modes if m in sync.modes] if cfg.mode == "both" else [sync.mode]
+    if cfg.mode == "both":
+        modes = [m for m in cfg.modes if m in sync.modes]
+    else:
+        modes = ["delta"] if cfg.mode == "delta" else [sync.mode]
     version = 0
     for step in range(1, cfg.steps + 1):
         box = [_rollouts(cfg, urls, step, spec.vocab_size, version) if rank == 0 else None]
@@ -143,11 +158,12 @@ def _trainer(rank: int, cfg: DemoConfig, port: int, urls: list[str], results) ->
         version += 1
         updates = {}
         for mode in modes:
-            rec = sync.update(version, mode=mode)
+            rec = sync.update(version, mode=None if mode == "delta" else mode)
             bad = sync.verify()
             updates[mode] = {"phases": rec.phases, "busiest_link_bytes": rec.busiest_link_bytes,
                              "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
-                             "checksum_ok": not bad, "mismatch": bad[:5], "fallback": rec.fallback_reason}
+                             "checksum_ok": not bad, "mismatch": bad[:5], "fallback": rec.fallback_reason,
+                             "path": rec.mode, "delta": rec.delta}
         row = {"step": step, "reward": float(rewards.mean()), "loss": stats.loss,
                "grad_norm": stats.grad_norm, "logprob_abs_diff": lp_diff, "version": version,
                "updates": updates}
