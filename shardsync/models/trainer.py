@@ -194,6 +194,7 @@ class TrainerModel(nn.Module):
                  pp_group: dist.ProcessGroup | None = None, *,
                  dp_group: dist.ProcessGroup | None = None, source: TensorSource | None = None,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimConfig | None = None,
+                 device: str | torch.device = "cpu",
                  timeout_s: float = 60.0) -> None:
         super().__init__()
         if par.tp > spec.num_kv_heads or spec.num_kv_heads % par.tp:
@@ -207,6 +208,7 @@ class TrainerModel(nn.Module):
             raise ValueError(f"rank {rank} outside the model's {par.world_size} ranks")
         self.spec, self.par, self.rank = spec, par, rank
         self.compute_dtype = compute_dtype
+        self.device = torch.device(device)
         self.optim_config = optim or OptimConfig()
         self.layout: Layout = megatron_layout(spec, dataclasses.replace(par, dtype="float32"))
         self.rank_layout: RankLayout = self.layout.ranks[rank]
@@ -220,9 +222,9 @@ class TrainerModel(nn.Module):
         self.vocab_start = tp_rank * self.vocab_rows
 
         if source is not None:
-            tensors = load_rank(self.layout, rank, source)
+            tensors = load_rank(self.layout, rank, source, device=self.device)
         else:
-            tensors = {t.name: torch.zeros(t.shape) for t in self.rank_layout.tensors}
+            tensors = {t.name: torch.zeros(t.shape, device=self.device) for t in self.rank_layout.tensors}
         if self.first:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = _Weights(
@@ -281,10 +283,11 @@ class TrainerModel(nn.Module):
         if self.first:
             h_in, h = None, self._embed(ids)
         else:
-            h_in = self.pp.recv(torch.empty(b, s, self.spec.hidden_size, dtype=self.compute_dtype),
+            h_in = self.pp.recv(torch.empty(b, s, self.spec.hidden_size, dtype=self.compute_dtype,
+                                            device=self.device),
                                 self.pp.rank - 1)
             h = h_in.requires_grad_(torch.is_grad_enabled())
-        cos, sin = rope_cos_sin(self.spec, torch.arange(s)[None], self.compute_dtype)
+        cos, sin = rope_cos_sin(self.spec, torch.arange(s, device=self.device)[None], self.compute_dtype)
         for layer in self.decoder.layers:
             h = layer(h, cos, sin)
         if not self.last:
@@ -298,7 +301,7 @@ class TrainerModel(nn.Module):
         logits = F.linear(self.tp.copy_to(h), self._cast(self._output_weight())).float()
         pad = self.vocab_start + self.vocab_rows - self.spec.vocab_size
         if pad > 0:
-            cols = torch.arange(self.vocab_rows) + self.vocab_start >= self.spec.vocab_size
+            cols = torch.arange(self.vocab_rows, device=self.device) + self.vocab_start >= self.spec.vocab_size
             logits = logits.masked_fill(cols, float("-inf"))
         return logits
 
@@ -312,7 +315,7 @@ class TrainerModel(nn.Module):
     def _from_last(self, x: torch.Tensor | None, shape: Sequence[int],
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The last stage's ``x`` on every stage (broadcast over the PP group)."""
-        buf = x.detach().contiguous() if x is not None else torch.empty(tuple(shape), dtype=dtype)
+        buf = x.detach().contiguous() if x is not None else torch.empty(tuple(shape), dtype=dtype, device=self.device)
         return self.pp.broadcast(buf, self.par.pp - 1)
 
     def _check_ids(self, ids: torch.Tensor, name: str = "input_ids", min_len: int = 2) -> None:
@@ -421,8 +424,8 @@ class TrainerModel(nn.Module):
 
         Collective over the TP group, then the PP group (``optimizer_step`` calls it).
         """
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.named_parameters():
             if p.grad is None or (self.tied_copy and self.last and name == "output_layer.weight"):
                 continue
