@@ -151,7 +151,15 @@ def part2(args) -> list[dict]:
                      for r in range(2)]
             for p in procs:
                 p.start()
-            got = dict(q.get(timeout=1800) for _ in procs)
+            got = {}
+            deadline = time.monotonic() + 1800
+            while len(got) < len(procs):
+                try:
+                    rank, res = q.get(timeout=2)
+                    got[rank] = res
+                except Exception:
+                    if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                        raise RuntimeError(f"trainer ranks failed ({transport})") from None
             for p in procs:
                 p.join(60)
         finally:
@@ -185,8 +193,6 @@ def main() -> None:
     ap.add_argument("--out", default="delta.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    global SPEC
-    SPEC = SPEC.replace(name=os.path.basename(_CONFIG_DIR))  # engines load it from that config dir
     lrs = [float(x) for x in args.lrs.split(",")]
     rows = part1(lrs, args.steps)
     print(f"model {SPEC.num_parameters() / 1e6:.1f} M params, bf16 weights, fp32 master, AdamW")

@@ -147,7 +147,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
             topo = topology_from_connect(raw, str(worker.model.dtype).removeprefix("torch."))
         except (TypeError, ValueError) as e:
             raise ApiError(400, f"cannot build the sync topology: {e}") from None
-        if topo.spec != worker.spec.replace(dtype=topo.spec.dtype):
+        if topo.spec.replace(name=worker.spec.name) != worker.spec.replace(dtype=topo.spec.dtype):
             raise ApiError(409, f"trainer model {topo.spec.name} differs from this engine's "
                                 f"{worker.spec.name}: sync needs identical architectures")
         if req.engine_index >= len(req.engines) or req.engines[req.engine_index] != worker.tp:

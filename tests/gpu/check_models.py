@@ -162,8 +162,8 @@ def hf_logits(spec: ModelSpec, source: TensorSource, dtype: torch.dtype, device:
 
 def trainer_on(spec: ModelSpec, par: MegatronParallel, source: TensorSource, dtype: torch.dtype,
                device: torch.device) -> TrainerModel:
-    """A TP 1 trainer built on the CPU (it has no device argument) and moved to ``device``."""
-    return TrainerModel(spec, par, source=source, compute_dtype=dtype).to(device)
+    """A TP 1 trainer built directly on ``device``."""
+    return TrainerModel(spec, par, source=source, compute_dtype=dtype, device=device)
 
 
 NOT_DEVICE_CLEAN = "plain .to() forward failed"
@@ -341,7 +341,7 @@ def _megatron_world(device: torch.device) -> Callable[[], None]:
     from megatron.core import parallel_state, tensor_parallel
 
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.device(device).index or 0)
     # TP = PP = 1: no collective runs in the forward, so gloo serves on CUDA too.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=120))
