@@ -155,8 +155,8 @@ def part2(args) -> list[dict]:
             deadline = time.monotonic() + 1800
             while len(got) < len(procs):
                 try:
-                    rank, res = q.get(timeout=2)
-                    got[rank] = res
+                    rank, value = q.get(timeout=2)
+                    got[rank] = value
                 except Exception:
                     if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
                         raise RuntimeError(f"trainer ranks failed ({transport})") from None
@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--out", default="delta.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    lrs = [float(x) for x in args.lrs.split(",")]
+    lrs = [float(x) for x in args.lrs.split(",") if x and x != "none"]
     rows = part1(lrs, args.steps)
     print(f"model {SPEC.num_parameters() / 1e6:.1f} M params, bf16 weights, fp32 master, AdamW")
     print(f"{'lr':>7} {'step':>4} {'density':>8} {'full KiB':>9} {'sparse32':>9} {'gap16':>8} {'xor+zstd':>9} "

@@ -59,12 +59,16 @@ class SyncConfig:
     delta_transport: str = "p2p"
     delta_dir: str | None = None
     delta_pin_memory: bool = False
+    relay: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.delta_transport not in DELTA_TRANSPORTS:
             raise ValueError(f"delta_transport must be one of {DELTA_TRANSPORTS}, got {self.delta_transport!r}")
+        if self.relay and self.mode == "delta" and self.delta_transport == "p2p":
+            raise ValueError("relay applies to full p2p updates; delta over p2p sends every engine its "
+                             "parts directly: use delta_transport='broadcast' or relay=False")
         if self.mode == "delta" and self.delta_transport == "disk" and not self.delta_dir:
             raise ValueError("delta over disk needs delta_dir (a directory every engine can read)")
 
@@ -104,6 +108,7 @@ class WeightSync:
         self._delta: DeltaRunner | None = None
         self._disk: DiskPublisher | None = None
         self._synced: int | None = None
+        self._updates = 0
         self._http = httpx.Client(timeout=config.http_timeout_s) if rank == 0 else None
         self.plan_s = 0.0
 
@@ -165,13 +170,13 @@ class WeightSync:
         topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
                         tuple(EngineParallel(tp=t, dtype=dtype) for t in decision["tps"]),
                         engine_kind=self.config.engine_kind, engine_pp=self.config.engine_pp,
-                        quantization=self.config.quantization)
+                        quantization=self.config.quantization, relay=self.config.relay)
         self.mode, self.fallback_reason = self._choose_mode(topo)
         # Both paths are planned when p2p is possible, so each update may pick either.
         self.modes = ("p2p", "broadcast") if self.mode == "p2p" else ("broadcast",)
-        fingerprints = {"broadcast": topo.broadcast_plan.fingerprint}
+        fingerprints = {"broadcast": topo.fingerprint("broadcast")}
         if self.mode == "p2p":
-            fingerprints["p2p"] = topo.p2p_plan.fingerprint
+            fingerprints["p2p"] = topo.fingerprint("p2p")
         sched = Schedule(topo, self.rank, int(self.config.bucket_mb * 2**20), credits=self.config.credits)
         for stage in range(topo.trainer.pp):
             sched.steps("broadcast", stage)
@@ -270,7 +275,7 @@ class WeightSync:
                         "norm_names": t.norm_names, "dtype": t.dtype},
             "engines": [e.tp for e in topo.engines], "engine_index": index,
             "fingerprints": fingerprints, "bucket_bytes": int(self.config.bucket_mb * 2**20),
-            "credits": self.config.credits, "rendezvous": asdict(rdv),
+            "credits": self.config.credits, "relay": self.config.relay, "rendezvous": asdict(rdv),
         }
 
     def update(self, version: int, *, mode: str | None = None) -> UpdateRecord:
@@ -293,8 +298,8 @@ class WeightSync:
             try:
                 delta = self._delta_plan() if self.config.mode == "delta" and mode is None else None
                 wire = f"delta-{delta}" if delta else (mode or self.mode)
-                plan = self.topo.p2p_plan if wire.removeprefix("delta-") == "p2p" else self.topo.broadcast_plan
-                body = {"version": version, "mode": wire, "fingerprint": plan.fingerprint}
+                body = {"version": version, "mode": wire,
+                        "fingerprint": self.topo.fingerprint(wire.removeprefix("delta-").replace("disk", "broadcast"))}
                 if delta:
                     body["base_version"] = self._synced
                 if delta != "disk":  # files need no receive loop: engines pull after publishing
@@ -302,12 +307,14 @@ class WeightSync:
                 go = {"mode": wire}
             except Exception as e:
                 go = {"error": str(e)}
-        go = self._signal(f"v{version}/begin", go)
+        self._updates += 1  # store keys are per call: a version may be sent twice (resync)
+        key = f"u{self._updates}"
+        go = self._signal(f"{key}/begin", go)
         if "error" in go:
             raise SyncError(f"update {version} refused: {go['error']}")
         mode = go["mode"]
         if mode == "delta-disk":
-            return self._update_disk(version, t0)
+            return self._update_disk(version, t0, key)
         t1 = time.perf_counter()
         error, stats, dstats = None, None, None
         try:
@@ -327,7 +334,7 @@ class WeightSync:
                                                   [{"version": version}] * len(self.urls))}
             except Exception as e:
                 done = {"error": str(e), "engines": []}
-        done = self._signal(f"v{version}/done", done)
+        done = self._signal(f"{key}/done", done)
         t3 = time.perf_counter()
         error = error or done.get("error")
         record = self._record(version, mode, error, stats, dstats, done.get("engines", []),
@@ -345,7 +352,7 @@ class WeightSync:
             self._synced = version
         return record
 
-    def _update_disk(self, version: int, t0: float) -> UpdateRecord:
+    def _update_disk(self, version: int, t0: float, key: str) -> UpdateRecord:
         """Delta through files: every trainer rank writes its share, rank 0 publishes and asks
         each engine to pull (one HTTP call per engine), then all ranks learn the outcome."""
         assert self._disk is not None and self._synced is not None
@@ -355,7 +362,7 @@ class WeightSync:
             dstats = self._disk.write(version, self._synced, self.group)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        written = self._store_all(f"v{version}/written", error)
+        written = self._store_all(f"{key}/written", error)
         done = None
         if self.rank == 0:
             try:
@@ -368,7 +375,7 @@ class WeightSync:
             except Exception as e:
                 done = {"error": str(e), "engines": []}
         t2 = time.perf_counter()
-        done = self._signal(f"v{version}/done", done)
+        done = self._signal(f"{key}/done", done)
         error = error or done.get("error")
         record = self._record(version, "delta-disk", error, None, dstats, done.get("engines", []),
                               {"control": time.perf_counter() - t2 + (t1 - t0),

@@ -6,6 +6,7 @@ same numbers and so derive the same plans (compared by fingerprint at connect ti
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -34,6 +35,7 @@ class Topology:
     engine_kind: str = "reference"
     engine_pp: int = 1
     quantization: str | None = None
+    relay: bool = False
 
     @property
     def wire_dtype(self) -> str:
@@ -66,8 +68,32 @@ class Topology:
 
     @cached_property
     def p2p_plan(self) -> Plan:
-        """Every trainer rank (all DP replicas) -> every engine rank, shard to shard."""
+        """Trainer ranks (all DP replicas) -> engine ranks, shard to shard.
+
+        With ``relay`` only the first engine is a destination; the others receive through
+        ``relay_plans`` (engine i -> engine i+1), so the trainer's links carry one copy.
+        """
+        if self.relay:
+            first = concat_layouts("engine", self.engine_layouts[:1])
+            return build_plan(self.trainer_layout, first, wire_dtype=self.wire_dtype)
         return build_plan(self.trainer_layout, self.engines_layout, wire_dtype=self.wire_dtype)
+
+    @cached_property
+    def relay_plans(self) -> tuple[Plan, ...]:
+        """Engine i -> engine i+1, for a relayed p2p update (empty without ``relay``)."""
+        if not self.relay:
+            return ()
+        return tuple(build_plan(a, b, wire_dtype=self.wire_dtype)
+                     for a, b in zip(self.engine_layouts, self.engine_layouts[1:], strict=False))
+
+    def fingerprint(self, mode: str) -> str:
+        """What trainer and engines compare at connect, per full-update path."""
+        if mode == "broadcast":
+            return self.broadcast_plan.fingerprint
+        if not self.relay_plans:
+            return self.p2p_plan.fingerprint
+        parts = [self.p2p_plan.fingerprint] + [p.fingerprint for p in self.relay_plans]
+        return hashlib.sha256("relay:".join(parts).encode()).hexdigest()[:16]
 
     @cached_property
     def source_layout(self) -> Layout:

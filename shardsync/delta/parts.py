@@ -82,9 +82,18 @@ def _inside(idx: list[torch.Tensor], sub: tuple[slice, ...]) -> torch.Tensor:
     return mask
 
 
+def _covers(sub: tuple[slice, ...], sizes: Box) -> bool:
+    return all(s.start == 0 and s.stop == n for s, n in zip(sub, sizes, strict=True))
+
+
 def apply_values(part: Part, positions: torch.Tensor | None, values: torch.Tensor,
                  tensors: Mapping[str, torch.Tensor], targets: list[Target]) -> int:
-    """Write a part's new values into every target; returns elements written."""
+    """Write a part's new values into every target; returns elements written.
+
+    Sparse values land by flat index (``index_put_`` on a flat view): positions are mapped
+    through the target's strides once, with no per-element masks when a target holds the
+    whole part (every p2p part).
+    """
     written = 0
     if positions is None:
         box = values.view(part.sizes)
@@ -92,15 +101,36 @@ def apply_values(part: Part, positions: torch.Tensor | None, values: torch.Tenso
             tensors[name][region].copy_(box[sub])
             written += box[sub].numel()
         return written
-    idx = list(torch.unravel_index(positions, part.sizes))
+    idx = None
     for name, region, sub in targets:
-        m = _inside(idx, sub)
-        if not bool(m.any()):
-            continue
-        local = tuple(i[m] - s.start + r.start for i, s, r in zip(idx, sub, region, strict=True))
-        tensors[name].index_put_(local, values[m].to(tensors[name].dtype))
-        written += int(m.sum())
+        t = tensors[name]
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: delta targets must be contiguous tensors")
+        if _covers(sub, part.sizes):
+            pos, vals, shift = positions, values, [r.start for r in region]
+            coords = _unravel(pos, part.sizes)
+        else:
+            idx = idx if idx is not None else _unravel(positions, part.sizes)
+            m = _inside(idx, sub)
+            if not bool(m.any()):
+                continue
+            coords = [i[m] for i in idx]
+            vals = values[m]
+            shift = [r.start - s.start for r, s in zip(region, sub, strict=True)]
+        flat = torch.zeros_like(coords[0])
+        for c, off, stride in zip(coords, shift, t.stride(), strict=True):
+            flat += (c + off) * stride
+        t.view(-1).index_copy_(0, flat, vals.to(t.dtype))
+        written += flat.numel()
     return written
+
+
+def _unravel(positions: torch.Tensor, sizes: Box) -> list[torch.Tensor]:
+    if len(sizes) == 1:
+        return [positions]
+    if len(sizes) == 2:
+        return [positions // sizes[1], positions % sizes[1]]
+    return list(torch.unravel_index(positions, sizes))
 
 
 def apply_xor(part: Part, mask_bits: torch.Tensor, tensors: Mapping[str, torch.Tensor],

@@ -74,6 +74,7 @@ class ConnectRequest(_Msg):
     fingerprints: dict[str, str]
     bucket_bytes: int = Field(ge=1024)
     credits: int = Field(2, ge=1, le=64)
+    relay: bool = False
     rendezvous: RendezvousMsg
 
 

@@ -156,11 +156,10 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
                                 f", this engine runs TP {worker.tp}")
         mine = {}
         for mode, fp in req.fingerprints.items():
-            plan = {"p2p": lambda: topo.p2p_plan, "broadcast": lambda: topo.broadcast_plan}.get(mode)
-            if plan is None:
+            if mode not in ("p2p", "broadcast"):
                 raise ApiError(400, f"unknown mode {mode!r} in fingerprints")
             try:
-                mine[mode] = plan().fingerprint
+                mine[mode] = topo.fingerprint(mode)
             except ValueError as e:
                 raise ApiError(409, f"{mode} plan cannot be built here: {e}") from None
             if mine[mode] != fp:

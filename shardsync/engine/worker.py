@@ -46,7 +46,7 @@ def topology_from_connect(req: dict[str, Any], dtype: str) -> Topology:
         t["pp_layers"] = tuple(t["pp_layers"])
     trainer = MegatronParallel(**t)
     engines = tuple(EngineParallel(tp=tp, dtype=dtype) for tp in req["engines"])
-    return Topology(spec, trainer, engines)
+    return Topology(spec, trainer, engines, relay=bool(req.get("relay", False)))
 
 
 class EngineWorker:

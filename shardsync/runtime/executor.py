@@ -135,7 +135,7 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
             pool.put(base)
 
     for step in steps:
-        while len(inflight) >= credits:
+        while len(inflight) >= credits or (step.fence and inflight):
             complete_oldest()
         timing = StepTiming(step.label, step.link, step.numel * itemsize)
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ same plans, in one global order, so no per-bucket metadata crosses the wire.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shardsync.layout.piece import box_overlap
@@ -70,22 +71,38 @@ def merge_bindings(bindings: list[Binding]) -> tuple[Binding, ...]:
 
 
 def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> list[Step]:
-    """Steps of sync rank ``me`` for the shard-to-shard plan."""
+    """Steps of sync rank ``me`` for the shard-to-shard plan (and its relays, if any).
+
+    A relaying engine rank forwards only after it received everything (a fenced step):
+    store and forward, so the trainer's links carry one copy of the model whatever the
+    number of engines.
+    """
     ranks = SyncRanks(topo)
-    plan = topo.p2p_plan
+    steps = _link_steps(topo.p2p_plan, me, budget_bytes, lambda s: s, ranks.engine)
+    for i, plan in enumerate(topo.relay_plans):
+        a, b = topo.engine_rank_offset(i), topo.engine_rank_offset(i + 1)
+        relay = _link_steps(plan, me, budget_bytes, lambda s, a=a: ranks.engine(a + s),
+                            lambda d, b=b: ranks.engine(b + d), label=f"relay{i}")
+        if relay and relay[0].comm[0] == "send":
+            relay[0] = dataclasses.replace(relay[0], fence=True)
+        steps += relay
+    return steps
+
+
+def _link_steps(plan: Plan, me: int, budget_bytes: int, src_rank, dst_rank, label: str = "p2p") -> list[Step]:
     buckets = sorted(make_buckets(plan, budget_bytes), key=lambda b: (b.index, b.src, b.dst))
     steps = []
     for b in buckets:
-        src, dst = b.src, ranks.engine(b.dst)
+        src, dst = src_rank(b.src), dst_rank(b.dst)
         link = f"{plan.src.ranks[b.src].label}->{plan.dst.ranks[b.dst].label}"
         if me == src:
             pack = merge_bindings([Binding(c.src_local, _region(c.src_offsets, c.sizes), off, c.sizes,
                                            full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True)])
-            steps.append(Step(f"p2p{b.index}", b.numel, ("send", dst), pack=pack, link=link))
+            steps.append(Step(f"{label}{b.index}", b.numel, ("send", dst), pack=pack, link=link))
         elif me == dst:
             drain = merge_bindings([Binding(c.dst_local, _region(c.dst_offsets, c.sizes), off, c.sizes,
                                             full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True)])
-            steps.append(Step(f"p2p{b.index}", b.numel, ("recv", src), drain=drain, link=link))
+            steps.append(Step(f"{label}{b.index}", b.numel, ("recv", src), drain=drain, link=link))
     return steps
 
 

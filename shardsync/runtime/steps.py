@@ -66,3 +66,4 @@ class Step:
     drain: tuple[Binding, ...] = ()
     main_views: tuple[tuple[str, int, tuple[int, ...]], ...] = field(default=())
     link: str = ""
+    fence: bool = False  # complete every earlier step first (a relay reads what was received)

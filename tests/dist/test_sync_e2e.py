@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardsync.layout import MegatronParallel
+from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
 from shardsync.sync import SyncConfig, WeightSync
@@ -64,7 +64,7 @@ def test_trainer_tp2_engine_tp2(mode: str) -> None:
         stop_engine(proc)
 
 
-def _trainer_grow(rank: int, world: int, port: int, urls: list[str], out) -> None:
+def _trainer_grow(rank: int, world: int, port: int, urls: list[str], relay: bool, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -72,7 +72,7 @@ def _trainer_grow(rank: int, world: int, port: int, urls: list[str], out) -> Non
     par = MegatronParallel(tp=2, dtype="float32")
     lay = Topology(spec, par).trainer_layout
     params = load_rank(lay, rank, random_source(spec, seed=21))
-    sync = WeightSync(spec, par, rank, params, urls[:1], SyncConfig(bucket_mb=0.05, timeout_s=30),
+    sync = WeightSync(spec, par, rank, params, urls[:1], SyncConfig(bucket_mb=0.05, timeout_s=30, relay=relay),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     sync.update(1)
@@ -81,19 +81,29 @@ def _trainer_grow(rank: int, world: int, port: int, urls: list[str], out) -> Non
         v.copy_(fresh[k])
     sync.add_engine(urls[1])  # a TP-1 engine joins the TP-2 one mid-run
     rec = sync.update(2)
-    res = {"mode": rec.mode, "engines": len(rec.engines), "verify": sync.verify()}
+    res = {"mode": rec.mode, "engines": len(rec.engines), "verify": sync.verify(),
+           "trainer_bytes": rec.bytes_sent, "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)}
     sync.close()
     dist.destroy_process_group()
     out.put((rank, res))
 
 
-def test_two_engines_of_different_tp_and_one_added_mid_run() -> None:
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_two_engines_of_different_tp_and_one_added_mid_run(relay: bool) -> None:
     a, url_a = start_engine("tiny-qwen2", 2)
     b, url_b = start_engine("tiny-qwen2", 1, seed=99)  # starts from other weights
     try:
-        results = run_world(_trainer_grow, 2, args=(2, free_port(), [url_a, url_b]), timeout=180)
+        results = run_world(_trainer_grow, 2, args=(2, free_port(), [url_a, url_b], relay), timeout=180)
         assert results[0]["mode"] == "p2p" and results[0]["engines"] == 2
         assert results[0]["verify"] == [] and results[1]["verify"] == []
+        for r in (0, 1):  # with relay the trainer ranks send one engine's worth, not two
+            assert results[r]["trainer_bytes"] == results[r]["plan_bytes"]
+        sent = sum(results[r]["trainer_bytes"] for r in (0, 1))
+        engines = (EngineParallel(tp=2), EngineParallel(tp=1))
+        plans = {x: Topology(PRESETS["tiny-qwen2"], MegatronParallel(tp=2), engines, relay=x).p2p_plan
+                 for x in (False, True)}
+        assert sent == plans[relay].total_bytes
+        assert plans[True].total_bytes < 0.51 * plans[False].total_bytes  # one copy instead of two
         for url in (url_a, url_b):
             r = httpx.post(url + "/generate", json={"prompts": [[4, 5]], "max_new_tokens": 2}, timeout=30)
             assert r.status_code == 200 and r.json()["weight_version"] == 2

@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
     if case.get("wire"):
         spec = spec.replace(dtype=case["wire"])
     topo = Topology(spec, MegatronParallel(**case["trainer"], dtype="float32"),
-                    tuple(EngineParallel(tp=t) for t in case["engines"]))
+                    tuple(EngineParallel(tp=t) for t in case["engines"]), relay=case.get("relay", False))
     rdv = Rendezvous("127.0.0.1", port, world, "t", timeout_s=30)
     store = open_store(rdv, is_master=True) if rank == 0 else None
     sched = Schedule(topo, rank, bucket_bytes=case.get("bucket", 64 * 1024), credits=case.get("credits", 2))
@@ -50,6 +50,7 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
             results[mode + str(step)] = bad
         results[f"barriers{step}"] = group.barrier_calls
         results[f"sent{step}"] = stats.bytes_sent
+        results[f"sent_mode{step}"] = mode
     group.close()
     out.put((rank, results))
 
@@ -65,6 +66,8 @@ CASES = {
     # pipeline parallel trainers
     "tp1pp2": dict(model="tiny-qwen3", trainer=dict(tp=1, pp=2), engines=[2], modes=["p2p", "broadcast"]),
     # many engines, different TP, DP replicas spreading the sending
+    "relay-3engines": dict(model="tiny-qwen3", trainer=dict(tp=2), engines=[2, 2, 1], relay=True,
+                           modes=["p2p", "broadcast"]),
     "dp2-2engines": dict(model="tiny-qwen3", trainer=dict(tp=1, dp=2), engines=[2, 1],
                          modes=["p2p", "broadcast"]),
     "tp2-tp2": dict(model="tiny-qwen3", trainer=dict(tp=2), engines=[2], modes=["p2p", "broadcast", "p2p"]),
@@ -85,5 +88,13 @@ def test_transfer_bitwise(name: str) -> None:
         for key, bad in res.items():
             if key.startswith(("p2p", "broadcast")):
                 assert bad == [], f"{name} rank {rank} {key}: tensors differ: {bad[:5]}"
+    if case.get("relay"):
+        # the trainer sends one copy (to engine 0); engines 0 and 1 forward theirs
+        topo = Topology(PRESETS[case["model"]], MegatronParallel(**case["trainer"]),
+                        tuple(EngineParallel(tp=e) for e in case["engines"]), relay=True)
+        shard_bytes = topo.p2p_plan.total_bytes
+        step = case["modes"].index("p2p")
+        assert sum(results[r][f"sent{step}"] for r in range(t)) == shard_bytes
+        assert all(results[t + e][f"sent{step}"] > 0 for e in range(4))  # engine 0 and 1 ranks relay
     barrier_counts = {r: res[f"barriers{len(case['modes']) - 1}"] for r, res in results.items()}
     assert len(set(barrier_counts.values())) == 1, f"uneven barrier calls per rank: {barrier_counts}"

@@ -1,0 +1,283 @@
+"""The demo on a Ray cluster: trainer ranks and engine servers as actors in placement groups.
+
+This is the only module of shardsync that imports ``ray`` (the ``ray`` extra).  What runs
+is the same as ``shardsync demo``: engine servers (``shardsync engine serve``, their own TP
+worker processes) and Megatron-layout trainer ranks synced by ``WeightSync``; Ray only
+places the processes and hands out the addresses they meet at.
+
+Call sequence (driver, ``run_ray``):
+
+1. join or start the cluster, wait for ``min_nodes`` nodes;
+2. reserve two placement groups: one bundle per trainer rank (1 CPU, plus 1 GPU when the
+   cluster has GPUs) and one bundle per engine (``tp`` CPUs, plus ``tp`` GPUs); bundles are
+   packed, so TP neighbours share a node when they fit;
+3. every engine actor picks a free port on its node, starts the server bound to its node's
+   IP (``ray.util.get_node_ip_address()``) and reports its URL once healthy;
+4. trainer rank 0's actor picks a free port on its node for the trainer's default group;
+   the sync rendezvous (a TCPStore, port picked at connect) is hosted on the same IP;
+5. every trainer actor runs ``shardsync.launch.loop.trainer_rank``; rank 0 streams one
+   result per step back to the driver, which prints the demo's table and writes its files;
+6. engines stopped, actors killed, placement groups removed (also on failure).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from shardsync.demo import DemoConfig, report
+from shardsync.engine.launch import EngineConfig
+from shardsync.launch.loop import RankSite, StepResult, trainer_rank
+from shardsync.runtime.record import append_jsonl
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    """How the demo is placed on Ray.
+
+    ``address``: ``None`` starts a local cluster unless ``ray.init`` already ran in this
+    process; ``"auto"`` or ``"HOST:PORT"`` joins a running cluster.  ``gpus``: GPU bundles
+    (``None``: when the cluster reports GPUs; the reference models still compute on CPU).
+    ``min_nodes``: nodes to wait for before placing.  ``verify=False`` skips the bitwise
+    checksum after each update.
+    """
+
+    address: str | None = None
+    gpus: bool | None = None
+    min_nodes: int = 1
+    verify: bool = True
+    ready_timeout_s: float = 300.0
+
+
+def node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the caller binds it soon after; a race is reported by
+    the engine or the store failing to bind)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def bundles(cfg: DemoConfig, *, gpus: bool) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """(trainer bundles, engine bundles): one per trainer rank, one per engine."""
+    world = cfg.trainer_tp * cfg.trainer_pp
+    trainer = [{"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0} for _ in range(world)]
+    engines = [{"CPU": float(tp), "GPU": float(tp)} if gpus else {"CPU": float(tp)}
+               for tp in cfg.engine_tp]
+    return trainer, engines
+
+
+def engine_command(cfg: EngineConfig) -> list[str]:
+    """``shardsync engine serve`` for ``cfg`` (the CLI front of ``engine.launch.serve``)."""
+    cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
+           "--tp", str(cfg.tp), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
+           "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
+    return cmd + (["--dtype", cfg.dtype] if cfg.dtype else [])
+
+
+def _die_with_parent() -> None:
+    # An engine must not outlive its actor (ray.kill sends SIGKILL, which nothing can trap).
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EngineServer:
+    """Actor: one engine server (its own TP worker processes) on this actor's node."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> str:
+        """Start the server on a free port of this node; return its URL once healthy."""
+        ip = node_ip()
+        cfg = dataclasses.replace(self.cfg, host=ip, port=free_port(ip))
+        self.proc = subprocess.Popen(engine_command(cfg), env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                     preexec_fn=_die_with_parent)
+        url = f"http://{ip}:{cfg.port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine {url} exited with {self.proc.returncode}; see its log above")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"engine {url} not healthy after {timeout_s}s")
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.terminate()
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+
+
+class TrainerRank:
+    """Actor: one trainer rank; ``run`` streams rank 0's per-step results."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it (rank 0: the trainer's default group)."""
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def run(self, cfg: DemoConfig, where: RankSite, verify: bool) -> Iterator[StepResult]:
+        for result in trainer_rank(cfg, where, verify=verify):
+            if self.rank == 0:
+                yield result
+
+
+def _wait_for_nodes(n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (alive := sum(1 for node in ray.nodes() if node["Alive"])) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {alive} of {n} Ray nodes joined within {timeout_s:.0f}s; "
+                               "start the workers with `ray start --address HEAD_IP:PORT`")
+        print(f"waiting for Ray nodes: {alive}/{n}", flush=True)
+        time.sleep(5)
+
+
+def _reserve(bundle_list: list[dict[str, float]], name: str, timeout_s: float) -> PlacementGroup:
+    pg = placement_group(bundle_list, strategy="PACK", name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(f"Ray could not place {name} bundles {bundle_list} within {timeout_s:.0f}s; "
+                           f"cluster resources: {ray.cluster_resources()}") from None
+    return pg
+
+
+def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def _results(gens: list, deadline: float) -> Iterator[StepResult]:
+    """Rank 0's results as they come, failing fast when any rank's task fails."""
+    pending = list(gens)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=5)
+        if not ready and time.monotonic() > deadline:
+            raise TimeoutError("the trainer ranks did not finish in time")
+        for gen in ready:
+            try:
+                ref = next(gen)
+            except StopIteration:
+                continue
+            yield ray.get(ref)  # raises the rank's error
+            pending.append(gen)
+
+
+def _line(r: dict, modes: list[str], verify: bool) -> str:
+    line = report.row(r, modes)
+    # report.row reads checksum_ok=None as a mismatch; say what happened instead.
+    return line if verify else line[:line.rstrip().rfind(" ")] + f" {'skipped':>8}"
+
+
+def _run(cfg: DemoConfig, rc: RayConfig) -> int:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "records.jsonl").unlink(missing_ok=True)
+    _wait_for_nodes(rc.min_nodes, rc.ready_timeout_s)
+    gpus = rc.gpus if rc.gpus is not None else ray.cluster_resources().get("GPU", 0) >= 1
+    trainer_b, engine_b = bundles(cfg, gpus=gpus)
+    pgs = [_reserve(trainer_b, "shardsync-trainer", rc.ready_timeout_s)]
+    actors: list = []
+    engines: list = []
+    rows: list[dict] = []
+    modes: list[str] = cfg.modes
+    try:
+        pgs.append(_reserve(engine_b, "shardsync-engines", rc.ready_timeout_s))
+        engine_actor = ray.remote(EngineServer)
+        for i, tp in enumerate(cfg.engine_tp):
+            engines.append(engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0,
+                                                scheduling_strategy=_in(pgs[1], i))
+                           .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed)))
+        trainer_actor = ray.remote(TrainerRank)
+        trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0,
+                                          scheduling_strategy=_in(pgs[0], r)).remote(r)
+                    for r in range(len(trainer_b))]
+        actors = engines + trainers
+        urls = ray.get([e.start.remote(cfg.timeout_s) for e in engines], timeout=cfg.timeout_s + 60)
+        ip, port = ray.get(trainers[0].address.remote(), timeout=cfg.timeout_s)
+        print(f"shardsync demo on Ray ({'GPU' if gpus else 'CPU'} bundles): {cfg.model}, trainer "
+              f"TP{cfg.trainer_tp} PP{cfg.trainer_pp} (rank 0 at {ip}) -> engines {urls}, "
+              f"{cfg.steps} GRPO steps, modes {cfg.modes}", flush=True)
+        gens = [t.run.remote(cfg, RankSite(rank=r, init_method=f"tcp://{ip}:{port}", sync_host=ip,
+                                           engines=tuple(urls)), rc.verify)
+                for r, t in enumerate(trainers)]
+        for result in _results(gens, time.monotonic() + cfg.timeout_s * (cfg.steps + 2)):
+            if not rows:
+                modes = list(result.modes)
+                print(report.header(modes))
+            print(_line(result.row, modes, rc.verify), flush=True)
+            rows.append(result.row)
+            for rec in result.records:
+                append_jsonl(out / "records.jsonl", rec)
+    finally:
+        for e in engines:
+            try:
+                ray.get(e.stop.remote(), timeout=30)
+            except Exception:  # a dead actor took its engine with it (PDEATHSIG)
+                pass
+        for a in actors:
+            ray.kill(a)
+        for pg in pgs:
+            remove_placement_group(pg)
+    summary = report.summary(rows, modes)
+    if not rc.verify:
+        summary[-1] = "bitwise checksum: skipped"
+    for line in summary:
+        print(line)
+    (out / "steps.json").write_text(json.dumps(
+        {"config": dataclasses.asdict(cfg), "launcher": "ray", "gpu_bundles": gpus, "steps": rows},
+        indent=2))
+    report.plot(rows, modes, out / "demo.png")
+    print(f"wrote {out / 'records.jsonl'}, {out / 'steps.json'}, {out / 'demo.png'}")
+    return int(any(u["checksum_ok"] is False for r in rows for u in r["updates"].values()))
+
+
+def run_ray(cfg: DemoConfig, ray_config: RayConfig | None = None) -> int:
+    """Run the demo with Ray placing every process; returns the exit code (0: every update
+    ok and, unless skipped, bitwise verified).  Shuts Ray down only if it started it."""
+    rc = ray_config or RayConfig()
+    started = not ray.is_initialized()
+    if started:
+        if rc.address is None:
+            ray.init(include_dashboard=False)
+        else:
+            ray.init(address=rc.address)
+    try:
+        return _run(cfg, rc)
+    except Exception as e:
+        print(f"demo on Ray failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if started:
+            ray.shutdown()
