@@ -27,7 +27,7 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     lay = Topology(spec, par).trainer_layout
     params = load_rank(lay, rank, random_source(spec, seed=11))
     sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode=case["mode"], bucket_mb=0.05,
-                                                                   timeout_s=30),
+                                                                   timeout_s=30, detail=True),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res = {"mode": sync.mode, "records": [], "verify": []}
@@ -37,7 +37,8 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
             v.copy_(fresh[k])  # in place: the sync reads the parameters where they live
         rec = sync.update(version)
         res["records"].append({"ok": rec.ok, "mode": rec.mode, "phases": rec.phases,
-                               "bytes_sent": rec.bytes_sent, "links": rec.link_bytes})
+                               "bytes_sent": rec.bytes_sent, "links": rec.link_bytes, "steps": rec.steps,
+                               "engines": rec.engines})
         res["verify"].append(sync.verify())
     sync.close()
     dist.destroy_process_group()
@@ -57,6 +58,11 @@ def test_trainer_tp2_engine_tp2(mode: str) -> None:
         r0 = results[0]["records"][-1]
         assert set(r0["phases"]) >= {"plan", "pack", "transfer", "unpack", "control", "total"}
         assert sum(r0["links"].values()) > 0
+        # per-bucket detail: every step this rank ran, with its link, bytes and phase times
+        assert r0["steps"] and all({"label", "link", "bytes", "pack_s", "transfer_s", "unpack_s"} <= set(s)
+                                   for s in r0["steps"])
+        assert sum(s["bytes"] for s in r0["steps"]) >= r0["bytes_sent"]
+        assert r0["engines"] and all(e["ok"] and e["total_s"] > 0 for e in r0["engines"])
         gen = httpx.post(url + "/generate", json={"prompts": [[1, 2, 3]], "max_new_tokens": 3},
                          timeout=30).json()
         assert gen["weight_version"] == 2
