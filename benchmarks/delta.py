@@ -44,7 +44,9 @@ from shardsync.models.weights import random_source
 from shardsync.spec import PRESETS
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sync_modes import _engine, _free_port  # noqa: E402
+from sync_modes import _engine  # noqa: E402
+
+from shardsync.transport.group import free_port  # noqa: E402
 
 SPEC = PRESETS["tiny-qwen3"].replace(name="bench-qwen3", hidden_size=512, num_layers=4, num_heads=8,
                                     num_kv_heads=2, head_dim=64, intermediate_size=1536, vocab_size=4000,
@@ -145,7 +147,7 @@ def part2(args) -> list[dict]:
         try:
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
-            port = _free_port()
+            port = free_port()
             root = tempfile.mkdtemp(prefix="shardsync-delta-")
             procs = [ctx.Process(target=_trainer, args=(r, 2, port, url, args, transport, root, q))
                      for r in range(2)]

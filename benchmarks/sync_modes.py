@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,15 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shardsync.transport.group import free_port
 
 
 def _engine(model: str, tp: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", model,
                              "--tp", str(tp), "--port", str(port)],
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -91,7 +86,7 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
     try:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        world, port = args.trainer_tp, _free_port()
+        world, port = args.trainer_tp, free_port()
         procs = [ctx.Process(target=_trainer, args=(r, world, port, url, args, model, out)) for r in range(world)]
         for p in procs:
             p.start()

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from sync_modes import _free_port
 
 from shardsync.demo.run import DemoConfig, start_engines
 from shardsync.spec import PRESETS
+from shardsync.transport.group import free_port as _free_port
 
 MODES = ("p2p", "broadcast")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-import socket
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -34,7 +33,7 @@ from shardsync.runtime.update import Schedule
 from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
 from shardsync.transport import Rendezvous, SyncGroup
-from shardsync.transport.group import open_store
+from shardsync.transport.group import free_port, open_store
 
 log = logging.getLogger("shardsync")
 MODES = ("auto", "p2p", "broadcast", "delta")
@@ -77,10 +76,6 @@ class SyncError(RuntimeError):
     """An update or connect that did not complete; engines keep (or mark stale) their weights."""
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class WeightSync:
@@ -158,7 +153,7 @@ class WeightSync:
                 dtypes = {i["dtype"] for i in infos}
                 if len(dtypes) != 1:
                     raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
-                port = self.config.port or _free_port(self.config.host)
+                port = self.config.port or free_port(self.config.host)
                 decision = {"tps": tps, "dtype": dtypes.pop(), "port": port,
                             "name": f"shardsync-{uuid.uuid4().hex[:8]}"}
             except Exception as e:

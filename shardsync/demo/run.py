@@ -11,7 +11,6 @@ import functools
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardsync.demo import report, task
+from shardsync.transport.group import free_port
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,13 @@ class DemoConfig:
         return ["p2p", "broadcast"] if self.mode == "both" else [self.mode]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engines(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
     engines = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for tp in cfg.engine_tp:
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
                "--tp", str(tp), "--port", str(port), "--seed", str(cfg.seed)]
         dtype = cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else None)
@@ -185,7 +181,7 @@ def run_demo(cfg: DemoConfig) -> int:
     world = cfg.trainer_tp * cfg.trainer_pp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     procs = [ctx.Process(target=_trainer, args=(r, cfg, port, urls, results)) for r in range(world)]
     rows: list[dict] = []

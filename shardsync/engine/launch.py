@@ -6,12 +6,13 @@ import datetime
 import logging
 import os
 import signal
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from shardsync.transport.group import free_port
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,6 @@ class EngineConfig:
     log_level: str = "warning"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results) -> None:
@@ -76,7 +73,7 @@ def serve(cfg: EngineConfig) -> int:
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(cfg.tp - 1)]
     results = ctx.Queue()
-    tp_port = _free_port()
+    tp_port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, cfg, tp_port, commands, results), daemon=False)
              for r in range(cfg.tp)]
     for p in procs:

@@ -15,6 +15,14 @@ from shardsync.spec import ModelSpec
 Box = tuple[int, ...]
 
 
+def volume(sizes: Box) -> int:
+    """Number of elements of a box (or a shape)."""
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
 @dataclass(frozen=True, slots=True)
 class Piece:
     logical: str
@@ -25,10 +33,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return volume(self.sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +44,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return volume(self.shape)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from shardsync.layout.piece import Box, Layout, box_overlap
+from shardsync.layout.piece import Box, Layout, box_overlap, volume
 
 
 class PlanError(ValueError):
@@ -37,10 +37,7 @@ class Copy:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return volume(self.sizes)
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -111,13 +108,6 @@ class Plan:
         return (c.sizes == s and not any(c.src_offsets), c.sizes == d and not any(c.dst_offsets))
 
 
-def _volume(sizes: Box) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
 def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Plan:
     """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder."""
     if src.spec.name != dst.spec.name or src.logical != dst.logical:
@@ -147,7 +137,7 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Pl
                 cache[key] = hits
                 problems.extend(_coverage_problems(p.logical, p.offsets, p.sizes, hits))
             for off, holders, (ov_off, ov_size) in hits:
-                numel = _volume(ov_size)
+                numel = volume(ov_size)
                 rank, local, loc_off = min(holders, key=lambda h: (load[h[0]], h[0]))
                 load[rank] += numel
                 copies.append(Copy(
@@ -171,14 +161,14 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Pl
 
 def _coverage_problems(logical: str, offsets: Box, sizes: Box, hits: list) -> list[str]:
     out = []
-    covered = sum(_volume(ov[1]) for _, _, ov in hits)
+    covered = sum(volume(ov[1]) for _, _, ov in hits)
     for i in range(len(hits)):
         for j in range(i + 1, len(hits)):
             both = box_overlap(*hits[i][2], *hits[j][2])
             if both is not None:
                 out.append(f"doubled: {logical} offsets={both[0]} sizes={both[1]}")
-    if covered < _volume(sizes):
+    if covered < volume(sizes):
         got = sorted((ov[0], ov[1]) for _, _, ov in hits)
         out.append(f"missing: {logical} offsets={offsets} sizes={sizes} has only "
-                   f"{covered}/{_volume(sizes)} elements in the source (source boxes: {got or 'none'})")
+                   f"{covered}/{volume(sizes)} elements in the source (source boxes: {got or 'none'})")
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,13 @@ class Rendezvous:
     @property
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on ``host`` now (rendezvous and servers never use fixed ports)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def open_store(rdv: Rendezvous, *, is_master: bool) -> dist.TCPStore:

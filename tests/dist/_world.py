@@ -13,12 +13,9 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+from shardsync.transport.group import free_port  # noqa: F401  (re-exported for tests)
 
-def free_port() -> int:
-    """A port the OS says is free now (never a fixed port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 class _Out:
