@@ -31,13 +31,13 @@ class Schedule:
     credits: int = 2
     device: str | torch.device = "cpu"
     _steps: dict[tuple[str, int], list[Step]] = field(default_factory=dict)
-    _pool: BufferPool | None = None
+    _pools: dict[str, BufferPool] = field(default_factory=dict)
 
-    @property
-    def pool(self) -> BufferPool:
-        if self._pool is None:
-            self._pool = BufferPool(getattr(torch, self.topo.wire_dtype), self.device)
-        return self._pool
+    def pool(self, mode: str) -> BufferPool:
+        """The buffers of one path, reused across its updates (sized by its own peak)."""
+        if mode not in self._pools:
+            self._pools[mode] = BufferPool(getattr(torch, self.topo.wire_dtype), self.device)
+        return self._pools[mode]
 
     def steps(self, mode: str, stage: int = 0) -> list[Step]:
         key = (mode, stage)
@@ -57,11 +57,11 @@ class Schedule:
     def run(self, mode: str, local: Mapping[str, torch.Tensor], transport: Transport, *,
             barrier, detail: bool = False) -> ExecStats:
         if mode == "p2p":
-            return execute(self.steps("p2p"), local, transport, pool=self.pool,
+            return execute(self.steps("p2p"), local, transport, pool=self.pool("p2p"),
                            credits=self.credits, detail=detail)
         total = ExecStats()
         for stage in range(self.topo.trainer.pp):
-            s = execute(self.steps("broadcast", stage), local, transport, pool=self.pool,
+            s = execute(self.steps("broadcast", stage), local, transport, pool=self.pool("broadcast"),
                         credits=self.credits, detail=detail)
             barrier()
             total.pack_s += s.pack_s
@@ -70,5 +70,5 @@ class Schedule:
             total.bytes_sent += s.bytes_sent
             total.bytes_received += s.bytes_received
             total.steps.extend(s.steps)
-        total.peak_buffer_bytes = self.pool.allocated_bytes
+        total.peak_buffer_bytes = self.pool("broadcast").allocated_bytes
         return total
