@@ -122,32 +122,40 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Pl
 
     load = [0] * src.world_size
     problems: list[str] = []
-    cache: dict[tuple[str, Box, Box], list] = {}
+    # (logical box, local offsets) -> [(numel, [(rank, local, src offsets)], dst offsets, overlap)]:
+    # identical engines hit the cache, leaving only the holder choice per piece.
+    cache: dict[tuple[str, Box, Box, Box], list] = {}
     copies: list[Copy] = []
     for dst_rank, rl in enumerate(dst.ranks):
         for p in rl.pieces:
-            key = (p.logical, p.offsets, p.sizes)
+            key = (p.logical, p.offsets, p.sizes, p.local_offsets)
             hits = cache.get(key)
             if hits is None:
-                hits = []
+                raw = []
                 for (off, size), holders in boxes.get(p.logical, ()):
                     ov = box_overlap(off, size, p.offsets, p.sizes)
                     if ov is not None:
-                        hits.append((off, holders, ov))
+                        raw.append((off, holders, ov))
+                problems.extend(_coverage_problems(p.logical, p.offsets, p.sizes, raw))
+                hits = []
+                for off, holders, (ov_off, ov_size) in raw:
+                    rel = tuple(o - b for o, b in zip(ov_off, off, strict=True))
+                    if any(rel):
+                        srcs = [(rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True)))
+                                for rank, local, loc in holders]
+                    else:  # the overlap starts where the source box does (replicas, whole pieces)
+                        srcs = holders
+                    dst_off = tuple(lo + o - b for lo, o, b in zip(p.local_offsets, ov_off, p.offsets, strict=True))
+                    hits.append((volume(ov_size), srcs, dst_off, ov_off, ov_size))
                 cache[key] = hits
-                problems.extend(_coverage_problems(p.logical, p.offsets, p.sizes, hits))
-            for off, holders, (ov_off, ov_size) in hits:
-                numel = volume(ov_size)
-                rank, local, loc_off = min(holders, key=lambda h: (load[h[0]], h[0]))
+            for numel, srcs, dst_off, ov_off, ov_size in hits:
+                if len(srcs) == 1:
+                    rank, local, src_off = srcs[0]
+                else:
+                    rank, local, src_off = min(srcs, key=lambda h: (load[h[0]], h[0]))
                 load[rank] += numel
-                copies.append(Copy(
-                    src=rank, src_local=local,
-                    src_offsets=tuple(lo + o - b for lo, o, b in zip(loc_off, ov_off, off, strict=True)),
-                    dst=dst_rank, dst_local=p.local,
-                    dst_offsets=tuple(lo + o - b for lo, o, b in
-                                      zip(p.local_offsets, ov_off, p.offsets, strict=True)),
-                    sizes=ov_size, logical=p.logical, logical_offsets=ov_off,
-                ))
+                copies.append(Copy(rank, local, src_off, dst_rank, p.local, dst_off, ov_size,
+                                   p.logical, ov_off))
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
