@@ -63,12 +63,16 @@ class BufferPool:
         self._free: list[torch.Tensor] = []
         self.allocated_bytes = 0
 
-    def get(self, numel: int) -> torch.Tensor:
-        """A buffer of at least ``numel`` elements (return it with ``put``)."""
+    def get(self, numel: int, size: int = 0) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements (return it with ``put``).
+
+        New buffers get ``max(numel, size)`` elements: sized to a schedule's largest step, a
+        pool never holds more buffers than the steps in flight.
+        """
         fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
         if fits:
             return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+        buf = torch.empty(max(numel, size), dtype=self.dtype, device=self.device)
         self.allocated_bytes += buf.numel() * buf.element_size()
         return buf
 
@@ -114,6 +118,7 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
     """Run ``steps`` in order, at most ``credits`` buffers in flight; oldest completes first."""
     stats = ExecStats()
     inflight: deque = deque()
+    size = max((max([s.numel] + [f.numel for f in s.fill]) for s in steps), default=0)
     itemsize = torch.empty((), dtype=pool.dtype).element_size()
 
     def complete_oldest() -> None:
@@ -145,14 +150,14 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
             direct = _zero_copy(step.pack, local, pool.dtype, step.numel)
         elif kind == "recv":
             direct = _zero_copy(step.drain, local, pool.dtype, step.numel)
-        base = direct if direct is not None else pool.get(step.numel)
+        base = direct if direct is not None else pool.get(step.numel, size)
         buf = base[:step.numel]
         if direct is None:
             main = _main_views(step, buf)
             for b in step.pack:
                 _buf_view(buf, b).copy_(_resolve(b, local, main))
             for sub in step.fill:
-                sbase = pool.get(sub.numel)
+                sbase = pool.get(sub.numel, size)
                 sbuf = sbase[:sub.numel]
                 transport.recv(sbuf, sub.peer).wait()
                 for b in sub.bindings:
