@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
         results[f"barriers{step}"] = group.barrier_calls
         results[f"sent{step}"] = stats.bytes_sent
         results[f"sent_mode{step}"] = mode
+        results[f"pool_{mode}"] = sched.pool(mode).allocated_bytes
     group.close()
     out.put((rank, results))
 
@@ -88,6 +89,11 @@ def test_transfer_bitwise(name: str) -> None:
         for key, bad in res.items():
             if key.startswith(("p2p", "broadcast")):
                 assert bad == [], f"{name} rank {rank} {key}: tensors differ: {bad[:5]}"
+    # p2p needs no gather: every rank's extra memory stays within credits x bucket
+    budget = case.get("credits", 2) * case.get("bucket", 64 * 1024)
+    for rank, res in results.items():
+        if "pool_p2p" in res:
+            assert res["pool_p2p"] <= budget, (rank, res["pool_p2p"], budget)
     if case.get("relay"):
         # the trainer sends one copy (to engine 0); engines 0 and 1 forward theirs
         topo = Topology(PRESETS[case["model"]], MegatronParallel(**case["trainer"]),
