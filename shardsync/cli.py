@@ -85,6 +85,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                      engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
                      engine_dtype=args.engine_dtype)
+    if args.launcher == "ray":  # trainer ranks and engines as Ray actors (docs/ray.md)
+        from shardsync.launch import run_on_ray
+
+        return run_on_ray(cfg, address=args.ray_address)
     return run_demo(cfg)
 
 
@@ -133,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="default 1e-2; 1e-5 with --mode delta")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/demo")
+    p.add_argument("--launcher", default="local", choices=["local", "ray"],
+                   help="local: processes on this machine; ray: actors placed by Ray (docs/ray.md)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --launcher ray: 'auto' or HOST:PORT of a running cluster (default: start a local one)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="sweep transports and engine-wave policies on this hardware")

@@ -34,6 +34,7 @@ from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
 from shardsync.transport import Rendezvous, SyncGroup
 from shardsync.transport.group import free_port, open_store
+from shardsync.transport.ipc import IpcTransport
 
 log = logging.getLogger("shardsync")
 MODES = ("auto", "p2p", "broadcast", "delta")
@@ -59,12 +60,15 @@ class SyncConfig:
     delta_dir: str | None = None
     delta_pin_memory: bool = False
     relay: bool = False
+    ipc: bool = False  # colocated engines on the trainer ranks' GPUs: p2p data through CUDA IPC
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.delta_transport not in DELTA_TRANSPORTS:
             raise ValueError(f"delta_transport must be one of {DELTA_TRANSPORTS}, got {self.delta_transport!r}")
+        if self.ipc and self.mode not in ("auto", "p2p"):
+            raise ValueError("ipc moves full p2p updates between processes on one GPU; use mode='p2p'")
         if self.relay and self.mode == "delta" and self.delta_transport == "p2p":
             raise ValueError("relay applies to full p2p updates; delta over p2p sends every engine its "
                              "parts directly: use delta_transport='broadcast' or relay=False")
@@ -202,6 +206,9 @@ class WeightSync:
             self._store = open_store(rdv, is_master=False)
             self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
         self.topo, self._sched = topo, sched
+        self._transport = self.group
+        if self.config.ipc:
+            self._transport = self._export_ipc(topo, sched)
         if self.config.mode == "delta":
             if self._snapshot is None:
                 self._snapshot = Snapshot(self.params, getattr(torch, topo.wire_dtype),
@@ -218,6 +225,17 @@ class WeightSync:
                 log.info("[rank 0] mode=auto falls back to broadcast: %s", self.fallback_reason)
             log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
                      len(self.urls), decision["tps"], self.mode, time.perf_counter() - t0)
+
+    def _export_ipc(self, topo: Topology, sched: Schedule) -> IpcTransport:
+        """Publish this rank's IPC slots for every engine rank it sends to (same GPU)."""
+        if self.mode != "p2p":
+            raise SyncError(f"ipc needs the p2p path, but {self.fallback_reason}")
+        transport = IpcTransport(self.group, slots=self.config.credits)
+        device = next(iter(self.params.values())).device
+        for peer in sorted({s.comm[1] for s in sched.steps("p2p") if s.comm[0] == "send"}):
+            numel = max(s.numel for s in sched.steps("p2p") if s.comm == ("send", peer))
+            transport.export(peer, numel, getattr(torch, topo.wire_dtype), device)
+        return transport
 
     def add_engine(self, url: str) -> None:
         """Collective over trainer ranks: bring a new engine in while training runs.
@@ -270,7 +288,8 @@ class WeightSync:
                         "norm_names": t.norm_names, "dtype": t.dtype},
             "engines": [e.tp for e in topo.engines], "engine_index": index,
             "fingerprints": fingerprints, "bucket_bytes": int(self.config.bucket_mb * 2**20),
-            "credits": self.config.credits, "relay": self.config.relay, "rendezvous": asdict(rdv),
+            "credits": self.config.credits, "relay": self.config.relay, "ipc": self.config.ipc,
+            "rendezvous": asdict(rdv),
         }
 
     def update(self, version: int, *, mode: str | None = None) -> UpdateRecord:
@@ -317,8 +336,8 @@ class WeightSync:
                 assert self._delta is not None
                 dstats = self._delta.run(mode.removeprefix("delta-"), self.params, self.group)
             else:
-                stats = self._sched.run(mode, self.params, self.group, barrier=self.group.barrier,
-                                        detail=self.config.detail)
+                stats = self._sched.run(mode, self.params, self._transport if mode == "p2p" else self.group,
+                                        barrier=self.group.barrier, detail=self.config.detail)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         t2 = time.perf_counter()

@@ -57,6 +57,7 @@ class EngineWorker:
         self.params = dict(model.named_parameters())
         self.sync: tuple[Topology, Schedule, SyncGroup, int] | None = None
         self.delta: DeltaRunner | None = None
+        self.transport = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -82,8 +83,16 @@ class EngineWorker:
             for stage in range(topo.trainer.pp if mode == "broadcast" else 1):
                 sched.steps(mode, stage)
         rdv = Rendezvous(**req["rendezvous"])
-        group = SyncGroup(rdv, me, sched.subgroups(), device=self.model.device
-                          if self.model.device.type == "cuda" else None)
+        # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the model's device.
+        group = SyncGroup(rdv, me, sched.subgroups(),
+                          device=self.model.device if rdv.backend == "nccl" else None)
+        self.transport = group
+        if req.get("ipc"):
+            from shardsync.transport.ipc import IpcTransport
+
+            self.transport = IpcTransport(group, slots=req["credits"])
+            for peer in sorted({s.comm[1] for s in sched.steps("p2p") if s.comm[0] == "recv"}):
+                self.transport.attach(peer)
         self.sync = (topo, sched, group, req["engine_index"])
         self.delta = DeltaRunner(topo, me, req["bucket_bytes"], credits=req["credits"],
                                  rank=self.model.layout.ranks[self.rank])
@@ -102,7 +111,8 @@ class EngineWorker:
                         "total_s": time.perf_counter() - t0, "bytes_received": d.bytes_received,
                         "changed": d.changed, "buffer_bytes": self.delta.pool.allocated_bytes,
                         "buckets": 0}
-            stats = sched.run(mode, self.params, group, barrier=group.barrier)
+            transport = self.transport if mode == "p2p" else group
+            stats = sched.run(mode, self.params, transport, barrier=group.barrier)
         except Exception as e:  # the group is broken after a failed collective
             log.warning("tp%d: update %d (%s) failed: %s", self.rank, version, mode, e)
             self.disconnect()

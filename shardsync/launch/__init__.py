@@ -8,14 +8,21 @@ the local machine.  ``loop`` holds the per-rank training loop any launcher runs;
 from __future__ import annotations
 
 import importlib.util
+import sys
 
+from shardsync.demo import DemoConfig
 from shardsync.launch.loop import RankSite, StepResult, rollouts, trainer_rank
 
-__all__ = ["RankSite", "StepResult", "require_ray", "rollouts", "trainer_rank"]
+__all__ = ["RankSite", "StepResult", "rollouts", "run_on_ray", "trainer_rank"]
 
 
-def require_ray() -> None:
-    """Raise ``ValueError`` with the install command when the ``ray`` extra is missing."""
+def run_on_ray(cfg: DemoConfig, **options) -> int:
+    """``shardsync.launch.ray.run_ray(cfg, RayConfig(**options))``; exit code 2 with the
+    install command when the ``ray`` extra is missing."""
     if importlib.util.find_spec("ray") is None:
-        raise ValueError("the Ray launcher needs ray; install it with pip install 'shardsync[ray]' "
-                         "(or pip install 'ray>=2.40')")
+        print("error: the Ray launcher needs ray; pip install 'shardsync[ray]' (or 'ray>=2.40')",
+              file=sys.stderr)
+        return 2
+    from shardsync.launch.ray import RayConfig, run_ray
+
+    return run_ray(cfg, RayConfig(**options))

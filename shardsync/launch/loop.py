@@ -37,13 +37,16 @@ class RankSite:
 
     ``init_method`` is trainer rank 0's default-group address (``tcp://ip:port``);
     ``sync_host`` is the address rank 0 hosts the sync rendezvous (TCPStore) on, reachable
-    from every engine; ``engines`` are the engine servers' base URLs.
+    from every engine; ``engines`` are the engine servers' base URLs; ``delta_dir`` is the
+    directory delta-over-disk publishes to (every engine must read it: a shared filesystem
+    when engines run on other nodes).
     """
 
     rank: int
     init_method: str
     sync_host: str
     engines: tuple[str, ...]
+    delta_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,14 +124,18 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         spec, source = _weights(cfg)
         groups = megatron_groups(par, timeout_s=cfg.timeout_s)
         model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
-                             source=source, optim=OptimConfig(lr=cfg.lr), timeout_s=cfg.timeout_s)
+                             source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s)
         sync = WeightSync(spec, par, rank, dict(model.named_parameters()), list(where.engines),
                           SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode,
                                      bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                                     host=where.sync_host),
+                                     host=where.sync_host, delta_transport=cfg.delta_transport,
+                                     delta_dir=where.delta_dir),
                           trainer_group=dist.group.WORLD)
         sync.connect()
-        modes = [m for m in cfg.modes if m in sync.modes] if cfg.mode == "both" else [sync.mode]
+        if cfg.mode == "both":
+            modes = [m for m in cfg.modes if m in sync.modes]
+        else:  # delta: the sync picks a delta or a full update per step
+            modes = ["delta"] if cfg.mode == "delta" else [sync.mode]
         for step in range(1, cfg.steps + 1):
             box = [rollouts(cfg, where.engines, step, spec.vocab_size, step - 1) if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
@@ -144,13 +151,14 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
             stats = model.train_step(ids, loss)
             records, updates = [], {}
             for mode in modes:
-                rec = sync.update(step, mode=mode)
+                rec = sync.update(step, mode=None if mode == "delta" else mode)
                 bad = sync.verify() if verify else None
                 records.append(rec)
                 updates[mode] = {"phases": rec.phases, "busiest_link_bytes": rec.busiest_link_bytes,
                                  "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
                                  "checksum_ok": None if bad is None else not bad,
-                                 "mismatch": (bad or [])[:5], "fallback": rec.fallback_reason}
+                                 "mismatch": (bad or [])[:5], "fallback": rec.fallback_reason,
+                                 "path": rec.mode, "delta": rec.delta}
             lp_diff = (old[:, start:] - torch.tensor(batch["engine_logprobs"])).abs().mean()
             row = {"step": step, "reward": float(rewards.mean()), "loss": stats.loss,
                    "grad_norm": stats.grad_norm, "logprob_abs_diff": float(lp_diff),

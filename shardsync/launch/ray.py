@@ -52,9 +52,11 @@ class RayConfig:
 
     ``address``: ``None`` starts a local cluster unless ``ray.init`` already ran in this
     process; ``"auto"`` or ``"HOST:PORT"`` joins a running cluster.  ``gpus``: GPU bundles
-    (``None``: when the cluster reports GPUs; the reference models still compute on CPU).
+    (``None``: when the cluster has a GPU for every rank; the reference models compute on CPU
+    either way, the bundles reserve what a GPU trainer and engine would hold).
     ``min_nodes``: nodes to wait for before placing.  ``verify=False`` skips the bitwise
-    checksum after each update.
+    checksum after each update.  ``delta_dir``: where delta over disk publishes (default
+    ``<out>/versions``; on several nodes, a directory every node mounts).
     """
 
     address: str | None = None
@@ -62,6 +64,7 @@ class RayConfig:
     min_nodes: int = 1
     verify: bool = True
     ready_timeout_s: float = 300.0
+    delta_dir: str | None = None
 
 
 def node_ip() -> str:
@@ -91,6 +94,11 @@ def engine_command(cfg: EngineConfig) -> list[str]:
            "--tp", str(cfg.tp), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
            "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
     return cmd + (["--dtype", cfg.dtype] if cfg.dtype else [])
+
+
+def _engine_dtype(cfg: DemoConfig) -> str | None:
+    # as the embedded demo: delta runs bf16 engines unless told otherwise
+    return cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else None)
 
 
 def _die_with_parent() -> None:
@@ -163,14 +171,30 @@ def _wait_for_nodes(n: int, timeout_s: float) -> None:
         time.sleep(5)
 
 
+def _totals(resources: dict[str, float]) -> dict[str, float]:
+    return {k: resources.get(k, 0.0) for k in ("CPU", "GPU")}
+
+
+def _check_fits(*bundle_lists: list[dict[str, float]]) -> None:
+    """Refuse at once what the cluster can never hold (per-node fit is Ray's to decide)."""
+    have = _totals(ray.cluster_resources())
+    need = {k: sum(b.get(k, 0.0) for bl in bundle_lists for b in bl) for k in have}
+    short = {k: (need[k], have[k]) for k in need if need[k] > have[k]}
+    if short:
+        raise ValueError("the cluster is too small for this topology: " + ", ".join(
+            f"{k} needed {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            + "; add nodes, or start Ray with more logical CPUs (ray start --num-cpus N)")
+
+
 def _reserve(bundle_list: list[dict[str, float]], name: str, timeout_s: float) -> PlacementGroup:
     pg = placement_group(bundle_list, strategy="PACK", name=name)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
-        raise TimeoutError(f"Ray could not place {name} bundles {bundle_list} within {timeout_s:.0f}s; "
-                           f"cluster resources: {ray.cluster_resources()}") from None
+        raise TimeoutError(f"Ray could not place {name} bundles {bundle_list} within {timeout_s:.0f}s "
+                           f"(cluster: {_totals(ray.cluster_resources())}, free now: "
+                           f"{_totals(ray.available_resources())})") from None
     return pg
 
 
@@ -197,7 +221,7 @@ def _results(gens: list, deadline: float) -> Iterator[StepResult]:
 def _line(r: dict, modes: list[str], verify: bool) -> str:
     line = report.row(r, modes)
     # report.row reads checksum_ok=None as a mismatch; say what happened instead.
-    return line if verify else line[:line.rstrip().rfind(" ")] + f" {'skipped':>8}"
+    return line if verify else line.replace("MISMATCH", f"{'skipped':>8}", 1)
 
 
 def _run(cfg: DemoConfig, rc: RayConfig) -> int:
@@ -205,8 +229,14 @@ def _run(cfg: DemoConfig, rc: RayConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "records.jsonl").unlink(missing_ok=True)
     _wait_for_nodes(rc.min_nodes, rc.ready_timeout_s)
-    gpus = rc.gpus if rc.gpus is not None else ray.cluster_resources().get("GPU", 0) >= 1
+    gpus = rc.gpus
+    if gpus is None:
+        have, need = ray.cluster_resources().get("GPU", 0.0), cfg.trainer_tp * cfg.trainer_pp + sum(cfg.engine_tp)
+        gpus = have >= need
+        if 0 < have < need:
+            print(f"note: the cluster has {have:g} GPUs, the topology needs {need}; CPU bundles", flush=True)
     trainer_b, engine_b = bundles(cfg, gpus=gpus)
+    _check_fits(trainer_b, engine_b)
     pgs = [_reserve(trainer_b, "shardsync-trainer", rc.ready_timeout_s)]
     actors: list = []
     engines: list = []
@@ -218,7 +248,8 @@ def _run(cfg: DemoConfig, rc: RayConfig) -> int:
         for i, tp in enumerate(cfg.engine_tp):
             engines.append(engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0,
                                                 scheduling_strategy=_in(pgs[1], i))
-                           .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed)))
+                           .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed,
+                                                dtype=_engine_dtype(cfg))))
         trainer_actor = ray.remote(TrainerRank)
         trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0,
                                           scheduling_strategy=_in(pgs[0], r)).remote(r)
@@ -229,8 +260,9 @@ def _run(cfg: DemoConfig, rc: RayConfig) -> int:
         print(f"shardsync demo on Ray ({'GPU' if gpus else 'CPU'} bundles): {cfg.model}, trainer "
               f"TP{cfg.trainer_tp} PP{cfg.trainer_pp} (rank 0 at {ip}) -> engines {urls}, "
               f"{cfg.steps} GRPO steps, modes {cfg.modes}", flush=True)
+        delta_dir = rc.delta_dir or str(out.resolve() / "versions")
         gens = [t.run.remote(cfg, RankSite(rank=r, init_method=f"tcp://{ip}:{port}", sync_host=ip,
-                                           engines=tuple(urls)), rc.verify)
+                                           engines=tuple(urls), delta_dir=delta_dir), rc.verify)
                 for r, t in enumerate(trainers)]
         for result in _results(gens, time.monotonic() + cfg.timeout_s * (cfg.steps + 2)):
             if not rows:
@@ -269,8 +301,9 @@ def run_ray(cfg: DemoConfig, ray_config: RayConfig | None = None) -> int:
     rc = ray_config or RayConfig()
     started = not ray.is_initialized()
     if started:
-        if rc.address is None:
-            ray.init(include_dashboard=False)
+        if rc.address is None:  # a local cluster: logical CPUs enough for every bundle
+            cpus = sum(b["CPU"] for bl in bundles(cfg, gpus=False) for b in bl)
+            ray.init(num_cpus=max(int(cpus), os.cpu_count() or 1), include_dashboard=False)
         else:
             ray.init(address=rc.address)
     try:

@@ -21,11 +21,12 @@ _M = 0xFFFFFFFF
 BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
-def _flat_index(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    idx = torch.zeros((), dtype=torch.int64)
+def _flat_index(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...],
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    idx = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for dim in reversed(range(len(shape))):
-        ax = torch.arange(offsets[dim], offsets[dim] + sizes[dim], dtype=torch.int64) * stride
+        ax = torch.arange(offsets[dim], offsets[dim] + sizes[dim], dtype=torch.int64, device=device) * stride
         idx = idx.unsqueeze(0) + ax.view(-1, *([1] * idx.dim()))
         stride *= shape[dim]
     return idx
@@ -35,8 +36,8 @@ def box_checksum(values: torch.Tensor, offsets: tuple[int, ...], logical_shape: 
                  dtype: torch.dtype) -> int:
     """Checksum contribution of ``values`` (a box of a logical tensor), cast to ``dtype``."""
     int_dtype, mask = _BITS[dtype]
-    bits = values.detach().to("cpu", dtype).contiguous().view(int_dtype).to(torch.int64) & mask
-    idx = _flat_index(offsets, tuple(values.shape), logical_shape)
+    bits = values.detach().to(dtype).contiguous().view(int_dtype).to(torch.int64) & mask
+    idx = _flat_index(offsets, tuple(values.shape), logical_shape, bits.device)
     h = (bits * 0x2545F491 + idx * 0x1B873593 + 0x3C6EF372) & _M
     h = h ^ (h >> 16)
     h = (h * 0x2C1B3C6D) & _M

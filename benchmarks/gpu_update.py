@@ -1,0 +1,161 @@
+"""One GPU, colocated: a trainer process and an engine server share the device; full
+updates go through the CUDA IPC transport.  In one run: a plain device-to-device copy of
+the model's bytes (the limit), the IPC update time and its phases (pack/unpack
+throughput), the bitwise checksum, and delta encode/apply throughput on the device at 1 %
+and 10 % density.
+
+    python benchmarks/gpu_update.py --model Qwen3-4B --updates 5 --out gpu_update.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+from shardsync.delta.encode import decode, encode
+from shardsync.delta.parts import Part, apply_values
+from shardsync.layout import MegatronParallel
+from shardsync.models.weights import load_rank, random_source
+from shardsync.spec import load_spec
+from shardsync.sync import SyncConfig, WeightSync
+from shardsync.topology import Topology
+from shardsync.transport.group import free_port
+
+
+def cuda_ms(fn, iters: int = 5) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def d2d_copy_ms(nbytes: int) -> float:
+    """A plain device-to-device copy of ``nbytes``: the floor for moving the weights once."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return ms
+
+
+def fast_source(spec, seed: int):
+    """Random logical tensors generated on the GPU (a 4B model in seconds, not minutes)."""
+    base = random_source(spec, seed)
+
+    def get(name: str) -> torch.Tensor:
+        from shardsync.layout.logical import logical_tensors
+
+        shape = logical_tensors(spec)[name]
+        if len(shape) == 1:
+            return base(name)
+        g = torch.Generator(device="cuda").manual_seed(hash((seed, name)) % 2**31)
+        return torch.randn(shape, generator=g, device="cuda") * 0.02
+    return get
+
+
+def delta_throughput(numel: int, density: float) -> dict:
+    old = (torch.randn(numel, device="cuda") * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    idx = torch.randperm(numel, device="cuda")[: int(numel * density)]
+    new[idx] = (torch.randn(idx.numel(), device="cuda") * 0.02).to(torch.bfloat16)
+    part = Part(0, "w", (0,), "w", (0,), (numel,))
+    box = (slice(0, numel),)
+    blob = encode(new, old)
+    enc_ms = cuda_ms(lambda: encode(new, old))
+    target = old.clone()
+
+    def apply() -> None:
+        pos, vals = decode(blob, numel, torch.bfloat16)
+        apply_values(part, pos, vals, {"w": target}, [("w", box, box)])
+
+    app_ms = cuda_ms(apply)
+    assert torch.equal(target.view(torch.int16), new.view(torch.int16))
+    gb = numel * 2 / 1e9
+    return {"density": density, "encode_GBps": gb / enc_ms * 1e3, "apply_GBps": gb / app_ms * 1e3,
+            "payload_fraction": blob.numel() / (numel * 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="Qwen3-4B")
+    ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=float, default=256)
+    ap.add_argument("--out", default="gpu_update.json")
+    args = ap.parse_args()
+    spec = load_spec(args.model, dtype="bfloat16")
+    par = MegatronParallel(tp=1, dtype="bfloat16")
+    topo = Topology(spec, par)
+    model_bytes = sum(t.numel for t in topo.engines_layout.ranks[0].tensors) * 2
+    d2d_ms = d2d_copy_ms(model_bytes)
+    print(f"{spec.name}: {model_bytes / 2**30:.2f} GiB of bf16 weights; D2D copy {d2d_ms:.2f} ms "
+          f"({model_bytes / d2d_ms / 1e6:.0f} GB/s counting bytes once)", flush=True)
+
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", args.model,
+                               "--tp", "1", "--port", str(port), "--device", "cuda", "--dtype", "bfloat16",
+                               "--threads", "4"], env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    params = load_rank(topo.trainer_layout, 0, fast_source(spec, 1), device="cuda")
+    print(f"trainer weights ready in {time.time() - t0:.1f}s", flush=True)
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if engine.poll() is not None or time.time() - t0 > 500:
+                raise RuntimeError("engine did not start")
+            time.sleep(1)
+        print(f"engine ready after {time.time() - t0:.1f}s", flush=True)
+        sync = WeightSync(spec, par, 0, params, [url],
+                          SyncConfig(mode="p2p", ipc=True, bucket_mb=args.bucket_mb, timeout_s=300,
+                                     http_timeout_s=300))
+        sync.connect()
+        recs = []
+        for v in range(1, args.updates + 2):
+            params["embedding.word_embeddings.weight"][0, v % 7] += 1.0  # a change every update
+            torch.cuda.synchronize()
+            recs.append(sync.update(v))
+        bad = sync.verify()
+        sync.close()
+    finally:
+        engine.terminate()
+        engine.wait(60)
+    measured = recs[1:]
+    total = statistics.median(r.phases["total"] for r in measured) * 1e3
+    phases = {k: statistics.median(r.phases[k] for r in measured) * 1e3
+              for k in ("pack", "transfer", "unpack", "control")}
+    print(f"IPC update (trainer TP1 -> engine TP1, same GPU): median {total:.1f} ms over {len(measured)} "
+          f"updates = {total / d2d_ms:.2f}x the D2D copy; phases ms {phases}; checksum "
+          f"{'ok' if not bad else bad[:3]}", flush=True)
+    deltas = [delta_throughput(256 * 2**20, d) for d in (0.01, 0.10)]
+    for d in deltas:
+        print(f"delta on device, 512 MiB bf16 at density {d['density']:.2f}: encode {d['encode_GBps']:.1f} GB/s, "
+              f"apply {d['apply_GBps']:.1f} GB/s, payload {d['payload_fraction']:.3f} of full")
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": spec.name,
+                   "model_bytes": model_bytes, "d2d_ms": d2d_ms, "ipc_update_ms": total, "phases_ms": phases,
+                   "ratio_to_d2d": total / d2d_ms, "checksum_ok": not bad, "delta": deltas,
+                   "records": [r.phases for r in recs]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

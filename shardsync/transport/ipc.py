@@ -1,0 +1,123 @@
+"""CUDA IPC transport for engines that share a GPU with a trainer rank (colocated).
+
+The sender owns ``slots`` preallocated device buffers per link, exported once through the
+rendezvous store; the receiver maps them once.  A message is: wait until the receiver
+released the slot (ack), copy in, synchronize, signal ``[slot, numel]`` over the sync
+group (gloo, CPU); the receiver waits for the signal, copies out, synchronizes, acks.
+No buffer is reused before its reader said it finished.  Same plans, steps and executor
+as every other transport: this class only replaces ``send`` and ``recv``.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from shardsync.transport.group import SyncGroup
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class _Pending:
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        self._work.wait()
+
+
+def _key(src: int, dst: int) -> str:
+    return f"ipc/{src}->{dst}"
+
+
+class IpcTransport:
+    """Wraps a ``SyncGroup``: point-to-point data through shared device memory.
+
+    Collective contract: senders call ``export(peer, ...)`` for each receiver before the
+    receivers call ``attach(peer)``; both sides then run the same steps in the same order.
+    """
+
+    def __init__(self, group: SyncGroup, *, slots: int = 2) -> None:
+        self.group, self.nslots = group, slots
+        self.rank = group.rank
+        self._out: dict[int, list[torch.Tensor]] = {}
+        self._in: dict[int, list[torch.Tensor]] = {}
+        self._next: dict[int, int] = {}
+        self._acks: dict[tuple[int, int], object] = {}
+        self.copy_bytes = 0
+
+    # -- setup --
+
+    def export(self, peer: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate this link's slots on our GPU and publish their IPC handles."""
+        bufs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.nslots)]
+        self._out[peer] = bufs
+        self._next[peer] = 0
+        self.group._store.set(_key(self.rank, peer), pickle.dumps([reduce_tensor(b) for b in bufs]))
+
+    def attach(self, peer: int) -> None:
+        """Map the slots ``peer`` exported for us (same GPU)."""
+        key = _key(peer, self.rank)
+        self.group._store.wait([key], self.group.rdv.timeout)
+        self._in[peer] = [fn(*args) for fn, args in pickle.loads(self.group._store.get(key))]
+        self._next[peer] = 0
+
+    # -- Transport --
+
+    def send(self, buf: torch.Tensor, peer: int) -> _Pending:
+        k = self._next[peer]
+        self._next[peer] = (k + 1) % self.nslots
+        ack = self._acks.pop((peer, k), None)
+        if ack is not None:
+            ack.wait()  # never overwrite a slot the receiver has not finished reading
+        slot = self._out[peer][k]
+        slot[:buf.numel()].copy_(buf)
+        torch.cuda.current_stream(slot.device).synchronize()
+        self.copy_bytes += buf.numel() * buf.element_size()
+        header = torch.tensor([k, buf.numel()], dtype=torch.int64)
+        self._acks[(peer, k)] = _AckWait(self.group, peer, k)
+        return _Pending(self.group.send(header, peer))
+
+    def recv(self, buf: torch.Tensor, peer: int) -> _Done:
+        header = torch.zeros(2, dtype=torch.int64)
+        self.group.recv(header, peer).wait()
+        k, n = (int(x) for x in header.tolist())
+        if n != buf.numel():
+            raise RuntimeError(f"IPC message of {n} elements for a {buf.numel()}-element step: "
+                               "sender and receiver disagree on the plan")
+        slot = self._in[peer][k]
+        buf.copy_(slot[:n])
+        torch.cuda.current_stream(buf.device).synchronize()
+        self.group.send(torch.tensor([k], dtype=torch.int64), peer).wait()
+        return _Done()
+
+    def broadcast(self, buf: torch.Tensor, group: str, root: int):
+        return self.group.broadcast(buf, group, root)
+
+    def synchronize(self) -> None:
+        for ack in self._acks.values():
+            ack.wait()  # the receiver finished every slot: safe to return and pack again
+        self._acks.clear()
+        self.group.synchronize()
+
+    def barrier(self) -> None:
+        self.group.barrier()
+
+
+class _AckWait:
+    """The receiver's release of one slot, received lazily (when the slot is reused)."""
+
+    def __init__(self, group: SyncGroup, peer: int, slot: int) -> None:
+        self._t = torch.zeros(1, dtype=torch.int64)
+        self._work = group.recv(self._t, peer)
+        self._slot = slot
+
+    def wait(self) -> None:
+        self._work.wait()
+        if int(self._t.item()) != self._slot:
+            raise RuntimeError(f"IPC ack for slot {int(self._t.item())}, expected {self._slot}")
