@@ -49,7 +49,7 @@ def d2d_copy_ms(nbytes: int) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     ms = cuda_ms(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # free both before the model is loaded
     torch.cuda.empty_cache()
     return ms
 
