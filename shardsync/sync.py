@@ -196,19 +196,23 @@ class WeightSync:
         if "error" in ok:
             raise SyncError(f"engines refused the connect: {ok['error']}")
         self.plan_s = time.perf_counter() - t0
+        self.topo, self._sched = topo, sched
+
+        def join() -> None:
+            self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
+            # IPC slots are published before anyone waits for the engines' join to return:
+            # the engines map them as the last step of their join.
+            self._transport = self._export_ipc(topo, sched) if self.config.ipc else self.group
+
         if self.rank == 0:
             self._store = open_store(rdv, is_master=True)
             with ThreadPoolExecutor(1) as pool:
                 joined = pool.submit(self._call_all, "POST", "/weights/join")
-                self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
+                join()
                 joined.result()
         else:
             self._store = open_store(rdv, is_master=False)
-            self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
-        self.topo, self._sched = topo, sched
-        self._transport = self.group
-        if self.config.ipc:
-            self._transport = self._export_ipc(topo, sched)
+            join()
         if self.config.mode == "delta":
             if self._snapshot is None:
                 self._snapshot = Snapshot(self.params, getattr(torch, topo.wire_dtype),
