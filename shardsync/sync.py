@@ -176,7 +176,9 @@ class WeightSync:
         fingerprints = {"broadcast": topo.fingerprint("broadcast")}
         if self.mode == "p2p":
             fingerprints["p2p"] = topo.fingerprint("p2p")
-        sched = Schedule(topo, self.rank, int(self.config.bucket_mb * 2**20), credits=self.config.credits)
+        device = next(iter(self.params.values())).device  # buffers live where the weights do
+        sched = Schedule(topo, self.rank, int(self.config.bucket_mb * 2**20), credits=self.config.credits,
+                         device=device)
         for stage in range(topo.trainer.pp):
             sched.steps("broadcast", stage)
         if self.mode == "p2p":

@@ -41,7 +41,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _gaps(pos: torch.Tensor) -> torch.Tensor:
     """Positions -> gaps (first gap from -1), with fillers so every gap fits in uint16."""
-    prev = torch.cat([torch.tensor([-1], dtype=torch.int64), pos[:-1]])
+    prev = torch.cat([torch.tensor([-1], dtype=torch.int64, device=pos.device), pos[:-1]])
     gaps = pos - prev
     if int(gaps.max()) <= 65535:
         return gaps
@@ -75,7 +75,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         assert gaps is not None
         filled = torch.cumsum(gaps, 0) - 1
         count, payload = gaps.numel(), [_bytes(gaps.to(torch.int32).to(torch.int16)), _bytes(flat[filled])]
-    header = torch.tensor([enc, count], dtype=torch.int64).view(torch.uint8)
+    header = torch.tensor([enc, count], dtype=torch.int64, device=new.device).view(torch.uint8)
     return torch.cat([header, *payload]) if payload else header
 
 
