@@ -303,7 +303,8 @@ def run_ray(cfg: DemoConfig, ray_config: RayConfig | None = None) -> int:
     if started:
         if rc.address is None:  # a local cluster: logical CPUs enough for every bundle
             cpus = sum(b["CPU"] for bl in bundles(cfg, gpus=False) for b in bl)
-            ray.init(num_cpus=max(int(cpus), os.cpu_count() or 1), include_dashboard=False)
+            ray.init(address="local", num_cpus=max(int(cpus), os.cpu_count() or 1),
+                     include_dashboard=False)
         else:
             ray.init(address=rc.address)
     try:

@@ -121,22 +121,26 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
     size = max((max([s.numel] + [f.numel for f in s.fill]) for s in steps), default=0)
     itemsize = torch.empty((), dtype=pool.dtype).element_size()
 
+    lend = getattr(transport, "lend", None)  # a transport that owns its buffers (CUDA IPC slots)
+
     def complete_oldest() -> None:
-        step, buf, base, work, pooled, timing, posted = inflight.popleft()
+        step, buf, base, work, pooled, lent, timing, posted = inflight.popleft()
         t0 = time.perf_counter()
         if work is not None:
             work.wait()
         t1 = time.perf_counter()
         timing.transfer_s += t1 - posted
         stats.transfer_s += t1 - t0
-        if pooled and step.drain:  # a direct receive landed in place already
+        if (pooled or lent) and step.drain:  # a direct receive landed in place already
             main = _main_views(step, buf)
             for b in step.drain:
                 _resolve(b, local, main).copy_(_buf_view(buf, b))
         t2 = time.perf_counter()
         timing.unpack_s += t2 - t1
         stats.unpack_s += t2 - t1
-        if pooled:
+        if lent:
+            transport.give_back(step.comm[0], step.comm[1], base)
+        elif pooled:
             pool.put(base)
 
     for step in steps:
@@ -145,12 +149,14 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
         timing = StepTiming(step.label, step.link, step.numel * itemsize)
         t0 = time.perf_counter()
         kind = step.comm[0] if step.comm else "local"
-        direct = None
-        if kind == "send" and not step.fill:
+        direct = lent = None
+        if lend is not None and kind in ("send", "recv") and not step.fill:
+            lent = lend(kind, step.comm[1], step.numel)  # pack into / unpack from its memory
+        elif kind == "send" and not step.fill:
             direct = _zero_copy(step.pack, local, pool.dtype, step.numel)
         elif kind == "recv":
             direct = _zero_copy(step.drain, local, pool.dtype, step.numel)
-        base = direct if direct is not None else pool.get(step.numel, size)
+        base = lent if lent is not None else direct if direct is not None else pool.get(step.numel, size)
         buf = base[:step.numel]
         if direct is None:
             main = _main_views(step, buf)
@@ -180,7 +186,8 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
                 stats.bytes_sent += step.numel * itemsize
             else:
                 stats.bytes_received += step.numel * itemsize
-        inflight.append((step, buf, base, work, direct is None, timing, time.perf_counter()))
+        inflight.append((step, buf, base, work, direct is None and lent is None, lent is not None,
+                         timing, time.perf_counter()))
         if detail:
             stats.steps.append(timing)
             log.debug("step %s link=%s bytes=%d pack=%.4fs", step.label, step.link, timing.bytes,

@@ -67,16 +67,36 @@ class IpcTransport:
         self._in[peer] = [fn(*args) for fn, args in pickle.loads(self.group._store.get(key))]
         self._next[peer] = 0
 
+    # -- buffers the executor packs into / unpacks from directly (two copies per byte) --
+
+    def lend(self, kind: str, peer: int, numel: int) -> torch.Tensor:
+        """The next slot of this link (after its reader released it, for sends)."""
+        k = self._next[peer]
+        if kind == "send":
+            ack = self._acks.pop((peer, k), None)
+            if ack is not None:
+                ack.wait()  # never overwrite a slot the receiver has not finished reading
+            return self._out[peer][k][:numel]
+        return self._in[peer][k][:numel]
+
+    def give_back(self, kind: str, peer: int, buf: torch.Tensor) -> None:
+        """A received slot was unpacked: tell its owner it may be written again."""
+        if kind == "recv":
+            torch.cuda.current_stream(buf.device).synchronize()
+            k = next(i for i, s in enumerate(self._in[peer]) if s.data_ptr() == buf.data_ptr())
+            self.group.send(torch.tensor([k], dtype=torch.int64), peer).wait()
+
     # -- Transport --
 
     def send(self, buf: torch.Tensor, peer: int) -> _Pending:
         k = self._next[peer]
         self._next[peer] = (k + 1) % self.nslots
-        ack = self._acks.pop((peer, k), None)
-        if ack is not None:
-            ack.wait()  # never overwrite a slot the receiver has not finished reading
         slot = self._out[peer][k]
-        slot[:buf.numel()].copy_(buf)
+        if buf.data_ptr() != slot.data_ptr():  # not packed in place: copy in
+            ack = self._acks.pop((peer, k), None)
+            if ack is not None:
+                ack.wait()
+            slot[:buf.numel()].copy_(buf)
         torch.cuda.current_stream(slot.device).synchronize()
         self.copy_bytes += buf.numel() * buf.element_size()
         header = torch.tensor([k, buf.numel()], dtype=torch.int64)
@@ -84,16 +104,19 @@ class IpcTransport:
         return _Pending(self.group.send(header, peer))
 
     def recv(self, buf: torch.Tensor, peer: int) -> _Done:
+        expected = self._next[peer]
+        self._next[peer] = (expected + 1) % self.nslots
         header = torch.zeros(2, dtype=torch.int64)
         self.group.recv(header, peer).wait()
         k, n = (int(x) for x in header.tolist())
-        if n != buf.numel():
-            raise RuntimeError(f"IPC message of {n} elements for a {buf.numel()}-element step: "
-                               "sender and receiver disagree on the plan")
+        if n != buf.numel() or k != expected:
+            raise RuntimeError(f"IPC message (slot {k}, {n} elements) for step (slot {expected}, "
+                               f"{buf.numel()} elements): sender and receiver disagree on the plan")
         slot = self._in[peer][k]
-        buf.copy_(slot[:n])
-        torch.cuda.current_stream(buf.device).synchronize()
-        self.group.send(torch.tensor([k], dtype=torch.int64), peer).wait()
+        if buf.data_ptr() != slot.data_ptr():  # not lent: copy out and release now
+            buf.copy_(slot[:n])
+            torch.cuda.current_stream(buf.device).synchronize()
+            self.group.send(torch.tensor([k], dtype=torch.int64), peer).wait()
         return _Done()
 
     def broadcast(self, buf: torch.Tensor, group: str, root: int):
