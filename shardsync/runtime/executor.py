@@ -159,10 +159,10 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
         kind = step.comm[0] if step.comm else "local"
         direct = lent = None
         if lend is not None and kind in ("send", "recv") and not step.fill:
-            lent = lend(kind, step.comm[1], step.numel)  # pack into / unpack from its memory
-        elif kind == "send" and not step.fill:
+            lent = lend(kind, step.comm[1], step.numel)  # unpack from (or pack into) its memory
+        if lent is None and kind == "send" and not step.fill:
             direct = _zero_copy(step.pack, local, pool.dtype, step.numel)
-        elif kind == "recv":
+        elif lent is None and kind == "recv":
             direct = _zero_copy(step.drain, local, pool.dtype, step.numel)
         base = lent if lent is not None else direct if direct is not None else pool.get(step.numel, size)
         buf = base[:step.numel]

@@ -69,15 +69,14 @@ class IpcTransport:
 
     # -- buffers the executor packs into / unpacks from directly (two copies per byte) --
 
-    def lend(self, kind: str, peer: int, numel: int) -> torch.Tensor:
-        """The next slot of this link (after its reader released it, for sends)."""
-        k = self._next[peer]
+    def lend(self, kind: str, peer: int, numel: int) -> torch.Tensor | None:
+        """Receivers unpack straight from the next slot of the link.  Senders get None: they
+        pack (or send whole tensors) as usual and ``send`` copies in, so packing the next
+        bucket overlaps the receiver reading the previous one (lending the slot to the
+        sender would make it wait for the ack before packing; measured slower)."""
         if kind == "send":
-            ack = self._acks.pop((peer, k), None)
-            if ack is not None:
-                ack.wait()  # never overwrite a slot the receiver has not finished reading
-            return self._out[peer][k][:numel]
-        return self._in[peer][k][:numel]
+            return None
+        return self._in[peer][self._next[peer]][:numel]
 
     def give_back(self, kind: str, peer: int, buf: torch.Tensor) -> None:
         """A received slot was unpacked: tell its owner it may be written again."""
