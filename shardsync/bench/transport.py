@@ -99,7 +99,8 @@ class TracingTransport:
 class FreshPool(BufferPool):
     """Buffer reuse off: every transfer allocates its own buffer, dropped after use."""
 
-    def get(self, numel: int) -> torch.Tensor:
+    def get(self, numel: int, size: int = 0) -> torch.Tensor:
+        del size  # no reuse: every transfer gets a buffer of exactly its size
         buf = torch.empty(numel, dtype=self.dtype, device=self.device)
         self.allocated_bytes += buf.numel() * buf.element_size()
         return buf

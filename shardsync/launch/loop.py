@@ -125,7 +125,9 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         groups = megatron_groups(par, timeout_s=cfg.timeout_s)
         model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
                              source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s)
-        sync = WeightSync(spec, par, rank, dict(model.named_parameters()), list(where.engines),
+        # detached views: the same storage, read in place, never part of an autograd graph
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        sync = WeightSync(spec, par, rank, params, list(where.engines),
                           SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode,
                                      bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
                                      host=where.sync_host, delta_transport=cfg.delta_transport,

@@ -224,37 +224,55 @@ def _line(r: dict, modes: list[str], verify: bool) -> str:
     return line if verify else line.replace("MISMATCH", f"{'skipped':>8}", 1)
 
 
+def _use_gpus(cfg: DemoConfig, rc: RayConfig) -> bool:
+    if rc.gpus is not None:
+        return rc.gpus
+    have = ray.cluster_resources().get("GPU", 0.0)
+    need = cfg.trainer_tp * cfg.trainer_pp + sum(cfg.engine_tp)
+    if 0 < have < need:
+        print(f"note: the cluster has {have:g} GPUs, the topology needs {need}; CPU bundles", flush=True)
+    return have >= need
+
+
+def _actors(cfg: DemoConfig, pgs: list[PlacementGroup], gpus: bool) -> tuple[list, list]:
+    """(engine actors, trainer actors), each pinned to its bundle."""
+    engine_actor, trainer_actor = ray.remote(EngineServer), ray.remote(TrainerRank)
+    engines = [engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0, scheduling_strategy=_in(pgs[1], i))
+               .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed, dtype=_engine_dtype(cfg)))
+               for i, tp in enumerate(cfg.engine_tp)]
+    trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=_in(pgs[0], r))
+                .remote(r) for r in range(cfg.trainer_tp * cfg.trainer_pp)]
+    return engines, trainers
+
+
+def _release(engines: list, actors: list, pgs: list[PlacementGroup]) -> None:
+    for e in engines:
+        try:
+            ray.get(e.stop.remote(), timeout=30)
+        except Exception:  # a dead actor took its engine with it (PDEATHSIG)
+            pass
+    for a in actors:
+        ray.kill(a)
+    for pg in pgs:
+        remove_placement_group(pg)
+
+
 def _run(cfg: DemoConfig, rc: RayConfig) -> int:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "records.jsonl").unlink(missing_ok=True)
     _wait_for_nodes(rc.min_nodes, rc.ready_timeout_s)
-    gpus = rc.gpus
-    if gpus is None:
-        have, need = ray.cluster_resources().get("GPU", 0.0), cfg.trainer_tp * cfg.trainer_pp + sum(cfg.engine_tp)
-        gpus = have >= need
-        if 0 < have < need:
-            print(f"note: the cluster has {have:g} GPUs, the topology needs {need}; CPU bundles", flush=True)
+    gpus = _use_gpus(cfg, rc)
     trainer_b, engine_b = bundles(cfg, gpus=gpus)
     _check_fits(trainer_b, engine_b)
     pgs = [_reserve(trainer_b, "shardsync-trainer", rc.ready_timeout_s)]
-    actors: list = []
     engines: list = []
+    trainers: list = []
     rows: list[dict] = []
     modes: list[str] = cfg.modes
     try:
         pgs.append(_reserve(engine_b, "shardsync-engines", rc.ready_timeout_s))
-        engine_actor = ray.remote(EngineServer)
-        for i, tp in enumerate(cfg.engine_tp):
-            engines.append(engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0,
-                                                scheduling_strategy=_in(pgs[1], i))
-                           .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed,
-                                                dtype=_engine_dtype(cfg))))
-        trainer_actor = ray.remote(TrainerRank)
-        trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0,
-                                          scheduling_strategy=_in(pgs[0], r)).remote(r)
-                    for r in range(len(trainer_b))]
-        actors = engines + trainers
+        engines, trainers = _actors(cfg, pgs, gpus)
         urls = ray.get([e.start.remote(cfg.timeout_s) for e in engines], timeout=cfg.timeout_s + 60)
         ip, port = ray.get(trainers[0].address.remote(), timeout=cfg.timeout_s)
         print(f"shardsync demo on Ray ({'GPU' if gpus else 'CPU'} bundles): {cfg.model}, trainer "
@@ -273,20 +291,11 @@ def _run(cfg: DemoConfig, rc: RayConfig) -> int:
             for rec in result.records:
                 append_jsonl(out / "records.jsonl", rec)
     finally:
-        for e in engines:
-            try:
-                ray.get(e.stop.remote(), timeout=30)
-            except Exception:  # a dead actor took its engine with it (PDEATHSIG)
-                pass
-        for a in actors:
-            ray.kill(a)
-        for pg in pgs:
-            remove_placement_group(pg)
+        _release(engines, engines + trainers, pgs)
     summary = report.summary(rows, modes)
     if not rc.verify:
         summary[-1] = "bitwise checksum: skipped"
-    for line in summary:
-        print(line)
+    print("\n".join(summary))
     (out / "steps.json").write_text(json.dumps(
         {"config": dataclasses.asdict(cfg), "launcher": "ray", "gpu_bundles": gpus, "steps": rows},
         indent=2))

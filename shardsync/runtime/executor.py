@@ -122,6 +122,7 @@ def _zero_copy(bindings: tuple[Binding, ...], local: Mapping[str, torch.Tensor],
     return t.view(-1)
 
 
+@torch.no_grad()
 def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Transport, *,
             pool: BufferPool, credits: int = 2, detail: bool = False) -> ExecStats:
     """Run ``steps`` in order, at most ``credits`` buffers in flight; oldest completes first."""

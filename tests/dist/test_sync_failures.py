@@ -48,7 +48,7 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     res: dict = {"mode": sync.mode, "reason": sync.fallback_reason}
     if case.get("die") and rank == 1:
         out.put((rank, res))
-        sync._signal("v1/begin")  # wait until the engines entered the update, then vanish
+        sync._signal("u1/begin")  # wait until the engines entered the update, then vanish
         os._exit(1)
     try:
         rec = sync.update(1)
