@@ -22,8 +22,9 @@ def row(r: dict, modes: list[str]) -> str:
         cols.append(f"{p['total'] * 1e3:>13.1f} "
                     f"{'/'.join(f'{p[k] * 1e3:.1f}' for k in ('pack', 'transfer', 'unpack', 'control')):>25} "
                     f"{u['busiest_link_bytes'] / 1024:>11.1f}")
-    ok = all(u["checksum_ok"] for u in r["updates"].values())
-    cols.append(f"{r['logprob_abs_diff']:>10.2e} {'ok' if ok else 'MISMATCH':>8}")
+    oks = [u["checksum_ok"] for u in r["updates"].values()]
+    ok = "skipped" if None in oks else "ok" if all(oks) else "MISMATCH"
+    cols.append(f"{r['logprob_abs_diff']:>10.2e} {ok:>8}")
     paths = {u.get("path") for m, u in r["updates"].items() if m == "delta"}
     if paths:
         u = r["updates"]["delta"]
@@ -39,8 +40,9 @@ def summary(rows: list[dict], modes: list[str]) -> list[str]:
         out.append(f"median {m} update: {med[m] * 1e3:.1f} ms")
     if "p2p" in med and "broadcast" in med:
         out.append(f"p2p / broadcast update time: {med['p2p'] / med['broadcast']:.2f}")
-    ok = all(u["checksum_ok"] for r in rows for u in r["updates"].values())
-    out.append(f"bitwise checksum after every sync: {'ok' if ok else 'MISMATCH'}")
+    oks = [u["checksum_ok"] for r in rows for u in r["updates"].values()]
+    ok = "skipped" if None in oks else "ok" if all(oks) else "MISMATCH"
+    out.append(f"bitwise checksum after every sync: {ok}")
     return out
 
 
