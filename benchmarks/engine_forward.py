@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from shardsync.launch.procs import start_all
 from shardsync.spec import PRESETS, ModelSpec
 
 SEED = 0
@@ -176,18 +177,9 @@ def _spawn(fn: Callable[..., dict], nprocs: int, threads: int, spec: ModelSpec,
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the children's torch at import
-    try:
-        procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, spec, args, threads, out))
-                 for r in range(nprocs)]
-        for p in procs:
-            p.start()
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, spec, args, threads, out))
+             for r in range(nprocs)]
+    start_all(procs, threads=threads)
     results: dict[int, dict] = {}
     deadline = time.monotonic() + WORLD_TIMEOUT_S
     try:

@@ -29,6 +29,7 @@ from shardsync.bench.sweep import BenchConfig, Point, expand
 from shardsync.bench.topology import BenchLayout, partition
 from shardsync.bench.transport import CLOCK, TracingTransport, group_barrier, make_pool
 from shardsync.bench.workload import Workload, from_plan, synthetic
+from shardsync.launch.procs import start_all
 from shardsync.runtime.executor import execute
 from shardsync.transport import Rendezvous, SyncGroup
 from shardsync.transport.group import open_store
@@ -281,17 +282,8 @@ def _spawn(cfg: BenchConfig) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     rdv = Rendezvous("127.0.0.1", _free_port(), world, f"bench-{os.getpid()}", backend, cfg.timeout_s)
     ctx = mp.get_context("spawn")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
     procs = [ctx.Process(target=_child, args=(r, world, cfg, rdv)) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    start_all(procs, threads=1)
     try:
         while any(p.exitcode is None for p in procs):
             failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+from shardsync.launch.procs import start_all
 from shardsync.transport.group import free_port  # noqa: F401  (re-exported for tests)
 
 
@@ -57,16 +58,7 @@ def run_world(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float = 1
     ctx.set_forkserver_preload(["torch", "shardsync.plan", "shardsync.runtime.update"])
     out = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # children read it when torch initializes
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    start_all(procs, threads=1)
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     try:
