@@ -21,6 +21,7 @@ import pytest
 from shardsync.layout import MegatronParallel, megatron_layout
 from shardsync.spec import PRESETS, ModelSpec
 from tests.dist._world import free_port, run_world
+from tests.megatron_recipe import architecture
 
 
 PRESET_NAMES = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
@@ -37,19 +38,7 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
 
     dtype = getattr(torch, spec.dtype)
     config = TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
+        **architecture(spec),
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         # pp > 1 refuses a config without pipeline_dtype.

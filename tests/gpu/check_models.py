@@ -53,6 +53,7 @@ from shardsync.models.engine import EngineModel  # noqa: E402
 from shardsync.models.trainer import TrainerModel  # noqa: E402
 from shardsync.models.weights import TensorSource, random_source  # noqa: E402
 from shardsync.spec import PRESETS, ModelSpec  # noqa: E402
+from tests.megatron_recipe import architecture
 
 try:
     import pytest
@@ -256,19 +257,7 @@ def gpt_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
 
     par = MegatronParallel(norm_names="separate")
     config = TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
+        **architecture(spec),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
