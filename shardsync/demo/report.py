@@ -9,8 +9,8 @@ from pathlib import Path
 def header(modes: list[str]) -> str:
     cols = [f"{'step':>4} {'reward':>7} {'grad norm':>9}"]
     for m in modes:
-        cols.append(f"{m + ' ms':>13} {'pack/xfer/unpack/ctl ms':>25} {'busiest KiB':>11}")
-    cols.append(f"{'|lp diff|':>10} {'checksum':>8}")
+        cols.append(f"{m + ' ms':>13} {'pack/xfer/unpack/ctl ms':>25} {'busiest KiB':>11} {'|lp diff|':>9}")
+    cols.append(f"{'rollout |lp diff|':>17} {'checksum':>8}")
     return " ".join(cols)
 
 
@@ -19,12 +19,14 @@ def row(r: dict, modes: list[str]) -> str:
     for m in modes:
         u = r["updates"][m]
         p = u["phases"]
+        lp = u.get("logprob_abs_diff")
         cols.append(f"{p['total'] * 1e3:>13.1f} "
                     f"{'/'.join(f'{p[k] * 1e3:.1f}' for k in ('pack', 'transfer', 'unpack', 'control')):>25} "
-                    f"{u['busiest_link_bytes'] / 1024:>11.1f}")
+                    f"{u['busiest_link_bytes'] / 1024:>11.1f} "
+                    + (f"{lp:>9.2e}" if lp is not None else f"{'-':>9}"))
     oks = [u["checksum_ok"] for u in r["updates"].values()]
     ok = "skipped" if None in oks else "ok" if all(oks) else "MISMATCH"
-    cols.append(f"{r['logprob_abs_diff']:>10.2e} {ok:>8}")
+    cols.append(f"{r['logprob_abs_diff']:>17.2e} {ok:>8}")
     paths = {u.get("path") for m, u in r["updates"].items() if m == "delta"}
     if paths:
         u = r["updates"]["delta"]
@@ -40,6 +42,10 @@ def summary(rows: list[dict], modes: list[str]) -> list[str]:
         out.append(f"median {m} update: {med[m] * 1e3:.1f} ms")
     if "p2p" in med and "broadcast" in med:
         out.append(f"p2p / broadcast update time: {med['p2p'] / med['broadcast']:.2f}")
+    lps = {m: [r["updates"][m].get("logprob_abs_diff") for r in rows] for m in modes}
+    if all(v is not None for vals in lps.values() for v in vals):
+        out.append("trainer vs engine logprob |diff| right after each update (mean over steps): " +
+                   ", ".join(f"{m} {statistics.mean(v):.2e}" for m, v in lps.items()))
     oks = [u["checksum_ok"] for r in rows for u in r["updates"].values()]
     ok = "skipped" if None in oks else "ok" if all(oks) else "MISMATCH"
     out.append(f"bitwise checksum after every sync: {ok}")

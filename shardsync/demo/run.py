@@ -111,6 +111,12 @@ def _rollouts(cfg: DemoConfig, urls: list[str], step: int, vocab: int, version: 
     return {"ids": seqs, "engine_logprobs": lps, "rewards": rewards}
 
 
+def _engine_logprobs(url: str, seqs: list[list[int]], cfg: DemoConfig) -> torch.Tensor:
+    r = httpx.post(url + "/logprobs", json={"sequences": seqs}, timeout=cfg.timeout_s)
+    r.raise_for_status()
+    return torch.tensor(r.json()["logprobs"])
+
+
 def _trainer(rank: int, cfg: DemoConfig, port: int, urls: list[str], results) -> None:
     from shardsync.layout import MegatronParallel
     from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
@@ -154,15 +160,20 @@ def _trainer(rank: int, cfg: DemoConfig, port: int, urls: list[str], results) ->
         adv = task.group_advantages(rewards, cfg.group)
         stats = model.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, advantages=adv, mask=mask))
         version += 1
+        new = model.policy_logprobs(ids)[:, cfg.prompt_len - 1:]  # the weights being synced
         updates = {}
         for mode in modes:
             rec = sync.update(version, mode=None if mode == "delta" else mode)
             bad = sync.verify() if cfg.verify else None
+            # train/rollout agreement right after this path's update: engine scores the batch
+            scored = _engine_logprobs(urls[0], batch["ids"], cfg) if rank == 0 else None
             updates[mode] = {"phases": rec.phases, "busiest_link_bytes": rec.busiest_link_bytes,
                              "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
                              "checksum_ok": None if bad is None else not bad, "mismatch": (bad or [])[:5],
                              "fallback": rec.fallback_reason,
-                             "path": rec.mode, "delta": rec.delta}
+                             "path": rec.mode, "delta": rec.delta,
+                             "logprob_abs_diff": None if scored is None else
+                             float((new - scored[:, cfg.prompt_len - 1:]).abs().mean())}
         row = {"step": step, "reward": float(rewards.mean()), "loss": stats.loss,
                "grad_norm": stats.grad_norm, "logprob_abs_diff": lp_diff, "version": version,
                "updates": updates}
