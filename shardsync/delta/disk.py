@@ -82,6 +82,7 @@ class DiskPublisher:
 
     def __post_init__(self) -> None:
         self.pool = BufferPool(torch.uint8)
+        self._parts: dict[int, list[Part]] = {}  # per stage, derived once
 
     def write(self, version: int, base_version: int, group: SyncGroup | None) -> DeltaStats:
         """Write this rank's share of ``version`` into the temporary directory."""
@@ -91,7 +92,9 @@ class DiskPublisher:
             members = self.topo.stage_ranks(stage)
             if self.me not in members:
                 continue
-            parts = stage_parts(self.topo.gather_plan, members)
+            if stage not in self._parts:
+                self._parts[stage] = stage_parts(self.topo.gather_plan, members)
+            parts = self._parts[stage]
             t0 = time.perf_counter()
             blobs = []
             for p in parts:
@@ -164,8 +167,12 @@ def read_manifest(root: str | Path, version: int) -> dict:
 
 
 def apply_version(root: str | Path, version: int, current: int, tensors: Mapping[str, torch.Tensor],
-                  rank: RankLayout) -> DeltaStats:
-    """Engine side: apply a published delta to this rank's tensors, after checking its base."""
+                  rank: RankLayout, targets: dict[Part, list] | None = None) -> DeltaStats:
+    """Engine side: apply a published delta to this rank's tensors, after checking its base.
+
+    ``targets`` caches where each part lands on this rank across pulls (parts repeat).
+    """
+    targets = {} if targets is None else targets
     from safetensors import safe_open
 
     manifest = read_manifest(root, version)
@@ -180,8 +187,10 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
             meta = json.loads(f.metadata()["parts"])
             for i, (logical, offsets, sizes, digest) in enumerate(meta):
                 part = Part(-1, "", (), logical, tuple(offsets), tuple(sizes))
-                targets = targets_for(part, rank)
-                if not targets:
+                if part not in targets:
+                    targets[part] = targets_for(part, rank)
+                where = targets[part]
+                if not where:
                     continue
                 blob = f.get_tensor(f"p{i}").numpy().tobytes()
                 if xxhash.xxh64_hexdigest(blob) != digest:
@@ -189,6 +198,6 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
                 stats.bytes_received += len(blob)
                 mask = xor_decode(blob, part.numel, dtype)
                 stats.changed += int((mask != 0).sum())
-                apply_xor(part, mask, tensors, targets)
+                apply_xor(part, mask, tensors, where)
     stats.apply_s = time.perf_counter() - t0
     return stats

@@ -93,12 +93,12 @@ def _split(payload: torch.Tensor, parts: list[Part], dtype: torch.dtype) -> list
 
 
 def _apply(parts: list[Part], blobs: list[torch.Tensor], tensors: Mapping[str, torch.Tensor],
-           rank: RankLayout, dtype: torch.dtype, stats: DeltaStats) -> None:
+           targets: Mapping[Part, list], dtype: torch.dtype, stats: DeltaStats) -> None:
     t0 = time.perf_counter()
     for part, blob in zip(parts, blobs, strict=True):
         pos, vals = decode(blob, part.numel, dtype)
         stats.changed += part.numel if pos is None else pos.numel()
-        apply_values(part, pos, vals, tensors, targets_for(part, rank))
+        apply_values(part, pos, vals, tensors, targets[part])
     stats.apply_s += time.perf_counter() - t0
 
 
@@ -179,6 +179,26 @@ class DeltaRunner:
         self.ranks = SyncRanks(self.topo)
         self.dtype = getattr(torch, self.topo.wire_dtype)
         self.pool = BufferPool(torch.uint8)
+        # Metadata an update needs, derived once per connection (never per update).
+        self._memo: dict[tuple, list[Part]] = {}
+        self._targets: dict[Part, list] = {}
+        self._links: list[tuple[int, int]] | None = None
+
+    def _parts(self, key: tuple) -> list[Part]:
+        """p2p parts of a link ("p2p", src, engine rank) or a stage's parts ("stage", s)."""
+        if key not in self._memo:
+            if key[0] == "p2p":
+                self._memo[key] = p2p_parts(self.topo.p2p_plan, key[1], key[2])
+            else:
+                self._memo[key] = stage_parts(self.topo.gather_plan, self.topo.stage_ranks(key[1]))
+        return self._memo[key]
+
+    def _targets_of(self, parts: list[Part]) -> dict[Part, list]:
+        assert self.rank is not None
+        for p in parts:
+            if p not in self._targets:
+                self._targets[p] = targets_for(p, self.rank)
+        return self._targets
 
     def run(self, transport: str, tensors: Mapping[str, torch.Tensor], group: SyncGroup) -> DeltaStats:
         stats = DeltaStats()
@@ -195,26 +215,29 @@ class DeltaRunner:
         return stats
 
     def _p2p(self, tensors: Mapping[str, torch.Tensor], group: SyncGroup, stats: DeltaStats) -> None:
-        plan = self.topo.p2p_plan
-        links = sorted({(c.src, self.ranks.engine(c.dst)) for c in plan.copies})
+        if self._links is None:
+            self._links = sorted({(c.src, self.ranks.engine(c.dst)) for c in self.topo.p2p_plan.copies})
+        links = self._links
+        engine = self.ranks.trainer_world
         payloads = {}
         if self.snapshot is not None:
             for s, d in links:
                 if s == self.me:
-                    payloads[d] = self.snapshot.encode(p2p_parts(plan, s, d - self.ranks.trainer_world), stats)
+                    payloads[d] = self.snapshot.encode(self._parts(("p2p", s, d - engine)), stats)
                     stats.bytes_sent += payloads[d].numel()
         got = _move_p2p(group, self.me, links, payloads, self.budget, self.credits, self.pool)
         if self.rank is not None:
             for s, payload in sorted(got.items()):
-                parts = p2p_parts(plan, s, self.me - self.ranks.trainer_world)
+                parts = self._parts(("p2p", s, self.me - engine))
                 stats.bytes_received += payload.numel()
-                _apply(parts, _split(payload, parts, self.dtype), tensors, self.rank, self.dtype, stats)
+                _apply(parts, _split(payload, parts, self.dtype), tensors, self._targets_of(parts),
+                       self.dtype, stats)
 
     def _stage(self, stage: int, tensors: Mapping[str, torch.Tensor], group: SyncGroup,
                stats: DeltaStats) -> None:
         members = self.topo.stage_ranks(stage)
         source = members[0]
-        parts = stage_parts(self.topo.gather_plan, members)
+        parts = self._parts(("stage", stage))
         mine = [p for p in parts if p.owner == self.me]
         # gather the encoded parts at the stage source
         gather_links = [(r, source) for r in members if r != source]
@@ -234,4 +257,5 @@ class DeltaRunner:
         payload = _move_bcast(group, f"stage{stage}", total, self.budget, self.credits, self.pool)
         if self.rank is not None and payload is not None:
             stats.bytes_received += payload.numel()
-            _apply(parts, _split(payload, parts, self.dtype), tensors, self.rank, self.dtype, stats)
+            _apply(parts, _split(payload, parts, self.dtype), tensors, self._targets_of(parts),
+                   self.dtype, stats)

@@ -58,6 +58,7 @@ class EngineWorker:
         self.sync: tuple[Topology, Schedule, SyncGroup, int] | None = None
         self.delta: DeltaRunner | None = None
         self.transport = None
+        self._pull_targets: dict = {}  # where disk-delta parts land on this rank, kept across pulls
 
     @property
     def spec(self) -> ModelSpec:
@@ -129,7 +130,8 @@ class EngineWorker:
 
         t0 = time.perf_counter()
         try:
-            d = apply_version(root, version, current, self.params, self.model.layout.ranks[self.rank])
+            d = apply_version(root, version, current, self.params, self.model.layout.ranks[self.rank],
+                              self._pull_targets)
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "pack_s": 0.0, "transfer_s": 0.0, "unpack_s": d.apply_s,
