@@ -6,8 +6,6 @@ logprobs, GRPO loss, optimizer step, then a weight update per mode with a bitwis
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 import logging
 import os
@@ -18,11 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardsync.demo import report, task
+from shardsync.demo import report
 from shardsync.transport.group import free_port
 
 log = logging.getLogger(__name__)
@@ -89,100 +85,22 @@ def start_engines(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
     return engines
 
 
-def _rollouts(cfg: DemoConfig, urls: list[str], step: int, vocab: int, version: int) -> dict:
-    """Rank 0: prompts spread over engines, ``group`` samples each; the batch for training."""
-    prompts = task.make_prompts(step, cfg.prompts, cfg.prompt_len, vocab, cfg.seed)
-    per_engine: list[list[list[int]]] = [[] for _ in urls]
-    for i, p in enumerate(prompts):
-        per_engine[i % len(urls)].extend([p] * cfg.group)
-    seqs, lps, rewards = [], [], []
-    for url, batch in zip(urls, per_engine, strict=True):
-        if not batch:
-            continue
-        r = httpx.post(url + "/generate", timeout=cfg.timeout_s, json={
-            "prompts": batch, "max_new_tokens": cfg.max_new_tokens, "temperature": 1.0,
-            "seed": cfg.seed * 7919 + step}).json()
-        if r["weight_version"] != version:
-            raise RuntimeError(f"{url} answered with weight version {r['weight_version']}, expected {version}")
-        for p, out in zip(batch, r["outputs"], strict=True):
-            seqs.append(p + out["tokens"])
-            lps.append(out["logprobs"])
-            rewards.append(task.reward(out["tokens"], vocab))
-    return {"ids": seqs, "engine_logprobs": lps, "rewards": rewards}
-
-
-def _engine_logprobs(url: str, seqs: list[list[int]], cfg: DemoConfig) -> torch.Tensor:
-    r = httpx.post(url + "/logprobs", json={"sequences": seqs}, timeout=cfg.timeout_s)
-    r.raise_for_status()
-    return torch.tensor(r.json()["logprobs"])
-
-
 def _trainer(rank: int, cfg: DemoConfig, port: int, urls: list[str], results) -> None:
-    from shardsync.layout import MegatronParallel
-    from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
-    from shardsync.models.weights import checkpoint_source, random_source
-    from shardsync.spec import load_spec
-    from shardsync.sync import SyncConfig, WeightSync
+    """One spawned trainer rank: the shared per-rank loop; rank 0 streams the rows."""
+    from shardsync.launch.loop import RankSite, trainer_rank
 
-    torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"[trainer {rank}] %(name)s: %(message)s")
-    par = MegatronParallel(tp=cfg.trainer_tp, pp=cfg.trainer_pp, dtype="float32")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=par.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    spec = load_spec(cfg.model)
-    groups = megatron_groups(par, timeout_s=cfg.timeout_s)
-    model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
-                         source=checkpoint_source(cfg.model) if Path(cfg.model).is_dir() else random_source(spec, cfg.seed),
-                         optim=OptimConfig(lr=cfg.learning_rate))
     out = Path(cfg.out)
-    sync = WeightSync(spec, par, rank, dict(model.named_parameters()), urls,
-                      SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode, bucket_mb=cfg.bucket_mb,
-                                 timeout_s=cfg.timeout_s, records_path=str(out / "records.jsonl") if rank == 0 else None,
-                                 delta_transport=cfg.delta_transport, delta_dir=str(out / "versions")),
-                      trainer_group=dist.group.WORLD)
-    sync.connect()
-    if cfg.mode == "both":
-        modes = [m for m in cfg.modes if m in sync.modes]
-    else:
-        modes = ["delta"] if cfg.mode == "delta" else [sync.mode]
-    version = 0
-    for step in range(1, cfg.steps + 1):
-        box = [_rollouts(cfg, urls, step, spec.vocab_size, version) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        batch = box[0]
-        ids = torch.tensor(batch["ids"], dtype=torch.long)
-        mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
-        mask[:, cfg.prompt_len - 1:] = 1.0
-        old = model.policy_logprobs(ids)
-        engine_lp = torch.tensor(batch["engine_logprobs"])
-        lp_diff = float((old[:, cfg.prompt_len - 1:] - engine_lp).abs().mean())
-        rewards = torch.tensor(batch["rewards"])
-        adv = task.group_advantages(rewards, cfg.group)
-        stats = model.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, advantages=adv, mask=mask))
-        version += 1
-        new = model.policy_logprobs(ids)[:, cfg.prompt_len - 1:]  # the weights being synced
-        updates = {}
-        for mode in modes:
-            rec = sync.update(version, mode=None if mode == "delta" else mode)
-            bad = sync.verify() if cfg.verify else None
-            # train/rollout agreement right after this path's update: engine scores the batch
-            scored = _engine_logprobs(urls[0], batch["ids"], cfg) if rank == 0 else None
-            updates[mode] = {"phases": rec.phases, "busiest_link_bytes": rec.busiest_link_bytes,
-                             "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
-                             "checksum_ok": None if bad is None else not bad, "mismatch": (bad or [])[:5],
-                             "fallback": rec.fallback_reason,
-                             "path": rec.mode, "delta": rec.delta,
-                             "logprob_abs_diff": None if scored is None else
-                             float((new - scored[:, cfg.prompt_len - 1:]).abs().mean())}
-        row = {"step": step, "reward": float(rewards.mean()), "loss": stats.loss,
-               "grad_norm": stats.grad_norm, "logprob_abs_diff": lp_diff, "version": version,
-               "updates": updates}
+    site = RankSite(rank=rank, init_method=f"tcp://127.0.0.1:{port}", sync_host="127.0.0.1",
+                    engines=tuple(urls), delta_dir=str(out / "versions"),
+                    records_path=str(out / "records.jsonl"))
+    modes: tuple[str, ...] = tuple(cfg.modes)
+    for result in trainer_rank(cfg, site, verify=cfg.verify):
+        modes = result.modes
         if rank == 0:
-            results.put(("row", row, modes))
-    sync.close()
-    dist.destroy_process_group()
+            results.put(("row", result.row, list(modes)))
     if rank == 0:
-        results.put(("done", None, modes))
+        results.put(("done", None, list(modes)))
 
 
 def run_demo(cfg: DemoConfig) -> int:

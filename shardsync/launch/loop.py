@@ -47,6 +47,7 @@ class RankSite:
     sync_host: str
     engines: tuple[str, ...]
     delta_dir: str | None = None
+    records_path: str | None = None  # rank 0 appends one JSON line per update
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, ver
     return {"ids": ids, "engine_logprobs": logprobs, "rewards": rewards}
 
 
+def engine_logprobs(url: str, seqs: list[list[int]], cfg: DemoConfig) -> torch.Tensor:
+    r = httpx.post(url + "/logprobs", json={"sequences": seqs}, timeout=cfg.timeout_s)
+    r.raise_for_status()
+    return torch.tensor(r.json()["logprobs"])
+
+
 def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> Iterator[StepResult]:
     """Run one trainer rank for ``cfg.steps`` steps, yielding after each step's updates.
 
@@ -131,7 +138,8 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
                           SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode,
                                      bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
                                      host=where.sync_host, delta_transport=cfg.delta_transport,
-                                     delta_dir=where.delta_dir),
+                                     delta_dir=where.delta_dir,
+                                     records_path=where.records_path if rank == 0 else None),
                           trainer_group=dist.group.WORLD)
         sync.connect()
         if cfg.mode == "both":
@@ -151,16 +159,21 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
             loss = functools.partial(grpo_loss, old_logprobs=old, mask=mask,
                                      advantages=task.group_advantages(rewards, cfg.group))
             stats = model.train_step(ids, loss)
+            new = model.policy_logprobs(ids)[:, start:]  # the weights about to be synced
             records, updates = [], {}
             for mode in modes:
                 rec = sync.update(step, mode=None if mode == "delta" else mode)
                 bad = sync.verify() if verify else None
+                # train/engine agreement right after this path's update: an engine scores the batch
+                scored = engine_logprobs(where.engines[0], batch["ids"], cfg) if rank == 0 else None
                 records.append(rec)
                 updates[mode] = {"phases": rec.phases, "busiest_link_bytes": rec.busiest_link_bytes,
                                  "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
                                  "checksum_ok": None if bad is None else not bad,
                                  "mismatch": (bad or [])[:5], "fallback": rec.fallback_reason,
-                                 "path": rec.mode, "delta": rec.delta}
+                                 "path": rec.mode, "delta": rec.delta,
+                                 "logprob_abs_diff": None if scored is None else
+                                 float((new - scored[:, start:]).abs().mean())}
             lp_diff = (old[:, start:] - torch.tensor(batch["engine_logprobs"])).abs().mean()
             row = {"step": step, "reward": float(rewards.mean()), "loss": stats.loss,
                    "grad_norm": stats.grad_norm, "logprob_abs_diff": float(lp_diff),
