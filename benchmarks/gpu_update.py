@@ -1,10 +1,11 @@
 """One GPU, colocated: a trainer process and an engine server share the device; full
-updates go through the CUDA IPC transport.  In one run: a plain device-to-device copy of
-the model's bytes (the limit), the IPC update time and its phases (pack/unpack
-throughput), the bitwise checksum, and delta encode/apply throughput on the device at 1 %
-and 10 % density.
+updates go through CUDA IPC.  In one run: a plain device-to-device copy of the model's
+bytes (the limit); in-process pack, unpack and mapped-copy throughput; full updates with
+both IPC kinds ("map": the engine reads the trainer's weights in place; "slots": buckets
+staged through exported buffers) with their phases and the bitwise checksum; delta
+encode/apply throughput on the device at 1 % and 10 % density.
 
-    python benchmarks/gpu_update.py --model Qwen3-4B --updates 5 --out gpu_update.json
+    python benchmarks/gpu_update.py --model Qwen3-4B --updates 10 --out gpu_update.json
 """
 
 from __future__ import annotations
@@ -91,11 +92,70 @@ def delta_throughput(numel: int, density: float) -> dict:
             "payload_fraction": blob.numel() / (numel * 2)}
 
 
+def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
+    """In one process, no IPC: the copy kernels each path runs, as throughput of model bytes."""
+    from shardsync.plan.local import allocate
+    from shardsync.runtime.executor import _buf_view, _copy_all, _resolve
+    from shardsync.runtime.schedule import p2p_steps
+    from shardsync.transport.mapped import coalesce, compile_runs
+
+    engine = allocate(topo.p2p_plan, 0, device="cuda")
+    send = p2p_steps(topo, 0, bucket_bytes)
+    recv = p2p_steps(topo, topo.trainer.world_size, bucket_bytes)
+    buf = torch.empty(max(s.numel for s in send), dtype=torch.bfloat16, device="cuda")
+
+    def pack() -> None:
+        for s in send:
+            _copy_all([_buf_view(buf, b) for b in s.pack], [_resolve(b, params, {}) for b in s.pack])
+
+    def unpack() -> None:
+        for s in recv:
+            _copy_all([_resolve(b, engine, {}) for b in s.drain], [_buf_view(buf, b) for b in s.drain])
+
+    pairs = compile_runs(coalesce(topo.p2p_plan.copies), params, engine)
+
+    def mapped() -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    gb = topo.p2p_plan.total_bytes / 1e9
+    out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack), ("unpack", unpack), ("mapped_copy", mapped))}
+    out["mapped_copies"] = len(pairs)
+    out["plan_copies"] = len(topo.p2p_plan.copies)
+    return out
+
+
+def ipc_updates(kind: str, spec, par, params: dict, url: str, args) -> dict:
+    """Connect with one IPC kind, run ``--updates`` full updates after a warm-up, verify."""
+    sync = WeightSync(spec, par, 0, params, [url],
+                      SyncConfig(mode="p2p", ipc=kind, bucket_mb=args.bucket_mb, timeout_s=300,
+                                 http_timeout_s=300))
+    sync.connect()
+    recs = []
+    try:
+        for v in range(1, args.updates + 2):
+            params["embedding.word_embeddings.weight"][0, v % 7] += 1.0  # a change every update
+            torch.cuda.synchronize()
+            recs.append(sync.update(v))
+        bad = sync.verify()
+    finally:
+        sync.close()
+    measured = recs[1:]
+    med = {k: statistics.median(r.phases[k] for r in measured) * 1e3
+           for k in ("pack", "transfer", "unpack", "control", "total")}
+    # the data path: from the trainer's first byte handed over to the engine's last ack
+    data = [(r.phases["pack"] + r.phases["transfer"]) * 1e3 for r in measured]
+    return {"kind": kind, "data_ms": statistics.median(data), "data_p99_ms": max(data),
+            "total_ms": med["total"], "phases_ms": med, "checksum_ok": not bad, "mismatch": bad[:3],
+            "records": [r.phases for r in recs]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen3-4B")
-    ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--bucket-mb", type=float, default=256)
+    ap.add_argument("--kinds", default="map,slots", help="IPC kinds to compare, comma separated")
     ap.add_argument("--out", default="gpu_update.json")
     args = ap.parse_args()
     spec = load_spec(args.model, dtype="bfloat16")
@@ -114,6 +174,12 @@ def main() -> None:
     t0 = time.time()
     params = load_rank(topo.trainer_layout, 0, fast_source(spec, 1), device="cuda")
     print(f"trainer weights ready in {time.time() - t0:.1f}s", flush=True)
+    kernels = kernels_GBps(topo, params, int(args.bucket_mb * 2**20))
+    torch.cuda.empty_cache()
+    print(f"in-process kernels (GB/s of model bytes): pack {kernels['pack']:.0f}, unpack {kernels['unpack']:.0f}, "
+          f"mapped copy {kernels['mapped_copy']:.0f} ({kernels['mapped_copies']} strided copies for "
+          f"{kernels['plan_copies']} plan copies)", flush=True)
+    runs = []
     try:
         while True:
             try:
@@ -125,36 +191,30 @@ def main() -> None:
                 raise RuntimeError("engine did not start")
             time.sleep(1)
         print(f"engine ready after {time.time() - t0:.1f}s", flush=True)
-        sync = WeightSync(spec, par, 0, params, [url],
-                          SyncConfig(mode="p2p", ipc=True, bucket_mb=args.bucket_mb, timeout_s=300,
-                                     http_timeout_s=300))
-        sync.connect()
-        recs = []
-        for v in range(1, args.updates + 2):
-            params["embedding.word_embeddings.weight"][0, v % 7] += 1.0  # a change every update
-            torch.cuda.synchronize()
-            recs.append(sync.update(v))
-        bad = sync.verify()
-        sync.close()
+        for kind in args.kinds.split(","):
+            r = ipc_updates(kind, spec, par, params, url, args)
+            runs.append(r)
+            print(f"IPC {kind:5s} (trainer TP1 -> engine TP1, same GPU, {args.updates} updates): data path "
+                  f"median {r['data_ms']:.2f} ms (max {r['data_p99_ms']:.2f}) = {r['data_ms'] / d2d_ms:.2f}x D2D; "
+                  f"whole update incl. HTTP control {r['total_ms']:.2f} ms; phases ms "
+                  f"{ {k: round(v, 2) for k, v in r['phases_ms'].items()} }; checksum "
+                  f"{'ok' if r['checksum_ok'] else r['mismatch']}", flush=True)
     finally:
         engine.terminate()
         engine.wait(60)
-    measured = recs[1:]
-    total = statistics.median(r.phases["total"] for r in measured) * 1e3
-    phases = {k: statistics.median(r.phases[k] for r in measured) * 1e3
-              for k in ("pack", "transfer", "unpack", "control")}
-    print(f"IPC update (trainer TP1 -> engine TP1, same GPU): median {total:.1f} ms over {len(measured)} "
-          f"updates = {total / d2d_ms:.2f}x the D2D copy; phases ms {phases}; checksum "
-          f"{'ok' if not bad else bad[:3]}", flush=True)
     deltas = [delta_throughput(256 * 2**20, d) for d in (0.01, 0.10)]
     for d in deltas:
         print(f"delta on device, 512 MiB bf16 at density {d['density']:.2f}: encode {d['encode_GBps']:.1f} GB/s, "
               f"apply {d['apply_GBps']:.1f} GB/s, payload {d['payload_fraction']:.3f} of full")
+    print("\n| path | median ms | x D2D |\n|---|---|---|")
+    print(f"| D2D copy (one kernel) | {d2d_ms:.2f} | 1.00 |")
+    for r in runs:
+        print(f"| IPC {r['kind']} data path | {r['data_ms']:.2f} | {r['data_ms'] / d2d_ms:.2f} |")
+        print(f"| IPC {r['kind']} whole update | {r['total_ms']:.2f} | {r['total_ms'] / d2d_ms:.2f} |")
     with open(args.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": spec.name,
-                   "model_bytes": model_bytes, "d2d_ms": d2d_ms, "ipc_update_ms": total, "phases_ms": phases,
-                   "ratio_to_d2d": total / d2d_ms, "checksum_ok": not bad, "delta": deltas,
-                   "records": [r.phases for r in recs]}, f, indent=2)
+        json.dump({"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "model": spec.name, "model_bytes": model_bytes,
+                   "d2d_ms": d2d_ms, "kernels_GBps": kernels, "ipc": runs, "delta": deltas}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(model=args.model, trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp,
                      engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
-                     engine_dtype=args.engine_dtype)
+                     engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc)
     if args.launcher == "ray":  # trainer ranks and engines as Ray actors (docs/ray.md)
         from shardsync.launch import run_on_ray
 
@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="default 1e-2; 1e-5 with --mode delta")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/demo")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda: trainer ranks and engines share the GPU(s); p2p reads the "
+                        "trainer's weights in place over CUDA IPC")
+    p.add_argument("--ipc", action=argparse.BooleanOptionalAction, default=None,
+                   help="engines read the trainer's tensors in place (CUDA IPC / shared memory); "
+                        "default: on with --device cuda")
     p.add_argument("--launcher", default="local", choices=["local", "ray"],
                    help="local: processes on this machine; ray: actors placed by Ray (docs/ray.md)")
     p.add_argument("--ray-address", default=None,

@@ -35,10 +35,12 @@ from shardsync.topology import Topology
 from shardsync.transport import Rendezvous, SyncGroup
 from shardsync.transport.group import free_port, open_store
 from shardsync.transport.ipc import IpcTransport
+from shardsync.transport.mapped import MappedTransport
 
 log = logging.getLogger("shardsync")
 MODES = ("auto", "p2p", "broadcast", "delta")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
+IPC_KINDS = ("map", "slots")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,15 +62,24 @@ class SyncConfig:
     delta_dir: str | None = None
     delta_pin_memory: bool = False
     relay: bool = False
-    ipc: bool = False  # colocated engines on the trainer ranks' GPUs: p2p data through CUDA IPC
+    # engines on the trainer's machine: "map" (or True) reads the trainer's tensors in place
+    # (CUDA IPC or CPU shared memory); "slots" stages buckets through exported CUDA buffers
+    ipc: bool | str = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.delta_transport not in DELTA_TRANSPORTS:
             raise ValueError(f"delta_transport must be one of {DELTA_TRANSPORTS}, got {self.delta_transport!r}")
+        if self.ipc is True:
+            object.__setattr__(self, "ipc", "map")
+        if self.ipc and self.ipc not in IPC_KINDS:
+            raise ValueError(f"ipc must be False or one of {IPC_KINDS}, got {self.ipc!r}")
         if self.ipc and self.mode not in ("auto", "p2p"):
-            raise ValueError("ipc moves full p2p updates between processes on one GPU; use mode='p2p'")
+            raise ValueError("ipc moves full p2p updates between processes on one machine; use mode='p2p'")
+        if self.ipc and self.relay:
+            raise ValueError("ipc lets every engine read the trainer directly; relay is for network links: "
+                             "drop one of them")
         if self.relay and self.mode == "delta" and self.delta_transport == "p2p":
             raise ValueError("relay applies to full p2p updates; delta over p2p sends every engine its "
                              "parts directly: use delta_transport='broadcast' or relay=False")
@@ -204,7 +215,7 @@ class WeightSync:
             self.group = SyncGroup(rdv, self.rank, sched.subgroups(), store=self._store)
             # IPC slots are published before anyone waits for the engines' join to return:
             # the engines map them as the last step of their join.
-            self._transport = self._export_ipc(topo, sched) if self.config.ipc else self.group
+            self._transport = self._export_ipc(topo, sched, rdv) if self.config.ipc else self.group
 
         if self.rank == 0:
             self._store = open_store(rdv, is_master=True)
@@ -232,10 +243,14 @@ class WeightSync:
             log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
                      len(self.urls), decision["tps"], self.mode, time.perf_counter() - t0)
 
-    def _export_ipc(self, topo: Topology, sched: Schedule) -> IpcTransport:
-        """Publish this rank's IPC slots for every engine rank it sends to (same GPU)."""
+    def _export_ipc(self, topo: Topology, sched: Schedule, rdv: Rendezvous) -> IpcTransport | MappedTransport:
+        """Publish this rank's tensors ("map") or IPC slots ("slots") to the engine ranks it feeds."""
         if self.mode != "p2p":
             raise SyncError(f"ipc needs the p2p path, but {self.fallback_reason}")
+        if self.config.ipc == "map":
+            mapped = MappedTransport.for_rank(self.group, topo, rdv.name)
+            mapped.export(self.params)
+            return mapped
         transport = IpcTransport(self.group, slots=self.config.credits)
         device = next(iter(self.params.values())).device
         for peer in sorted({s.comm[1] for s in sched.steps("p2p") if s.comm[0] == "send"}):

@@ -44,6 +44,12 @@ class DemoConfig:
     delta_transport: str = "p2p"
     verify: bool = True  # bitwise checksum after every update (SHARDSYNC_SKIP_VERIFY=1 skips it)
     engine_dtype: str | None = None  # None: the model's; delta defaults to bfloat16
+    device: str = "cpu"  # "cuda": trainer ranks and engines on the GPU(s), sharing them
+    ipc: bool | None = None  # engines read the trainer's tensors in place; None: on with cuda
+
+    @property
+    def uses_ipc(self) -> bool:
+        return self.device != "cpu" if self.ipc is None else self.ipc
 
     @property
     def learning_rate(self) -> float:
@@ -64,7 +70,7 @@ def start_engines(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
     for tp in cfg.engine_tp:
         port = free_port()
         cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
-               "--tp", str(tp), "--port", str(port), "--seed", str(cfg.seed)]
+               "--tp", str(tp), "--port", str(port), "--seed", str(cfg.seed), "--device", cfg.device]
         dtype = cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else None)
         if dtype:
             cmd += ["--dtype", dtype]

@@ -75,7 +75,7 @@ class ConnectRequest(_Msg):
     bucket_bytes: int = Field(ge=1024)
     credits: int = Field(2, ge=1, le=64)
     relay: bool = False
-    ipc: bool = False
+    ipc: bool | Literal["map", "slots"] = False
     rendezvous: RendezvousMsg
 
 

@@ -88,12 +88,18 @@ class EngineWorker:
         group = SyncGroup(rdv, me, sched.subgroups(),
                           device=self.model.device if rdv.backend == "nccl" else None)
         self.transport = group
-        if req.get("ipc"):
+        if req.get("ipc") == "slots":
             from shardsync.transport.ipc import IpcTransport
 
             self.transport = IpcTransport(group, slots=req["credits"])
             for peer in sorted({s.comm[1] for s in sched.steps("p2p") if s.comm[0] == "recv"}):
                 self.transport.attach(peer)
+        elif req.get("ipc"):  # "map": read the trainer's tensors in place
+            from shardsync.transport.mapped import MappedTransport
+
+            self.transport = MappedTransport.for_rank(group, topo, rdv.name)
+            for peer in self.transport.peers:
+                self.transport.attach(peer, 1, self.params)
         self.sync = (topo, sched, group, req["engine_index"])
         self.delta = DeltaRunner(topo, me, req["bucket_bytes"], credits=req["credits"],
                                  rank=self.model.layout.ranks[self.rank])
@@ -143,6 +149,9 @@ class EngineWorker:
         return piece_checksums(rl, self.params, self.model.layout.logical, self.model.dtype)
 
     def disconnect(self) -> None:
+        detach = getattr(self.transport, "detach", None)
+        if detach is not None:
+            detach()  # release mapped trainer memory
         if self.sync is not None:
             self.sync[2].close()
             self.sync = None

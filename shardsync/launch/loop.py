@@ -71,6 +71,13 @@ def _weights(cfg: DemoConfig):
     return spec, random_source(spec, cfg.seed)
 
 
+def _device(name: str, rank: int) -> torch.device:
+    """Trainer rank ``rank``'s device: ``cuda`` spreads ranks over the visible GPUs."""
+    if name == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
 def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, version: int) -> dict:
     """Rank 0: ``cfg.prompts`` prompts spread round-robin over the engines (all engines
     asked at once), ``cfg.group`` samples each, scored by ``task.reward``."""
@@ -130,15 +137,17 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     try:
         spec, source = _weights(cfg)
         groups = megatron_groups(par, timeout_s=cfg.timeout_s)
+        device = _device(cfg.device, rank)
         model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
-                             source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s)
+                             source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s,
+                             device=device)
         # detached views: the same storage, read in place, never part of an autograd graph
         params = {n: p.detach() for n, p in model.named_parameters()}
         sync = WeightSync(spec, par, rank, params, list(where.engines),
                           SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode,
                                      bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
                                      host=where.sync_host, delta_transport=cfg.delta_transport,
-                                     delta_dir=where.delta_dir,
+                                     delta_dir=where.delta_dir, ipc=cfg.uses_ipc,
                                      records_path=where.records_path if rank == 0 else None),
                           trainer_group=dist.group.WORLD)
         sync.connect()
@@ -150,16 +159,17 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
             box = [rollouts(cfg, where.engines, step, spec.vocab_size, step - 1) if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             batch = box[0]
-            ids = torch.tensor(batch["ids"], dtype=torch.long)
+            ids = torch.tensor(batch["ids"], dtype=torch.long, device=device)
             start = cfg.prompt_len - 1  # first position whose next token was sampled
-            mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+            mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=device)
             mask[:, start:] = 1.0
             old = model.policy_logprobs(ids)
             rewards = torch.tensor(batch["rewards"])
             loss = functools.partial(grpo_loss, old_logprobs=old, mask=mask,
-                                     advantages=task.group_advantages(rewards, cfg.group))
+                                     advantages=task.group_advantages(rewards, cfg.group).to(device))
             stats = model.train_step(ids, loss)
-            new = model.policy_logprobs(ids)[:, start:]  # the weights about to be synced
+            old = old.cpu()
+            new = model.policy_logprobs(ids)[:, start:].cpu()  # the weights about to be synced
             records, updates = [], {}
             for mode in modes:
                 rec = sync.update(step, mode=None if mode == "delta" else mode)

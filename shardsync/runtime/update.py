@@ -56,6 +56,8 @@ class Schedule:
 
     def run(self, mode: str, local: Mapping[str, torch.Tensor], transport: Transport, *,
             barrier, detail: bool = False) -> ExecStats:
+        if mode == "p2p" and getattr(transport, "one_sided", False):
+            return transport.run(local)  # the receiver reads the plan's regions in place
         if mode == "p2p":
             return execute(self.steps("p2p"), local, transport, pool=self.pool("p2p"),
                            credits=self.credits, detail=detail)

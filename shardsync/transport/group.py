@@ -61,13 +61,21 @@ def _make_pg(store: dist.Store, rank: int, size: int, backend: str, timeout: dat
 
 
 class _Work:
-    """A handle whose ``wait`` always applies the group's timeout."""
+    """A handle whose ``wait`` always applies the group's timeout (then runs ``then``)."""
 
-    def __init__(self, work, timeout: datetime.timedelta) -> None:
-        self._work, self._timeout = work, timeout
+    def __init__(self, work, timeout: datetime.timedelta, then=None) -> None:
+        self._work, self._timeout, self._then = work, timeout, then
 
     def wait(self) -> None:
         self._work.wait(self._timeout)
+        if self._then is not None:
+            self._then()
+            self._then = None
+
+
+def _staged(buf: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy target for a device tensor gloo cannot read in place."""
+    return torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
 
 
 class SyncGroup:
@@ -96,9 +104,17 @@ class SyncGroup:
         self.barrier_calls = 0
 
     def send(self, buf: torch.Tensor, peer: int) -> _Work:
+        if buf.is_cuda and self.rdv.backend == "gloo":  # gloo moves host memory: stage
+            host = _staged(buf)
+            host.copy_(buf)
+            work = self.world.send([host], peer, 0)
+            return _Work(work, self.rdv.timeout, then=lambda: host)  # keeps host alive until done
         return _Work(self.world.send([buf], peer, 0), self.rdv.timeout)
 
     def recv(self, buf: torch.Tensor, peer: int) -> _Work:
+        if buf.is_cuda and self.rdv.backend == "gloo":
+            host = _staged(buf)
+            return _Work(self.world.recv([host], peer, 0), self.rdv.timeout, then=lambda: buf.copy_(host))
         return _Work(self.world.recv([buf], peer, 0), self.rdv.timeout)
 
     def broadcast(self, buf: torch.Tensor, group: str, root: int) -> _Work:

@@ -1,0 +1,262 @@
+"""One-sided transport for engines on the trainer's machine: the engine reads the trainer's
+tensors in place, through CUDA IPC (same GPU or peer GPUs of one node) or CPU shared memory.
+
+The trainer exports its tensors once (handles through the rendezvous store); each engine
+rank maps them once and compiles its share of the p2p plan into (destination view, mapped
+source view) copies, strided where a per-group pattern allows.  An update moves every byte
+once: the trainer synchronizes its stream and signals ``[generation]``; the engine copies,
+synchronizes and acks; the trainer returns only after every ack, so its tensors are never
+written while an engine reads them.  A tensor that moved since export (offloaded and
+reloaded, reallocated) bumps the generation: the trainer re-exports and the engine re-maps
+before reading, so a stale mapping is never read.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing as tmp
+
+from shardsync.plan.plan import Copy
+from shardsync.runtime.executor import ExecStats
+from shardsync.topology import Topology
+from shardsync.transport.group import SyncGroup
+
+log = logging.getLogger(__name__)
+
+READY, FAILED = 1, 0
+
+
+# -- handles --
+
+def share(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """Handles another process on this machine opens with ``open_shared``.
+
+    CPU tensors move into shared memory first (same values, new storage, in place for every
+    view of it); CUDA tensors are exported as they are.
+    """
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")  # names, not file descriptors: fits in a store value
+    try:
+        for t in tensors.values():
+            if not t.is_cuda:
+                t.share_memory_()
+        out = io.BytesIO()
+        ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(dict(tensors))
+        return out.getvalue()
+    finally:
+        tmp.set_sharing_strategy(previous)
+
+
+def open_shared(blob: bytes) -> dict[str, torch.Tensor]:
+    return pickle.loads(blob)
+
+
+def pointers(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    return {k: t.data_ptr() for k, t in tensors.items()}
+
+
+# -- compiled copies --
+
+@dataclass(frozen=True)
+class Run:
+    """``n`` copies of one shape whose offsets advance by a constant step along dim 0."""
+
+    first: Copy
+    n: int
+    src_step: int
+    dst_step: int
+
+
+def coalesce(copies: Sequence[Copy]) -> list[Run]:
+    """Fuse copies between the same tensors that repeat with a constant row stride on both
+    sides (a QKV shard is 3 runs, not 3 x groups copies): one kernel per run."""
+    groups: dict[tuple, list[Copy]] = defaultdict(list)
+    for c in copies:
+        groups[(c.src, c.src_local, c.dst_local, c.sizes, c.src_offsets[1:], c.dst_offsets[1:])].append(c)
+    runs: list[Run] = []
+    for group in groups.values():
+        group.sort(key=lambda c: c.dst_offsets[0])  # engines concatenate: runs follow the destination
+        i = 0
+        while i < len(group):
+            j = i + 1
+            if j < len(group):
+                ss = group[j].src_offsets[0] - group[i].src_offsets[0]
+                ds = group[j].dst_offsets[0] - group[i].dst_offsets[0]
+                if ds >= group[i].sizes[0] and ss >= 0:  # as_strided takes no negative steps
+                    while (j < len(group) and group[j].src_offsets[0] - group[j - 1].src_offsets[0] == ss
+                           and group[j].dst_offsets[0] - group[j - 1].dst_offsets[0] == ds):
+                        j += 1
+            if j - i > 1:
+                runs.append(Run(group[i], j - i, ss, ds))
+            else:
+                j = i + 1
+                runs.append(Run(group[i], 1, 0, 0))
+            i = j
+    return runs
+
+
+def _view(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...], n: int, step: int) -> torch.Tensor:
+    base = t.storage_offset() + sum(o * s for o, s in zip(offsets, t.stride(), strict=True))
+    if n == 1:
+        return t.as_strided(sizes, t.stride(), base)
+    return t.as_strided((n, *sizes), (step * t.stride(0), *t.stride()), base)
+
+
+def compile_runs(runs: Sequence[Run], src: Mapping[str, torch.Tensor],
+                 dst: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view, source view) pairs; built once per mapping, reused every update."""
+    return [(_view(dst[r.first.dst_local], r.first.dst_offsets, r.first.sizes, r.n, r.dst_step),
+             _view(src[r.first.src_local], r.first.src_offsets, r.first.sizes, r.n, r.src_step))
+            for r in runs]
+
+
+def _sync(tensors) -> None:
+    for t in tensors:
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+            return
+
+
+# -- the transport --
+
+class MappedTransport:
+    """Both ends of the one-sided p2p path for one sync rank.
+
+    Collective contract: every sender calls ``export`` before any receiver calls ``attach``
+    (both at join); then every update, senders and receivers call ``run`` with the same plan.
+    """
+
+    one_sided = True
+
+    def __init__(self, group: SyncGroup, copies: Sequence[Copy], *, sender: bool, peers: Sequence[int],
+                 prefix: str, itemsize: int) -> None:
+        """``copies``: this rank's copies of the p2p plan (as source or as destination);
+        ``peers``: sync ranks of the other ends, in the order both sides walk them."""
+        self.group, self.sender, self.prefix = group, sender, prefix
+        self.copies = list(copies)
+        self.peers = list(peers)
+        self.generation = 0
+        self._exported: dict[str, int] = {}
+        self._mapped: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # peer -> (generation, tensors)
+        self._pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._runs: dict[int, list[Run]] = {}
+        self.nbytes = sum(c.numel for c in self.copies) * itemsize  # on the wire dtype
+
+    @classmethod
+    def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str) -> MappedTransport:
+        """Sync rank ``group.rank``'s end of ``topo``'s p2p plan (trainer ranks send)."""
+        me, trainers = group.rank, topo.trainer.world_size
+        plan = topo.p2p_plan
+        if me < trainers:
+            copies = [c for c in plan.copies if c.src == me]
+            peers = sorted({trainers + c.dst for c in copies})
+        else:
+            copies = [c for c in plan.copies if c.dst == me - trainers]
+            peers = sorted({c.src for c in copies})
+        return cls(group, copies, sender=me < trainers, peers=peers, prefix=prefix,
+                   itemsize=plan.itemsize)
+
+    def _key(self, rank: int, generation: int) -> str:
+        return f"{self.prefix}/map/{rank}/g{generation}"
+
+    # -- sender --
+
+    def export(self, local: Mapping[str, torch.Tensor]) -> None:
+        """Publish handles of the tensors this rank's copies read (generation bumps per call)."""
+        names = sorted({c.src_local for c in self.copies})
+        tensors = {n: local[n] for n in names}
+        self.generation += 1
+        self.group._store.set(self._key(self.group.rank, self.generation), share(tensors))
+        self._exported = pointers(tensors)
+
+    def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
+        return [k for k, p in self._exported.items() if local[k].data_ptr() != p]
+
+    # -- receiver --
+
+    def attach(self, peer: int, generation: int, local: Mapping[str, torch.Tensor]) -> None:
+        """Map ``peer``'s tensors of ``generation`` and compile the copies read from them."""
+        key = self._key(peer, generation)
+        self.group._store.wait([key], self.group.rdv.timeout)
+        self._pairs.pop(peer, None)
+        self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
+        mapped = open_shared(self.group._store.get(key))
+        if peer not in self._runs:
+            self._runs[peer] = coalesce([c for c in self.copies if c.src == peer])
+        self._mapped[peer] = (generation, mapped)
+        self._pairs[peer] = compile_runs(self._runs[peer], mapped, local)
+
+    def detach(self) -> None:
+        self._pairs.clear()
+        self._mapped.clear()
+
+    # -- one update --
+
+    def run(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
+        return self._send(local) if self.sender else self._receive(local)
+
+    def _send(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
+        stats = ExecStats()
+        t0 = time.perf_counter()
+        moved = self._moved(local)
+        if moved:
+            log.info("rank %d: %d exported tensor(s) moved since export (e.g. %s): re-exporting",
+                     self.group.rank, len(moved), moved[0])
+            self.export(local)
+        _sync(local.values())  # every write to the weights has landed before anyone reads
+        header = torch.tensor([self.generation], dtype=torch.int64)
+        sends = [self.group.send(header, p) for p in self.peers]
+        acks = [torch.zeros(2, dtype=torch.int64) for _ in self.peers]
+        works = [self.group.recv(a, p) for a, p in zip(acks, self.peers, strict=True)]
+        t1 = time.perf_counter()
+        for w in sends + works:
+            w.wait()
+        stats.pack_s = t1 - t0
+        stats.transfer_s = time.perf_counter() - t1
+        failed = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) != READY]
+        if failed:
+            raise RuntimeError(f"sync rank(s) {failed} failed reading this rank's mapped tensors")
+        stats.bytes_sent = self.nbytes
+        return stats
+
+    def _receive(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
+        stats = ExecStats()
+        for peer in self.peers:
+            t0 = time.perf_counter()
+            header = torch.zeros(1, dtype=torch.int64)
+            self.group.recv(header, peer).wait()
+            gen = int(header[0])
+            t1 = time.perf_counter()
+            status = FAILED
+            try:
+                if self._mapped.get(peer, (None,))[0] != gen:
+                    self.attach(peer, gen, local)
+                pairs = self._pairs[peer]
+                for dst, src in pairs:
+                    dst.copy_(src)
+                _sync(d for d, _ in pairs)
+                status = READY
+            finally:  # the sender waits for this ack either way: never leave it hanging
+                self.group.send(torch.tensor([gen, status], dtype=torch.int64), peer).wait()
+            t2 = time.perf_counter()
+            stats.transfer_s += t1 - t0
+            stats.unpack_s += t2 - t1
+        stats.bytes_received = self.nbytes
+        return stats
+
+    # -- Transport (control messages only) --
+
+    def synchronize(self) -> None:
+        self.group.synchronize()
+
+    def barrier(self) -> None:
+        self.group.barrier()
