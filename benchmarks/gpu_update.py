@@ -97,7 +97,7 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     from shardsync.plan.local import allocate
     from shardsync.runtime.executor import _buf_view, _copy_all, _resolve
     from shardsync.runtime.schedule import p2p_steps
-    from shardsync.transport.mapped import coalesce, compile_runs
+    from shardsync.transport.mapped import coalesce, compile_runs, copy_pairs
 
     engine = allocate(topo.p2p_plan, 0, device="cuda")
     send = p2p_steps(topo, 0, bucket_bytes)
@@ -115,8 +115,7 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     pairs = compile_runs(coalesce(topo.p2p_plan.copies), params, engine)
 
     def mapped() -> None:
-        for dst, src in pairs:
-            dst.copy_(src)
+        copy_pairs(pairs)
 
     gb = topo.p2p_plan.total_bytes / 1e9
     out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack), ("unpack", unpack), ("mapped_copy", mapped))}
@@ -125,7 +124,7 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     return out
 
 
-def ipc_updates(kind: str, spec, par, params: dict, url: str, args) -> dict:
+def ipc_updates(kind: str, spec, par, params: dict, url: str, args, first: int) -> dict:
     """Connect with one IPC kind, run ``--updates`` full updates after a warm-up, verify."""
     sync = WeightSync(spec, par, 0, params, [url],
                       SyncConfig(mode="p2p", ipc=kind, bucket_mb=args.bucket_mb, timeout_s=300,
@@ -133,7 +132,7 @@ def ipc_updates(kind: str, spec, par, params: dict, url: str, args) -> dict:
     sync.connect()
     recs = []
     try:
-        for v in range(1, args.updates + 2):
+        for v in range(first, first + args.updates + 1):  # versions only grow on an engine
             params["embedding.word_embeddings.weight"][0, v % 7] += 1.0  # a change every update
             torch.cuda.synchronize()
             recs.append(sync.update(v))
@@ -191,8 +190,8 @@ def main() -> None:
                 raise RuntimeError("engine did not start")
             time.sleep(1)
         print(f"engine ready after {time.time() - t0:.1f}s", flush=True)
-        for kind in args.kinds.split(","):
-            r = ipc_updates(kind, spec, par, params, url, args)
+        for i, kind in enumerate(args.kinds.split(",")):
+            r = ipc_updates(kind, spec, par, params, url, args, first=1 + i * (args.updates + 1))
             runs.append(r)
             print(f"IPC {kind:5s} (trainer TP1 -> engine TP1, same GPU, {args.updates} updates): data path "
                   f"median {r['data_ms']:.2f} ms (max {r['data_p99_ms']:.2f}) = {r['data_ms'] / d2d_ms:.2f}x D2D; "

@@ -10,14 +10,16 @@ from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import allocate, execute_local
 from shardsync.spec import PRESETS, load_spec
 from shardsync.topology import Topology
-from shardsync.transport.mapped import coalesce, compile_runs
+from shardsync.transport.mapped import coalesce, compile_runs, copy_pairs
 
 
-@pytest.mark.parametrize("model,ttp,etp", [("tiny-qwen3", 1, 1), ("tiny-qwen3", 2, 1), ("tiny-qwen2", 1, 2),
-                                           ("tiny-llama", 2, 4), ("tiny-qwen3", 4, 2)])
-def test_runs_copy_exactly_what_the_plan_copies(model: str, ttp: int, etp: int) -> None:
-    spec = PRESETS[model]
-    topo = Topology(spec, MegatronParallel(tp=ttp), (EngineParallel(tp=etp),))
+@pytest.mark.parametrize("model,ttp,etp,dtype", [("tiny-qwen3", 1, 1, "float32"), ("tiny-qwen3", 2, 1, "bfloat16"),
+                                                 ("tiny-qwen2", 1, 2, "bfloat16"), ("tiny-llama", 2, 4, "float32"),
+                                                 ("tiny-qwen3", 4, 2, "bfloat16")])
+def test_runs_copy_exactly_what_the_plan_copies(model: str, ttp: int, etp: int, dtype: str) -> None:
+    """Same dtype both sides (bf16: copied as 8-byte words) and fp32 trainer -> bf16 engine."""
+    spec = PRESETS[model].replace(dtype=dtype)
+    topo = Topology(spec, MegatronParallel(tp=ttp, dtype=dtype), (EngineParallel(tp=etp, dtype=dtype),))
     plan = topo.p2p_plan
     sources = [load_rank(topo.trainer_layout, r, random_source(spec, seed=5)) for r in range(ttp)]
     expected = execute_local(plan, sources)
@@ -25,8 +27,7 @@ def test_runs_copy_exactly_what_the_plan_copies(model: str, ttp: int, etp: int) 
         got = allocate(plan, e)
         for t in range(ttp):
             copies = [c for c in plan.copies if c.dst == e and c.src == t]
-            for dst, src in compile_runs(coalesce(copies), sources[t], got):
-                dst.copy_(src)
+            copy_pairs(compile_runs(coalesce(copies), sources[t], got))
         for name, ref in expected[e].items():
             assert torch.equal(got[name], ref), f"engine rank {e}: {name} differs"
 
