@@ -135,6 +135,8 @@ class WeightSync:
                 raise SyncError(f"{method} {url} -> {r.status_code}: {r.text[:500]}")
             return r.json()
 
+        if len(self.urls) == 1:  # the common colocated case: no thread hop on the hot path
+            return [one(0)]
         with ThreadPoolExecutor(len(self.urls)) as pool:
             return list(pool.map(one, range(len(self.urls))))
 
@@ -506,6 +508,8 @@ class WeightSync:
             self.group = None
 
     def close(self) -> None:
+        if isinstance(getattr(self, "_transport", None), MappedTransport):
+            self._transport.close()  # shared-memory names of exported tensors
         self._drop_group()
         if self._http is not None:
             self._http.close()

@@ -13,6 +13,7 @@ before reading, so a stale mapping is never read.
 
 from __future__ import annotations
 
+import _posixshmem
 import io
 import logging
 import pickle
@@ -33,6 +34,7 @@ from shardsync.transport.group import SyncGroup
 log = logging.getLogger(__name__)
 
 READY, FAILED = 1, 0
+ABORT = -1  # generation sent when the sender cannot offer its tensors this update
 
 
 # -- handles --
@@ -166,14 +168,17 @@ class MappedTransport:
     one_sided = True
 
     def __init__(self, group: SyncGroup, copies: Sequence[Copy], *, sender: bool, peers: Sequence[int],
-                 prefix: str, itemsize: int) -> None:
+                 prefix: str, itemsize: int, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         """``copies``: this rank's copies of the p2p plan (as source or as destination);
-        ``peers``: sync ranks of the other ends, in the order both sides walk them."""
+        ``peers``: sync ranks of the other ends, in the order both sides walk them;
+        ``shapes``: the sender's tensor shapes the plan was built for (checked at export)."""
         self.group, self.sender, self.prefix = group, sender, prefix
+        self.shapes = dict(shapes or {})
         self.copies = list(copies)
         self.peers = list(peers)
         self.generation = 0
         self._exported: dict[str, int] = {}
+        self._files: set[str] = set()  # shared-memory names of exported CPU storages
         self._mapped: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # peer -> (generation, tensors)
         self._pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._runs: dict[int, list[Run]] = {}
@@ -190,11 +195,12 @@ class MappedTransport:
         else:
             copies = [c for c in plan.copies if c.dst == me - trainers]
             peers = sorted({c.src for c in copies})
+        shapes = {t.name: tuple(t.shape) for t in plan.src.ranks[me].tensors} if me < trainers else None
         return cls(group, copies, sender=me < trainers, peers=peers, prefix=prefix,
-                   itemsize=plan.itemsize)
+                   itemsize=plan.itemsize, shapes=shapes)
 
-    def _key(self, rank: int, generation: int) -> str:
-        return f"{self.prefix}/map/{rank}/g{generation}"
+    def _key(self, src: int, dst: int, generation: int) -> str:
+        return f"{self.prefix}/map/{src}->{dst}/g{generation}"
 
     # -- sender --
 
@@ -202,9 +208,17 @@ class MappedTransport:
         """Publish handles of the tensors this rank's copies read (generation bumps per call)."""
         names = sorted({c.src_local for c in self.copies})
         tensors = {n: local[n] for n in names}
+        wrong = [f"{n} {tuple(t.shape)} (plan: {self.shapes[n]})" for n, t in tensors.items()
+                 if n in self.shapes and tuple(t.shape) != self.shapes[n]]
+        if wrong:  # engines would read out of bounds: refuse before anything is published
+            raise ValueError(f"tensor(s) changed shape since connect: {', '.join(wrong[:3])}; "
+                             "restore the shapes or reconnect with the new model")
         self.generation += 1
-        self.group._store.set(self._key(self.group.rank, self.generation), share(tensors))
+        for peer in self.peers:  # one pickle per reader: torch balances each pickle with one load
+            self.group._store.set(self._key(self.group.rank, peer, self.generation), share(tensors))
         self._exported = pointers(tensors)
+        self._files.update(t.untyped_storage()._share_filename_cpu_()[1].decode()
+                           for t in tensors.values() if not t.is_cuda)
 
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
         return [k for k, p in self._exported.items() if local[k].data_ptr() != p]
@@ -213,7 +227,7 @@ class MappedTransport:
 
     def attach(self, peer: int, generation: int, local: Mapping[str, torch.Tensor]) -> None:
         """Map ``peer``'s tensors of ``generation`` and compile the copies read from them."""
-        key = self._key(peer, generation)
+        key = self._key(peer, self.group.rank, generation)
         self.group._store.wait([key], self.group.rdv.timeout)
         self._pairs.pop(peer, None)
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
@@ -227,6 +241,16 @@ class MappedTransport:
         self._pairs.clear()
         self._mapped.clear()
 
+    def close(self) -> None:
+        """Sender: remove the shared-memory names of exported CPU tensors.  Open mappings stay
+        valid; nothing is left in /dev/shm even if an engine is killed without unmapping."""
+        for name in self._files:
+            try:
+                _posixshmem.shm_unlink(name)
+            except FileNotFoundError:
+                pass
+        self._files.clear()
+
     # -- one update --
 
     def run(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
@@ -235,13 +259,17 @@ class MappedTransport:
     def _send(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
         stats = ExecStats()
         t0 = time.perf_counter()
-        moved = self._moved(local)
-        if moved:
-            log.info("rank %d: %d exported tensor(s) moved since export (e.g. %s): re-exporting",
-                     self.group.rank, len(moved), moved[0])
-            self.export(local)
-        _sync(local.values())  # every write to the weights has landed before anyone reads
-        header = torch.tensor([self.generation], dtype=torch.int64)
+        error = None
+        try:
+            moved = self._moved(local)
+            if moved:
+                log.info("rank %d: %d exported tensor(s) moved since export (e.g. %s): re-exporting",
+                         self.group.rank, len(moved), moved[0])
+                self.export(local)
+            _sync(local.values())  # every write to the weights has landed before anyone reads
+        except Exception as e:  # tell the engines now rather than let them wait for a timeout
+            error = e
+        header = torch.tensor([ABORT if error else self.generation], dtype=torch.int64)
         sends = [self.group.send(header, p) for p in self.peers]
         acks = [torch.zeros(2, dtype=torch.int64) for _ in self.peers]
         works = [self.group.recv(a, p) for a, p in zip(acks, self.peers, strict=True)]
@@ -250,6 +278,8 @@ class MappedTransport:
             w.wait()
         stats.pack_s = t1 - t0
         stats.transfer_s = time.perf_counter() - t1
+        if error is not None:
+            raise error
         failed = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) != READY]
         if failed:
             raise RuntimeError(f"sync rank(s) {failed} failed reading this rank's mapped tensors")
@@ -257,7 +287,9 @@ class MappedTransport:
         return stats
 
     def _receive(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
+        """Every sender gets its ack, even after another one failed: none waits for a timeout."""
         stats = ExecStats()
+        error: Exception | None = None
         for peer in self.peers:
             t0 = time.perf_counter()
             header = torch.zeros(1, dtype=torch.int64)
@@ -266,17 +298,22 @@ class MappedTransport:
             t1 = time.perf_counter()
             status = FAILED
             try:
-                if self._mapped.get(peer, (None,))[0] != gen:
-                    self.attach(peer, gen, local)
-                pairs = self._pairs[peer]
-                copy_pairs(pairs)
-                _sync(d for d, _ in pairs)
-                status = READY
-            finally:  # the sender waits for this ack either way: never leave it hanging
-                self.group.send(torch.tensor([gen, status], dtype=torch.int64), peer).wait()
-            t2 = time.perf_counter()
+                if gen == ABORT:
+                    raise RuntimeError(f"trainer sync rank {peer} aborted the update before sending")
+                if error is None:
+                    if self._mapped.get(peer, (None,))[0] != gen:
+                        self.attach(peer, gen, local)
+                    pairs = self._pairs[peer]
+                    copy_pairs(pairs)
+                    _sync(d for d, _ in pairs)
+                    status = READY
+            except Exception as e:
+                error = error or e
+            self.group.send(torch.tensor([gen, status], dtype=torch.int64), peer).wait()
             stats.transfer_s += t1 - t0
-            stats.unpack_s += t2 - t1
+            stats.unpack_s += time.perf_counter() - t1
+        if error is not None:
+            raise error
         stats.bytes_received = self.nbytes
         return stats
 

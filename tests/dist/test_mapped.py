@@ -4,6 +4,7 @@ through shared memory, a real engine server's TP workers map them and read in pl
 from __future__ import annotations
 
 import datetime
+import time
 
 import httpx
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
-from shardsync.sync import SyncConfig, WeightSync
+from shardsync.sync import SyncConfig, SyncError, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, run_world
@@ -42,6 +43,26 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
                                "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)})
         res["verify"].append(sync.verify())
         res["generation"].append(sync._transport.generation)
+    # a tensor whose shape changed since connect (a user bug) fails the update on every rank,
+    # promptly (rank 1 aborts, engines ack), and the engine refuses to serve the mix it holds
+    name = next(k for k in params if k.endswith("linear_fc2.weight"))
+    good = params[name].clone()
+    if rank == 1:
+        params[name].set_(good[:, :-1].contiguous())
+    t0 = time.monotonic()
+    try:
+        sync.update(4)
+        res["bad_update"] = "accepted"
+    except SyncError as e:
+        res["bad_update"] = str(e)
+    res["bad_update_s"] = time.monotonic() - t0
+    if rank == 0:
+        res["stale_status"] = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 1},
+                                         timeout=30).status_code
+    params[name].set_(good)
+    sync.connect()  # a failed update drops the group; reconnect and send a full update
+    sync.update(5)
+    res["after"] = sync.verify()
     sync.close()
     dist.destroy_process_group()
     out.put((rank, res))
@@ -57,7 +78,12 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones() -> None:
             assert all(r["bytes"] == r["plan_bytes"] > 0 for r in res["records"])
             # version 3 moved a tensor: exported again (generation 2) and read from its new memory
             assert res["generation"] == [1, 1, 2]
+        for rank, res in results.items():
+            assert "changed shape since connect" in res["bad_update"] or rank == 0, res["bad_update"]
+            assert res["bad_update"] != "accepted" and res["bad_update_s"] < 20  # not a timeout (30 s)
+            assert res["after"] == []
+        assert results[0]["stale_status"] == 503
         gen = httpx.post(url + "/generate", json={"prompts": [[1, 2, 3]], "max_new_tokens": 3}, timeout=30)
-        assert gen.json()["weight_version"] == 3
+        assert gen.json()["weight_version"] == 5
     finally:
         stop_engine(proc)
