@@ -508,8 +508,18 @@ class WeightSync:
             self.group = None
 
     def close(self) -> None:
-        if isinstance(getattr(self, "_transport", None), MappedTransport):
-            self._transport.close()  # shared-memory names of exported tensors
+        """Collective over trainer ranks: engines leave the sync group (and unmap this
+        trainer's memory) before any trainer rank lets go of its tensors."""
+        if self.group is not None and self._store is not None:
+            if self.rank == 0:
+                try:
+                    self._call_all("POST", "/weights/disconnect")
+                except Exception as e:  # an engine that is gone needs no goodbye
+                    log.debug("disconnect: %s", e)
+            try:
+                self._signal(f"u{self._updates}/closed", True)
+            except Exception as e:
+                log.debug("close signal: %s", e)
         self._drop_group()
         if self._http is not None:
             self._http.close()

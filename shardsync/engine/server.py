@@ -281,6 +281,16 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
         state.last = res
         return res
 
+    @app.post("/weights/disconnect")
+    async def disconnect() -> dict:
+        """A trainer leaving: drop the sync group and any mapped trainer memory (weights kept)."""
+        with state.lock:
+            if any(not f.done() for _, f in state.updates.values()):
+                raise ApiError(409, "an update is in progress; finish it first")
+            state.fingerprints, state.pending = {}, None
+        await run("disconnect", {})
+        return {"ok": True}
+
     @app.get("/weights/checksum")
     async def checksum() -> dict:
         parts, version = await run("checksum", {})

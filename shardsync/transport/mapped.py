@@ -13,7 +13,6 @@ before reading, so a stale mapping is never read.
 
 from __future__ import annotations
 
-import _posixshmem
 import io
 import logging
 import pickle
@@ -218,7 +217,7 @@ class MappedTransport:
             self.group._store.set(self._key(self.group.rank, peer, self.generation), share(tensors))
         self._exported = pointers(tensors)
         self._files.update(t.untyped_storage()._share_filename_cpu_()[1].decode()
-                           for t in tensors.values() if not t.is_cuda)
+                           for t in tensors.values() if not t.is_cuda)  # removed by torch at the last unmap
 
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
         return [k for k, p in self._exported.items() if local[k].data_ptr() != p]
@@ -240,16 +239,6 @@ class MappedTransport:
     def detach(self) -> None:
         self._pairs.clear()
         self._mapped.clear()
-
-    def close(self) -> None:
-        """Sender: remove the shared-memory names of exported CPU tensors.  Open mappings stay
-        valid; nothing is left in /dev/shm even if an engine is killed without unmapping."""
-        for name in self._files:
-            try:
-                _posixshmem.shm_unlink(name)
-            except FileNotFoundError:
-                pass
-        self._files.clear()
 
     # -- one update --
 

@@ -4,6 +4,7 @@ through shared memory, a real engine server's TP workers map them and read in pl
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import httpx
@@ -63,7 +64,8 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     sync.connect()  # a failed update drops the group; reconnect and send a full update
     sync.update(5)
     res["after"] = sync.verify()
-    sync.close()
+    res["files"] = sorted(sync._transport._files)
+    sync.close()  # engines unmap: the trainer holds the last reference to its shared memory
     dist.destroy_process_group()
     out.put((rank, res))
 
@@ -83,6 +85,12 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones() -> None:
             assert res["bad_update"] != "accepted" and res["bad_update_s"] < 20  # not a timeout (30 s)
             assert res["after"] == []
         assert results[0]["stale_status"] == 503
+        # once the trainer ranks let go, torch removes the names: nothing is left in /dev/shm
+        files = [f for r in results.values() for f in r["files"]]
+        assert files and [f for f in files if os.path.exists("/dev/shm" + f)] == []
+        begin = httpx.post(url + "/weights/begin", json={"version": 6, "mode": "p2p", "fingerprint": "x"},
+                           timeout=30)
+        assert begin.status_code == 409 and "not connected" in begin.text  # the engine left the group
         gen = httpx.post(url + "/generate", json={"prompts": [[1, 2, 3]], "max_new_tokens": 3}, timeout=30)
         assert gen.json()["weight_version"] == 5
     finally:
