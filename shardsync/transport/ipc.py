@@ -67,6 +67,10 @@ class IpcTransport:
         self._in[peer] = [fn(*args) for fn, args in pickle.loads(self.group._store.get(key))]
         self._next[peer] = 0
 
+    def detach(self) -> None:
+        """Unmap the peers' slots (the engine leaves the sync group)."""
+        self._in.clear()
+
     # -- buffers the executor packs into / unpacks from directly (two copies per byte) --
 
     def lend(self, kind: str, peer: int, numel: int) -> torch.Tensor | None:

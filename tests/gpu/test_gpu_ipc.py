@@ -1,0 +1,46 @@
+"""CUDA IPC on one GPU (marked ``gpu``: ``pytest -m gpu``): a trainer rank in this process and
+an engine server process share the device; both IPC kinds land bitwise, and a trainer tensor
+that moved between updates is re-exported and read from its new memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardsync.layout import MegatronParallel
+from shardsync.models.weights import load_rank, random_source
+from shardsync.spec import PRESETS
+from shardsync.sync import SyncConfig, WeightSync
+from shardsync.topology import Topology
+from tests.dist._engine import start_engine, stop_engine
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("kind", ["map", "slots"])
+def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
+    spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
+    par = MegatronParallel(tp=1, dtype="bfloat16")
+    lay = Topology(spec, par).trainer_layout
+    proc, url = start_engine("tiny-qwen3", 1, extra=("--device", "cuda", "--dtype", "bfloat16"))
+    try:
+        params = load_rank(lay, 0, random_source(spec, seed=3), device="cuda")
+        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(mode="p2p", ipc=kind, bucket_mb=0.25))
+        sync.connect()
+        bad = []
+        for version in (1, 2, 3):
+            fresh = load_rank(lay, 0, random_source(spec, seed=40 + version), device="cuda")
+            for k, v in params.items():
+                if version == 3 and k.endswith("linear_qkv.weight"):
+                    v.set_(fresh[k].clone())  # new device memory the engine never mapped
+                else:
+                    v.copy_(fresh[k])
+            rec = sync.update(version)
+            assert rec.ok and rec.mode == "p2p"
+            bad.append(sync.verify())
+        generation = getattr(sync._transport, "generation", None)
+        sync.close()
+        assert bad == [[], [], []]
+        if kind == "map":
+            assert generation == 2  # re-exported once, for the moved tensor
+    finally:
+        stop_engine(proc)
