@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from shardsync.plan.plan import Copy
-from shardsync.runtime.executor import ExecStats
+from shardsync.runtime.executor import ExecStats, StepTiming
 from shardsync.topology import Topology
 from shardsync.transport.group import SyncGroup
 
@@ -167,12 +167,14 @@ class MappedTransport:
     one_sided = True
 
     def __init__(self, group: SyncGroup, copies: Sequence[Copy], *, sender: bool, peers: Sequence[int],
-                 prefix: str, itemsize: int, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                 prefix: str, itemsize: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 trainers: int = 0) -> None:
         """``copies``: this rank's copies of the p2p plan (as source or as destination);
         ``peers``: sync ranks of the other ends, in the order both sides walk them;
         ``shapes``: the sender's tensor shapes the plan was built for (checked at export)."""
         self.group, self.sender, self.prefix = group, sender, prefix
         self.shapes = dict(shapes or {})
+        self._trainers = trainers  # sync ranks below this are trainer ranks
         self.copies = list(copies)
         self.peers = list(peers)
         self.generation = 0
@@ -182,6 +184,13 @@ class MappedTransport:
         self._pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._runs: dict[int, list[Run]] = {}
         self.nbytes = sum(c.numel for c in self.copies) * itemsize  # on the wire dtype
+        self.peer_bytes = {p: 0 for p in self.peers}
+        for c in self.copies:
+            self.peer_bytes[self._other(c)] += c.numel * itemsize
+
+    def _other(self, c: Copy) -> int:
+        """The sync rank at the other end of copy ``c`` (trainer ranks come first)."""
+        return self._trainers + c.dst if self.sender else c.src
 
     @classmethod
     def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str) -> MappedTransport:
@@ -196,7 +205,7 @@ class MappedTransport:
             peers = sorted({c.src for c in copies})
         shapes = {t.name: tuple(t.shape) for t in plan.src.ranks[me].tensors} if me < trainers else None
         return cls(group, copies, sender=me < trainers, peers=peers, prefix=prefix,
-                   itemsize=plan.itemsize, shapes=shapes)
+                   itemsize=plan.itemsize, shapes=shapes, trainers=trainers)
 
     def _key(self, src: int, dst: int, generation: int) -> str:
         return f"{self.prefix}/map/{src}->{dst}/g{generation}"
@@ -269,6 +278,8 @@ class MappedTransport:
         stats.transfer_s = time.perf_counter() - t1
         if error is not None:
             raise error
+        stats.steps = [StepTiming("map", f"{self.group.rank}->{p}", self.peer_bytes[p], transfer_s=stats.transfer_s)
+                       for p in self.peers]
         failed = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) != READY]
         if failed:
             raise RuntimeError(f"sync rank(s) {failed} failed reading this rank's mapped tensors")
@@ -299,8 +310,11 @@ class MappedTransport:
             except Exception as e:
                 error = error or e
             self.group.send(torch.tensor([gen, status], dtype=torch.int64), peer).wait()
+            t2 = time.perf_counter()
             stats.transfer_s += t1 - t0
-            stats.unpack_s += time.perf_counter() - t1
+            stats.unpack_s += t2 - t1
+            stats.steps.append(StepTiming("map", f"{peer}->{self.group.rank}", self.peer_bytes[peer],
+                                          transfer_s=t1 - t0, unpack_s=t2 - t1))
         if error is not None:
             raise error
         stats.bytes_received = self.nbytes

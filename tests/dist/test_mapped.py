@@ -28,7 +28,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     par = MegatronParallel(tp=2, dtype="float32")
     lay = Topology(spec, par).trainer_layout
     params = load_rank(lay, rank, random_source(spec, seed=31))
-    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", ipc=True, timeout_s=30),
+    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", ipc=True, timeout_s=30, detail=True),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res = {"records": [], "verify": [], "generation": []}
@@ -41,6 +41,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
                 v.copy_(fresh[k])  # in place: the engine reads the parameters where they live
         rec = sync.update(version)
         res["records"].append({"ok": rec.ok, "mode": rec.mode, "bytes": rec.bytes_sent,
+                               "step_bytes": sum(st["bytes"] for st in rec.steps),
                                "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)})
         res["verify"].append(sync.verify())
         res["generation"].append(sync._transport.generation)
@@ -77,7 +78,7 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones() -> None:
         for rank, res in results.items():
             assert all(r["ok"] and r["mode"] == "p2p" for r in res["records"])
             assert res["verify"] == [[], [], []], f"rank {rank}: checksum mismatch {res['verify']}"
-            assert all(r["bytes"] == r["plan_bytes"] > 0 for r in res["records"])
+            assert all(r["bytes"] == r["plan_bytes"] == r["step_bytes"] > 0 for r in res["records"])
             # version 3 moved a tensor: exported again (generation 2) and read from its new memory
             assert res["generation"] == [1, 1, 2]
         for rank, res in results.items():
