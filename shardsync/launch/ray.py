@@ -232,7 +232,8 @@ def _actors(cfg: DemoConfig, pgs: list[PlacementGroup], gpus: bool) -> tuple[lis
     """(engine actors, trainer actors), each pinned to its bundle."""
     engine_actor, trainer_actor = ray.remote(EngineServer), ray.remote(TrainerRank)
     engines = [engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0, scheduling_strategy=_in(pgs[1], i))
-               .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed, dtype=_engine_dtype(cfg)))
+               .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed, dtype=_engine_dtype(cfg),
+                                    device=cfg.device))
                for i, tp in enumerate(cfg.engine_tp)]
     trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=_in(pgs[0], r))
                 .remote(r) for r in range(cfg.trainer_tp * cfg.trainer_pp)]
@@ -300,6 +301,11 @@ def run_ray(cfg: DemoConfig, ray_config: RayConfig | None = None) -> int:
     """Run the demo with Ray placing every process; returns the exit code (0: every update
     ok and, unless skipped, bitwise verified).  Shuts Ray down only if it started it."""
     rc = ray_config or RayConfig()
+    if cfg.ipc:
+        print("error: ipc needs trainer and engine processes that address the same GPUs; Ray gives each "
+              "actor its own CUDA_VISIBLE_DEVICES: run with --no-ipc or the local launcher", file=sys.stderr)
+        return 2
+    cfg = dataclasses.replace(cfg, ipc=False)  # --device cuda alone: p2p over the sync group
     started = not ray.is_initialized()
     if started:
         if rc.address is None:  # a local cluster: logical CPUs enough for every bundle

@@ -55,3 +55,10 @@ def test_too_small_cluster_is_refused_at_once(local_ray, tmp_path, capsys):
     cfg = DemoConfig(model="tiny-qwen3", trainer_tp=2, engine_tp=(8,), steps=1, out=str(tmp_path))
     assert run_ray(cfg, RayConfig(ready_timeout_s=5)) == 1
     assert "CPU needed 10, cluster has 4" in capsys.readouterr().err
+
+
+def test_ipc_is_refused_under_ray(capsys):
+    """Ray gives every actor its own CUDA_VISIBLE_DEVICES: handles would name the wrong GPU."""
+    cfg = DemoConfig(model="tiny-qwen3", steps=1, ipc=True)
+    assert run_ray(cfg) == 2
+    assert "--no-ipc" in capsys.readouterr().err
