@@ -61,8 +61,21 @@ def open_shared(blob: bytes) -> dict[str, torch.Tensor]:
     return pickle.loads(blob)
 
 
-def pointers(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    return {k: t.data_ptr() for k, t in tensors.items()}
+def identity(t: torch.Tensor) -> tuple:
+    """What an exported tensor must keep for the mapping to stay valid.
+
+    CUDA: its address (torch keeps a block an importer still maps out of the allocator, so a
+    reallocated tensor gets a new address).  CPU: also its shared-memory name, since a new
+    allocation may land on the address a freed mapping had.
+    """
+    if t.is_cuda:
+        return (t.data_ptr(),)
+    if not t.is_shared():
+        return (t.data_ptr(), None)
+    try:
+        return (t.data_ptr(), t.untyped_storage()._share_filename_cpu_()[1])
+    except RuntimeError:  # shared by another mechanism (file descriptor): not our export
+        return (t.data_ptr(), None)
 
 
 # -- compiled copies --
@@ -179,7 +192,7 @@ class MappedTransport:
         self.peers = list(peers)
         self.generation = 0
         self._exported: dict[str, int] = {}
-        self._files: set[str] = set()  # shared-memory names of exported CPU storages
+        self.shm_names: set[str] = set()  # of exported CPU storages
         self._mapped: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # peer -> (generation, tensors)
         self._pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._runs: dict[int, list[Run]] = {}
@@ -224,12 +237,12 @@ class MappedTransport:
         self.generation += 1
         for peer in self.peers:  # one pickle per reader: torch balances each pickle with one load
             self.group._store.set(self._key(self.group.rank, peer, self.generation), share(tensors))
-        self._exported = pointers(tensors)
-        self._files.update(t.untyped_storage()._share_filename_cpu_()[1].decode()
-                           for t in tensors.values() if not t.is_cuda)  # removed by torch at the last unmap
+        self._exported = {n: identity(t) for n, t in tensors.items()}
+        # shared-memory names (CPU): torch removes them when the last process unmaps
+        self.shm_names.update(i[1].decode() for i in self._exported.values() if len(i) == 2 and i[1])
 
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
-        return [k for k, p in self._exported.items() if local[k].data_ptr() != p]
+        return [k for k, i in self._exported.items() if identity(local[k]) != i]
 
     # -- receiver --
 

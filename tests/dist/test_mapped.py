@@ -65,7 +65,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     sync.connect()  # a failed update drops the group; reconnect and send a full update
     sync.update(5)
     res["after"] = sync.verify()
-    res["files"] = sorted(sync._transport._files)
+    res["files"] = sorted(sync._transport.shm_names)
     sync.close()  # engines unmap: the trainer holds the last reference to its shared memory
     dist.destroy_process_group()
     out.put((rank, res))

@@ -42,3 +42,17 @@ def test_qkv_groups_fuse_into_one_copy_per_piece() -> None:
     assert len(qkv) == 3 * spec.num_layers
     assert all(r.n == spec.num_kv_heads for r in qkv)
     assert len(runs) <= 11 * spec.num_layers + 4 < len(plan.copies) / 2
+
+
+def test_identity_changes_when_a_shared_cpu_tensor_is_replaced() -> None:
+    """A CPU tensor's identity includes its shared-memory name, not only its address."""
+    from shardsync.transport.mapped import identity, share
+
+    t = torch.arange(8.0)
+    plain = identity(t)
+    assert plain[1] is None
+    share({"t": t})
+    shared = identity(t)
+    assert shared[1] is not None and shared != plain and identity(t) == shared
+    t.set_(torch.arange(8.0))  # reloaded into fresh, unshared memory
+    assert identity(t) != shared and identity(t)[1] is None
