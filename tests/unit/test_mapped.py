@@ -46,12 +46,19 @@ def test_qkv_groups_fuse_into_one_copy_per_piece() -> None:
 
 def test_identity_changes_when_a_shared_cpu_tensor_is_replaced() -> None:
     """A CPU tensor's identity includes its shared-memory name, not only its address."""
-    from shardsync.transport.mapped import identity, share
+    import torch.multiprocessing as tmp
+
+    from shardsync.transport.mapped import identity
 
     t = torch.arange(8.0)
     plain = identity(t)
     assert plain[1] is None
-    share({"t": t})
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")  # as export does (no pickle here: nothing to leak)
+    try:
+        t.share_memory_()
+    finally:
+        tmp.set_sharing_strategy(previous)
     shared = identity(t)
     assert shared[1] is not None and shared != plain and identity(t) == shared
     t.set_(torch.arange(8.0))  # reloaded into fresh, unshared memory
