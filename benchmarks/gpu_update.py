@@ -97,7 +97,7 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     from shardsync.plan.local import allocate
     from shardsync.runtime.executor import _buf_view, _copy_all, _resolve
     from shardsync.runtime.schedule import p2p_steps
-    from shardsync.transport.mapped import coalesce, compile_runs, copy_pairs
+    from shardsync.transport.mapped import SIDE_STREAMS, coalesce, compile_runs, copy_pairs
 
     engine = allocate(topo.p2p_plan, 0, device="cuda")
     send = p2p_steps(topo, 0, bucket_bytes)
@@ -113,12 +113,17 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
             _copy_all([_resolve(b, engine, {}) for b in s.drain], [_buf_view(buf, b) for b in s.drain])
 
     pairs = compile_runs(coalesce(topo.p2p_plan.copies), params, engine)
+    streams = [torch.cuda.Stream() for _ in range(SIDE_STREAMS)]
 
     def mapped() -> None:
+        copy_pairs(pairs, streams)
+
+    def mapped_one_stream() -> None:
         copy_pairs(pairs)
 
     gb = topo.p2p_plan.total_bytes / 1e9
-    out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack), ("unpack", unpack), ("mapped_copy", mapped))}
+    out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack), ("unpack", unpack), ("mapped_copy", mapped),
+                                                          ("mapped_copy_one_stream", mapped_one_stream))}
     out["mapped_copies"] = len(pairs)
     out["plan_copies"] = len(topo.p2p_plan.copies)
     return out
@@ -176,7 +181,8 @@ def main() -> None:
     kernels = kernels_GBps(topo, params, int(args.bucket_mb * 2**20))
     torch.cuda.empty_cache()
     print(f"in-process kernels (GB/s of model bytes): pack {kernels['pack']:.0f}, unpack {kernels['unpack']:.0f}, "
-          f"mapped copy {kernels['mapped_copy']:.0f} ({kernels['mapped_copies']} strided copies for "
+          f"mapped copy {kernels['mapped_copy']:.0f} (one stream: {kernels['mapped_copy_one_stream']:.0f}; "
+          f"{kernels['mapped_copies']} strided copies for "
           f"{kernels['plan_copies']} plan copies)", flush=True)
     runs = []
     try:
