@@ -2,7 +2,8 @@
 updates go through CUDA IPC.  In one run: a plain device-to-device copy of the model's
 bytes (the limit); in-process pack, unpack and mapped-copy throughput; full updates with
 both IPC kinds ("map": the engine reads the trainer's weights in place; "slots": buckets
-staged through exported buffers) with their phases and the bitwise checksum; delta
+staged through exported buffers) and both control planes (begin/finish through the sync
+store or over HTTP) with their phases and the bitwise checksum; delta
 encode/apply throughput on the device at 1 % and 10 % density.
 
     python benchmarks/gpu_update.py --model Qwen3-4B --updates 10 --out gpu_update.json
@@ -129,11 +130,12 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     return out
 
 
-def ipc_updates(kind: str, spec, par, params: dict, url: str, args, first: int) -> dict:
-    """Connect with one IPC kind, run ``--updates`` full updates after a warm-up, verify."""
+def ipc_updates(kind: str, control: str, spec, par, params: dict, url: str, args, first: int) -> dict:
+    """Connect with one IPC kind and control plane, run ``--updates`` full updates after a
+    warm-up, verify."""
     sync = WeightSync(spec, par, 0, params, [url],
-                      SyncConfig(mode="p2p", ipc=kind, bucket_mb=args.bucket_mb, timeout_s=300,
-                                 http_timeout_s=300))
+                      SyncConfig(mode="p2p", ipc=kind, control=control, bucket_mb=args.bucket_mb,
+                                 timeout_s=300, http_timeout_s=300))
     sync.connect()
     recs = []
     try:
@@ -149,7 +151,7 @@ def ipc_updates(kind: str, spec, par, params: dict, url: str, args, first: int) 
            for k in ("pack", "transfer", "unpack", "control", "total")}
     # the data path: from the trainer's first byte handed over to the engine's last ack
     data = [(r.phases["pack"] + r.phases["transfer"]) * 1e3 for r in measured]
-    return {"kind": kind, "data_ms": statistics.median(data), "data_p99_ms": max(data),
+    return {"kind": kind, "control": control, "data_ms": statistics.median(data), "data_p99_ms": max(data),
             "total_ms": med["total"], "phases_ms": med, "checksum_ok": not bad, "mismatch": bad[:3],
             "records": [r.phases for r in recs]}
 
@@ -159,7 +161,8 @@ def main() -> None:
     ap.add_argument("--model", default="Qwen3-4B")
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--bucket-mb", type=float, default=256)
-    ap.add_argument("--kinds", default="map,slots", help="IPC kinds to compare, comma separated")
+    ap.add_argument("--runs", default="map:store,map:http,slots:store",
+                    help="IPC kind:control plane pairs to compare, comma separated")
     ap.add_argument("--out", default="gpu_update.json")
     args = ap.parse_args()
     spec = load_spec(args.model, dtype="bfloat16")
@@ -196,10 +199,12 @@ def main() -> None:
                 raise RuntimeError("engine did not start")
             time.sleep(1)
         print(f"engine ready after {time.time() - t0:.1f}s", flush=True)
-        for i, kind in enumerate(args.kinds.split(",")):
-            r = ipc_updates(kind, spec, par, params, url, args, first=1 + i * (args.updates + 1))
+        for i, run in enumerate(args.runs.split(",")):
+            kind, control = run.split(":")
+            r = ipc_updates(kind, control, spec, par, params, url, args, first=1 + i * (args.updates + 1))
             runs.append(r)
-            print(f"IPC {kind:5s} (trainer TP1 -> engine TP1, same GPU, {args.updates} updates): data path "
+            print(f"IPC {kind:5s} control={control:5s} (trainer TP1 -> engine TP1, same GPU, {args.updates} "
+                  f"updates): data path "
                   f"median {r['data_ms']:.2f} ms (max {r['data_p99_ms']:.2f}) = {r['data_ms'] / d2d_ms:.2f}x D2D; "
                   f"whole update incl. HTTP control {r['total_ms']:.2f} ms; phases ms "
                   f"{ {k: round(v, 2) for k, v in r['phases_ms'].items()} }; checksum "
@@ -214,8 +219,9 @@ def main() -> None:
     print("\n| path | median ms | x D2D |\n|---|---|---|")
     print(f"| D2D copy (one kernel) | {d2d_ms:.2f} | 1.00 |")
     for r in runs:
-        print(f"| IPC {r['kind']} data path | {r['data_ms']:.2f} | {r['data_ms'] / d2d_ms:.2f} |")
-        print(f"| IPC {r['kind']} whole update | {r['total_ms']:.2f} | {r['total_ms'] / d2d_ms:.2f} |")
+        name = f"IPC {r['kind']}, control {r['control']}"
+        print(f"| {name}: data path | {r['data_ms']:.2f} | {r['data_ms'] / d2d_ms:.2f} |")
+        print(f"| {name}: whole update | {r['total_ms']:.2f} | {r['total_ms'] / d2d_ms:.2f} |")
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "model": spec.name, "model_bytes": model_bytes,

@@ -9,6 +9,7 @@ in place (no copy of the model).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import pickle
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from shardsync.delta.disk import DiskPublisher
 from shardsync.delta.transfer import DeltaRunner, Snapshot
+from shardsync.engine.protocol import ctl_key
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.plan.preconditions import check_p2p
 from shardsync.runtime.checksum import combine, compare, piece_checksums
@@ -41,6 +43,7 @@ log = logging.getLogger("shardsync")
 MODES = ("auto", "p2p", "broadcast", "delta")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
 IPC_KINDS = ("map", "slots")
+CONTROLS = ("store", "http")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,12 +68,17 @@ class SyncConfig:
     # engines on the trainer's machine: "map" (or True) reads the trainer's tensors in place
     # (CUDA IPC or CPU shared memory); "slots" stages buckets through exported CUDA buffers
     ipc: bool | str = False
+    # begin/finish of each update: "store" (keys in the sync group's store, ~0.2 ms) or "http"
+    # (POST /weights/begin and /finish, ~1.5 ms each); connect, verify and disk deltas use HTTP
+    control: str = "store"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.delta_transport not in DELTA_TRANSPORTS:
             raise ValueError(f"delta_transport must be one of {DELTA_TRANSPORTS}, got {self.delta_transport!r}")
+        if self.control not in CONTROLS:
+            raise ValueError(f"control must be one of {CONTROLS}, got {self.control!r}")
         if self.ipc is True:
             object.__setattr__(self, "ipc", "map")
         if self.ipc and self.ipc not in IPC_KINDS:
@@ -119,6 +127,7 @@ class WeightSync:
         self._disk: DiskPublisher | None = None
         self._synced: int | None = None
         self._updates = 0
+        self._ctl = 0  # updates begun through the store on this connection (engine counts too)
         self._http = httpx.Client(timeout=config.http_timeout_s) if rank == 0 else None
         self.plan_s = 0.0
 
@@ -139,6 +148,42 @@ class WeightSync:
             return [one(0)]
         with ThreadPoolExecutor(len(self.urls)) as pool:
             return list(pool.map(one, range(len(self.urls))))
+
+    def _begin(self, body: dict) -> None:
+        """Rank 0: every engine accepted ``body`` (or SyncError naming the first refusal)."""
+        if self.config.control == "http":
+            self._call_all("POST", "/weights/begin", [body] * len(self.urls))
+            return
+        assert self._store is not None and self.group is not None
+        self._ctl += 1
+        name = self.group.rdv.name
+        self._store.set(ctl_key(name, self._ctl, "begin"), json.dumps(body))
+        for i, url in enumerate(self.urls):
+            answer = self._ctl_wait(ctl_key(name, self._ctl, "accepted", i))
+            if "error" in answer:
+                raise SyncError(f"{url} refused update {body['version']}: {answer['error']}")
+
+    def _finish(self, version: int) -> list[dict]:
+        """Rank 0: every engine's ``UpdateResult`` of the update just moved."""
+        if self.config.control == "http":
+            return self._call_all("POST", "/weights/finish", [{"version": version}] * len(self.urls))
+        assert self.group is not None
+        results = [self._ctl_wait(ctl_key(self.group.rdv.name, self._ctl, "result", i))
+                   for i in range(len(self.urls))]
+        bad = next(((u, r) for u, r in zip(self.urls, results, strict=True) if not r["ok"]), None)
+        if bad is not None:
+            raise SyncError(f"{bad[0]}: update {version} failed: {bad[1]['error']}; the engine refuses "
+                            "generation until a full update")
+        return results
+
+    def _ctl_wait(self, key: str) -> dict:
+        assert self._store is not None
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=self.config.http_timeout_s))
+        except dist.DistStoreError:
+            raise SyncError(f"no answer under {key} within {self.config.http_timeout_s}s "
+                            "(engine gone or stuck)") from None
+        return json.loads(self._store.get(key))
 
     def _share(self, obj):
         """Rank 0's ``obj`` on every trainer rank (connect only; the trainer's own group)."""
@@ -219,6 +264,7 @@ class WeightSync:
             # the engines map them as the last step of their join.
             self._transport = self._export_ipc(topo, sched, rdv) if self.config.ipc else self.group
 
+        self._ctl = 0  # the engines count store-controlled updates from 1 per connection
         if self.rank == 0:
             self._store = open_store(rdv, is_master=True)
             with ThreadPoolExecutor(1) as pool:
@@ -312,6 +358,7 @@ class WeightSync:
             "engines": [e.tp for e in topo.engines], "engine_index": index,
             "fingerprints": fingerprints, "bucket_bytes": int(self.config.bucket_mb * 2**20),
             "credits": self.config.credits, "relay": self.config.relay, "ipc": self.config.ipc,
+            "control": self.config.control,
             "rendezvous": asdict(rdv),
         }
 
@@ -340,7 +387,7 @@ class WeightSync:
                 if delta:
                     body["base_version"] = self._synced
                 if delta != "disk":  # files need no receive loop: engines pull after publishing
-                    self._call_all("POST", "/weights/begin", [body] * len(self.urls))
+                    self._begin(body)
                 go = {"mode": wire}
             except Exception as e:
                 go = {"error": str(e)}
@@ -367,8 +414,7 @@ class WeightSync:
         done = None
         if self.rank == 0:
             try:
-                done = {"engines": self._call_all("POST", "/weights/finish",
-                                                  [{"version": version}] * len(self.urls))}
+                done = {"engines": self._finish(version)}
             except Exception as e:
                 done = {"error": str(e), "engines": []}
         done = self._signal(f"{key}/done", done)

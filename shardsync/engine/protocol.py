@@ -76,6 +76,7 @@ class ConnectRequest(_Msg):
     credits: int = Field(2, ge=1, le=64)
     relay: bool = False
     ipc: bool | Literal["map", "slots"] = False
+    control: Literal["http", "store"] = "http"  # where begin/finish arrive (engine/control.py)
     rendezvous: RendezvousMsg
 
 
@@ -125,3 +126,9 @@ class InfoResponse(BaseModel):
     dtype: str
     weight_version: int
     stale: bool
+
+
+def ctl_key(name: str, seq: int, what: str, engine: int | None = None) -> str:
+    """Store key of the store control (``control="store"``): update ``seq`` of sync ``name``;
+    ``what`` is begin (trainer rank 0 sets it), accepted or result (engine ``engine`` sets it)."""
+    return f"{name}/ctl/{seq}/{what}" + ("" if engine is None else f"/{engine}")

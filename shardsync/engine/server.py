@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from shardsync.engine.control import StoreControl
 from shardsync.engine.dispatch import BusyError, Dispatcher, StaleError, WorkerError
 from shardsync.engine.protocol import (
     PROTOCOL_VERSION,
@@ -55,6 +56,7 @@ class EngineState:
     updates: dict[int, tuple[str, Future]] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
     last: UpdateResult | None = None
+    control: StoreControl | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, key: str, by: float = 1.0) -> None:
@@ -181,10 +183,11 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
         with state.lock:
             state.fingerprints = pending["fingerprints"]
             state.pending = None
+        start_control(pending)
         return {"ok": True, "sync_ranks": [r["sync_rank"] for r in ranks]}
 
-    @app.post("/weights/begin", status_code=202)
-    async def begin(req: BeginRequest) -> dict:
+    def begin_update(req: BeginRequest) -> dict:
+        """Validate and queue one update (HTTP begin and the store control share it)."""
         with state.lock:
             if not state.fingerprints:
                 raise ApiError(409, "not connected: call /weights/connect and /weights/join first")
@@ -211,15 +214,20 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
             state.updates = {req.version: (req.mode, fut)}
         return {"accepted": True, "version": req.version}
 
-    @app.post("/weights/finish", response_model=UpdateResult)
-    async def finish(req: FinishRequest) -> UpdateResult:
+    def update_entry(version: int) -> tuple[str, Future]:
         with state.lock:
-            entry = state.updates.get(req.version)
+            entry = state.updates.get(version)
         if entry is None:
-            raise ApiError(404, f"no update {req.version} was begun")
-        mode, fut = entry
+            raise ApiError(404, f"no update {version} was begun")
+        return entry
+
+    def settle(version: int, mode: str, outcome: Future | BaseException) -> UpdateResult:
+        """The engine's result of a finished update: counters, ``last``, and on failure the
+        sync connection is dropped (the dispatcher already marked the engine stale)."""
         try:
-            results, _ = await asyncio.wrap_future(fut)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results, _ = outcome.result()
             error = next((r["error"] for r in results if not r["ok"]), None)
         except Exception as e:
             results, error = [], f"{type(e).__name__}: {e}"
@@ -230,7 +238,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
                 state.fingerprints = {}
                 state.count("updates_failed_total")
             res = UpdateResult(
-                version=req.version, mode=mode, ok=error is None, error=error,
+                version=version, mode=mode, ok=error is None, error=error,
                 pack_s=max((r.get("pack_s", 0.0) for r in results), default=0.0),
                 transfer_s=max((r.get("transfer_s", 0.0) for r in results), default=0.0),
                 unpack_s=max((r.get("unpack_s", 0.0) for r in results), default=0.0),
@@ -244,10 +252,38 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
             if res.ok:
                 state.count("update_seconds_total", res.total_s)
                 state.count("update_bytes_total", res.bytes_received)
-        if error is not None:
-            raise ApiError(503, f"update {req.version} failed: {error}; the engine refuses "
+        return res
+
+    @app.post("/weights/begin", status_code=202)
+    async def begin(req: BeginRequest) -> dict:
+        return begin_update(req)
+
+    @app.post("/weights/finish", response_model=UpdateResult)
+    async def finish(req: FinishRequest) -> UpdateResult:
+        mode, fut = update_entry(req.version)
+        try:
+            await asyncio.wrap_future(fut)
+        except Exception as e:
+            outcome: Future | BaseException = e
+        else:
+            outcome = fut
+        res = settle(req.version, mode, outcome)
+        if not res.ok:
+            raise ApiError(503, f"update {req.version} failed: {res.error}; the engine refuses "
                                 "generation until a full update")
         return res
+
+    def start_control(pending: dict) -> None:
+        """With ``control="store"``, begin/finish arrive through the sync group's store."""
+        stop_control()
+        if pending.get("control") == "store":
+            state.control = StoreControl(pending, begin=begin_update, entry=update_entry, settle=settle)
+            state.control.start()
+
+    def stop_control() -> None:
+        if state.control is not None:
+            state.control.stop()
+            state.control = None
 
     @app.post("/weights/pull", response_model=UpdateResult)
     async def pull(req: PullRequest) -> UpdateResult:
@@ -288,6 +324,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0) -> FastA
             if any(not f.done() for _, f in state.updates.values()):
                 raise ApiError(409, "an update is in progress; finish it first")
             state.fingerprints, state.pending = {}, None
+        stop_control()
         await run("disconnect", {})
         return {"ok": True}
 

@@ -1,0 +1,47 @@
+"""Begin/finish through the sync group's store (``control="store"``, the default) and through
+HTTP: the same updates land bitwise, a refused begin leaves the engine serving its version,
+and the next update goes through."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from shardsync.layout import MegatronParallel
+from shardsync.models.weights import load_rank, random_source
+from shardsync.spec import PRESETS
+from shardsync.sync import SyncConfig, SyncError, WeightSync
+from shardsync.topology import Topology
+from tests.dist._engine import start_engine, stop_engine
+
+
+@pytest.mark.parametrize("control", ["store", "http"])
+def test_updates_and_a_refused_begin(control: str) -> None:
+    torch.set_num_threads(1)
+    spec = PRESETS["tiny-qwen2"]
+    par = MegatronParallel(tp=1)
+    lay = Topology(spec, par).trainer_layout
+    proc, url = start_engine("tiny-qwen2", 1)
+    try:
+        params = load_rank(lay, 0, random_source(spec, seed=8))
+        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(control=control, timeout_s=20))
+        sync.connect()
+        assert sync.update(2).engines[0]["ok"] and sync.verify() == []
+        with pytest.raises(SyncError, match="older than the engine's 2"):
+            sync.update(1)
+        r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 1}, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 2  # refused: still serving 2
+        fresh = load_rank(lay, 0, random_source(spec, seed=9))
+        for k, v in params.items():
+            v.copy_(fresh[k])
+        rec = sync.update(3)  # the connection survived the refusal
+        assert rec.ok and rec.engines[0]["version"] == 3 and sync.verify() == []
+        sync.close()
+    finally:
+        stop_engine(proc)
+
+
+def test_control_must_be_known() -> None:
+    with pytest.raises(ValueError, match="control must be one of"):
+        SyncConfig(control="grpc")
