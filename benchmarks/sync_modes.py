@@ -8,6 +8,12 @@ memory an update needs: p2p stays within credits x bucket on every trainer rank;
 broadcast source also holds gather buffers).
 
     python benchmarks/sync_modes.py --model tiny-qwen3 --model Qwen2.5-0.5B --updates 10
+
+On GPUs (trainer rank r on cuda:r, the engine's TP workers on the GPUs after them), e.g.
+trainer TP 4 on GPUs 0-3 and an engine of TP 4 on GPUs 4-7 with NCCL sync groups:
+
+    python benchmarks/sync_modes.py --model Qwen3-4B --trainer-tp 4 --engine-tp 4 \
+        --device cuda --backend nccl --dtype bfloat16 --warmup 5 --updates 20
 """
 
 from __future__ import annotations
@@ -30,10 +36,13 @@ import torch.multiprocessing as mp
 from shardsync.transport.group import free_port
 
 
-def _engine(model: str, tp: int) -> tuple[subprocess.Popen, str]:
+def _engine(model: str, tp: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    extra = ["--dtype", args.dtype] if args.dtype else []
+    if args.device == "cuda":  # the GPUs after the trainer's (wrapping on fewer GPUs)
+        extra += ["--device", f"cuda:{args.trainer_tp}"]
     proc = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", model,
-                             "--tp", str(tp), "--port", str(port)],
+                             "--tp", str(tp), "--port", str(port), *extra],
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -58,12 +67,16 @@ def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespac
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
-    spec = load_spec(model)
-    par = MegatronParallel(tp=args.trainer_tp, dtype="float32")
-    params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0))
+    spec = load_spec(model, dtype=args.dtype)
+    par = MegatronParallel(tp=args.trainer_tp, dtype=args.dtype or "float32")
+    device = "cpu"
+    if args.device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0), device=device)
     sync = WeightSync(spec, par, rank, params, [url],
                       SyncConfig(mode="auto", bucket_mb=args.bucket_mb, credits=args.credits,
-                                 timeout_s=600), trainer_group=dist.group.WORLD)
+                                 timeout_s=600, backend=args.backend), trainer_group=dist.group.WORLD)
     sync.connect()
     rows = []
     version = 0
@@ -82,7 +95,7 @@ def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespac
 
 
 def bench_model(model: str, args: argparse.Namespace) -> dict:
-    proc, url = _engine(model, args.engine_tp)
+    proc, url = _engine(model, args.engine_tp, args)
     try:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
@@ -103,6 +116,7 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
         summary["modes"][mode] = {
             "median_s": statistics.median(totals),
             "p90_s": totals[min(len(totals) - 1, int(0.9 * len(totals)))],
+            "p99_s": totals[min(len(totals) - 1, int(0.99 * len(totals)))],
             "n": len(totals),
             "phases_median_s": {k: statistics.median(r["phases"][k] for r in rows0)
                                 for k in ("pack", "transfer", "unpack", "control")},
@@ -124,6 +138,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--credits", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: trainer rank r on GPU r, the engine on the GPUs after them")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="sync group backend")
+    ap.add_argument("--dtype", default=None, help="weights dtype (default: fp32 trainer, the model's engine)")
     ap.add_argument("--out", default="sync_modes.json")
     args = ap.parse_args()
     models = args.model or ["tiny-qwen3", "Qwen2.5-0.5B"]
@@ -131,13 +149,14 @@ def main() -> None:
     MiB = 2**20
     print(f"trainer TP{args.trainer_tp} -> engine TP{args.engine_tp}, bucket {args.bucket_mb} MiB, "
           f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")
-    print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'pack':>7} {'xfer':>7} {'unpack':>7} "
+    print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'pack':>7} {'xfer':>7} {'unpack':>7} "
           f"{'ctl':>6} {'busiest MiB':>11} {'trainer buf MiB (per rank)':>27} {'engine buf MiB':>14}")
     for r in results:
         for mode, m in r["modes"].items():
             ph = m["phases_median_s"]
             bufs = "/".join(f"{b / MiB:.1f}" for b in m["buffer_bytes_per_trainer_rank"].values())
             print(f"{r['model']:<14} {mode:<10} {m['median_s'] * 1e3:>10.1f} {m['p90_s'] * 1e3:>8.1f} "
+                  f"{m['p99_s'] * 1e3:>8.1f} "
                   f"{ph['pack'] * 1e3:>7.1f} {ph['transfer'] * 1e3:>7.1f} {ph['unpack'] * 1e3:>7.1f} "
                   f"{ph['control'] * 1e3:>6.1f} {m['busiest_link_bytes'] / MiB:>11.1f} {bufs:>27} "
                   f"{m['engine_buffer_bytes'] / MiB:>14.1f}")

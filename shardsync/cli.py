@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0, help="random weights seed (presets/configs)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the model's)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda (TP workers on GPUs 0..tp-1) or cuda:K (on GPUs K..K+tp-1, wrapping)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_engine_serve)
