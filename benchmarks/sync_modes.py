@@ -14,6 +14,8 @@ trainer TP 4 on GPUs 0-3 and an engine of TP 4 on GPUs 4-7 with NCCL sync groups
 
     python benchmarks/sync_modes.py --model Qwen3-4B --trainer-tp 4 --engine-tp 4 \
         --device cuda --backend nccl --dtype bfloat16 --warmup 5 --updates 20
+
+(``--engine-tp 2 --engines 2`` for two engines of TP 2 on GPUs 4-5 and 6-7.)
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ import torch.multiprocessing as mp
 from shardsync.transport.group import free_port
 
 
-def _engine(model: str, tp: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     extra = ["--dtype", args.dtype] if args.dtype else []
-    if args.device == "cuda":  # the GPUs after the trainer's (wrapping on fewer GPUs)
-        extra += ["--device", f"cuda:{args.trainer_tp}"]
+    if args.device == "cuda":  # the GPUs after the trainer's and earlier engines' (wrapping)
+        extra += ["--device", f"cuda:{args.trainer_tp + index * tp}"]
     proc = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", model,
                              "--tp", str(tp), "--port", str(port), *extra],
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -57,7 +59,8 @@ def _engine(model: str, tp: int, args: argparse.Namespace) -> tuple[subprocess.P
     raise TimeoutError("engine did not start")
 
 
-def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespace, model: str, out) -> None:
+def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.Namespace, model: str,
+             out) -> None:
     from shardsync.layout import MegatronParallel
     from shardsync.models.weights import load_rank, random_source
     from shardsync.spec import load_spec
@@ -74,7 +77,7 @@ def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespac
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
     params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0), device=device)
-    sync = WeightSync(spec, par, rank, params, [url],
+    sync = WeightSync(spec, par, rank, params, urls,
                       SyncConfig(mode="auto", bucket_mb=args.bucket_mb, credits=args.credits,
                                  timeout_s=600, backend=args.backend), trainer_group=dist.group.WORLD)
     sync.connect()
@@ -95,20 +98,23 @@ def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespac
 
 
 def bench_model(model: str, args: argparse.Namespace) -> dict:
-    proc, url = _engine(model, args.engine_tp, args)
+    engines = [_engine(model, args.engine_tp, i, args) for i in range(args.engines)]
+    urls = [u for _, u in engines]
     try:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         world, port = args.trainer_tp, free_port()
-        procs = [ctx.Process(target=_trainer, args=(r, world, port, url, args, model, out)) for r in range(world)]
+        procs = [ctx.Process(target=_trainer, args=(r, world, port, urls, args, model, out)) for r in range(world)]
         for p in procs:
             p.start()
         res = dict(out.get(timeout=3600) for _ in procs)
         for p in procs:
             p.join(60)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        for proc, _ in engines:
+            proc.terminate()
+        for proc, _ in engines:
+            proc.wait(60)
     summary = {"model": model, "checksum_ok": all(r["checksum_ok"] for r in res.values()), "modes": {}}
     for mode in ("p2p", "broadcast"):
         rows0 = [r for r in res[0]["rows"] if r["mode"] == mode]
@@ -134,6 +140,7 @@ def main() -> None:
     ap.add_argument("--model", action="append", help="preset or config.json (repeatable)")
     ap.add_argument("--trainer-tp", type=int, default=2)
     ap.add_argument("--engine-tp", type=int, default=2)
+    ap.add_argument("--engines", type=int, default=1, help="engines of --engine-tp each")
     ap.add_argument("--updates", type=int, default=10, help="measured updates per mode")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=64)
@@ -147,7 +154,7 @@ def main() -> None:
     models = args.model or ["tiny-qwen3", "Qwen2.5-0.5B"]
     results = [bench_model(m, args) for m in models]
     MiB = 2**20
-    print(f"trainer TP{args.trainer_tp} -> engine TP{args.engine_tp}, bucket {args.bucket_mb} MiB, "
+    print(f"trainer TP{args.trainer_tp} -> {args.engines} engine(s) of TP{args.engine_tp}, bucket {args.bucket_mb} MiB, "
           f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")
     print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'pack':>7} {'xfer':>7} {'unpack':>7} "
           f"{'ctl':>6} {'busiest MiB':>11} {'trainer buf MiB (per rank)':>27} {'engine buf MiB':>14}")
