@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 
 import httpx
 import torch
@@ -51,13 +50,11 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     good = params[name].clone()
     if rank == 1:
         params[name].set_(good[:, :-1].contiguous())
-    t0 = time.monotonic()
     try:
         sync.update(4)
         res["bad_update"] = "accepted"
     except SyncError as e:
         res["bad_update"] = str(e)
-    res["bad_update_s"] = time.monotonic() - t0
     if rank == 0:
         res["stale_status"] = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 1},
                                          timeout=30).status_code
@@ -82,8 +79,10 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones() -> None:
             # version 3 moved a tensor: exported again (generation 2) and read from its new memory
             assert res["generation"] == [1, 1, 2]
         for rank, res in results.items():
-            assert "changed shape since connect" in res["bad_update"] or rank == 0, res["bad_update"]
-            assert res["bad_update"] != "accepted" and res["bad_update_s"] < 20  # not a timeout (30 s)
+            # rank 1 refused its own tensors; rank 0 learns it from the engine, which heard the
+            # abort (a receive that timed out would say so instead)
+            expected = "changed shape since connect" if rank == 1 else "trainer sync rank 1 aborted the update"
+            assert expected in res["bad_update"], res["bad_update"]
             assert res["after"] == []
         assert results[0]["stale_status"] == 503
         # once the trainer ranks let go, torch removes the names: nothing is left in /dev/shm
