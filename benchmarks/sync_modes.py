@@ -63,6 +63,7 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
              out) -> None:
     from shardsync.layout import MegatronParallel
     from shardsync.models.weights import load_rank, random_source
+    from shardsync.placement import rank_device
     from shardsync.spec import load_spec
     from shardsync.sync import SyncConfig, WeightSync
     from shardsync.topology import Topology
@@ -72,9 +73,8 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     spec = load_spec(model, dtype=args.dtype)
     par = MegatronParallel(tp=args.trainer_tp, dtype=args.dtype or "float32")
-    device = "cpu"
-    if args.device == "cuda":
-        device = f"cuda:{rank % torch.cuda.device_count()}"
+    device = rank_device(args.device, rank)
+    if device.startswith("cuda"):
         torch.cuda.set_device(device)
     params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0), device=device)
     sync = WeightSync(spec, par, rank, params, urls,

@@ -30,6 +30,7 @@ from shardsync.bench.topology import BenchLayout, partition
 from shardsync.bench.transport import CLOCK, TracingTransport, group_barrier, make_pool
 from shardsync.bench.workload import Workload, from_plan, synthetic
 from shardsync.launch.procs import start_all
+from shardsync.placement import rank_device
 from shardsync.runtime.executor import execute
 from shardsync.transport import Rendezvous, SyncGroup
 from shardsync.transport.group import open_store
@@ -77,11 +78,9 @@ def prepare(cfg: BenchConfig, world_size: int) -> Prepared:
 def resolve_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", local_rank)
-    if name == "cpu":
-        return torch.device("cpu")
-    raise ValueError(f"--device {name!r}: use auto, cpu or cuda")
+    if name not in ("cuda", "cpu"):
+        raise ValueError(f"--device {name!r}: use auto, cpu or cuda")
+    return torch.device(rank_device(name, local_rank))
 
 
 def _sleep_until(deadline: float) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardsync.placement import rank_device
 from shardsync.transport.group import free_port
 
 log = logging.getLogger(__name__)
@@ -33,19 +34,6 @@ class EngineConfig:
 
 
 
-def worker_device(device: str, rank: int, count: int | None = None) -> str:
-    """TP worker ``rank``'s device: ``cuda`` puts workers on consecutive GPUs from 0, ``cuda:K``
-    from K (an engine next to a trainer on GPUs 0..K-1), wrapping around the ``count``
-    visible GPUs (one GPU: every worker on it); ``cpu`` stays ``cpu``."""
-    if not device.startswith("cuda"):
-        return device
-    base = int(device.partition(":")[2] or 0)
-    count = torch.cuda.device_count() if count is None else count
-    if count < 1:
-        raise ValueError(f"--device {device} but no CUDA device is visible")
-    return f"cuda:{(base + rank) % count}"
-
-
 def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results) -> None:
     from pathlib import Path
 
@@ -65,7 +53,7 @@ def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results)
     spec = load_spec(cfg.model, dtype=cfg.dtype)
     source = (checkpoint_source(cfg.model) if Path(cfg.model).is_dir()
               else random_source(spec, cfg.seed))
-    device = worker_device(cfg.device, rank)
+    device = rank_device(cfg.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL sync groups use the current device
     model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardsync.demo import DemoConfig, task
+from shardsync.placement import rank_device
 from shardsync.runtime.record import UpdateRecord
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,6 @@ def _weights(cfg: DemoConfig):
     if Path(cfg.model).is_dir():
         return spec, checkpoint_source(cfg.model)
     return spec, random_source(spec, cfg.seed)
-
-
-def _device(name: str, rank: int) -> torch.device:
-    """Trainer rank ``rank``'s device: ``cuda`` spreads ranks over the visible GPUs."""
-    if name == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device(name)
 
 
 def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, version: int) -> dict:
@@ -137,7 +131,7 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     try:
         spec, source = _weights(cfg)
         groups = megatron_groups(par, timeout_s=cfg.timeout_s)
-        device = _device(cfg.device, rank)
+        device = torch.device(rank_device(cfg.device, rank))
         model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
                              source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s,
                              device=device)

@@ -1,8 +1,8 @@
-"""Where an engine's TP workers run."""
+"""Which device a rank (trainer rank or engine TP worker) runs on."""
 
 import pytest
 
-from shardsync.engine.launch import worker_device
+from shardsync.placement import rank_device
 
 
 @pytest.mark.parametrize("device,count,expected", [
@@ -13,9 +13,9 @@ from shardsync.engine.launch import worker_device
     ("cuda:1", 2, ["cuda:1", "cuda:0", "cuda:1", "cuda:0"]),
 ])
 def test_workers_take_consecutive_gpus(device: str, count: int, expected: list[str]) -> None:
-    assert [worker_device(device, r, count) for r in range(4)] == expected
+    assert [rank_device(device, r, count) for r in range(4)] == expected
 
 
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no CUDA device"):
-        worker_device("cuda", 0, 0)
+        rank_device("cuda", 0, 0)
