@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 
-import httpx
 import torch
 
+from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import load_spec
@@ -48,22 +45,10 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = load_spec(args.model)
     par = MegatronParallel(tp=1, dtype=spec.dtype)
-    port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", args.model,
-                               "--tp", "1", "--port", str(port)], env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
+    engine, url = spawn_server(EngineConfig(model=args.model, port=free_port()))
     rows = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if engine.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("engine did not start")
-            time.sleep(0.3)
+        wait_healthy(url, engine, 120)
         params = load_rank(Topology(spec, par).trainer_layout, 0, random_source(spec, 1))
         first = 1
         for _ in range(2):  # alternate twice: drifts of a shared machine hit both

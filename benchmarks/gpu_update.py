@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
-import httpx
 import torch
 
 from shardsync.delta.encode import decode, encode
 from shardsync.delta.parts import Part, apply_values
+from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import load_spec
@@ -173,11 +171,8 @@ def main() -> None:
     print(f"{spec.name}: {model_bytes / 2**30:.2f} GiB of bf16 weights; D2D copy {d2d_ms:.2f} ms "
           f"({model_bytes / d2d_ms / 1e6:.0f} GB/s counting bytes once)", flush=True)
 
-    port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", args.model,
-                               "--tp", "1", "--port", str(port), "--device", "cuda", "--dtype", "bfloat16",
-                               "--threads", "4"], env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
+    engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
+                                            threads=4))
     t0 = time.time()
     params = load_rank(topo.trainer_layout, 0, fast_source(spec, 1), device="cuda")
     print(f"trainer weights ready in {time.time() - t0:.1f}s", flush=True)
@@ -189,15 +184,7 @@ def main() -> None:
           f"{kernels['plan_copies']} plan copies)", flush=True)
     runs = []
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if engine.poll() is not None or time.time() - t0 > 500:
-                raise RuntimeError("engine did not start")
-            time.sleep(1)
+        wait_healthy(url, engine, 500)
         print(f"engine ready after {time.time() - t0:.1f}s", flush=True)
         for i, run in enumerate(args.runs.split(",")):
             kind, control = run.split(":")

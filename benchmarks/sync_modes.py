@@ -27,36 +27,21 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
-import time
 
-import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.transport.group import free_port
 
 
 def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    extra = ["--dtype", args.dtype] if args.dtype else []
-    if args.device == "cuda":  # the GPUs after the trainer's and earlier engines' (wrapping)
-        extra += ["--device", f"cuda:{args.trainer_tp + index * tp}"]
-    proc = subprocess.Popen([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", model,
-                             "--tp", str(tp), "--port", str(port), *extra],
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(1)
-        if proc.poll() is not None:
-            raise RuntimeError("engine exited")
-    raise TimeoutError("engine did not start")
+    # on GPUs: the ones after the trainer's and earlier engines' (wrapping)
+    device = f"cuda:{args.trainer_tp + index * tp}" if args.device == "cuda" else "cpu"
+    proc, url = spawn_server(EngineConfig(model=model, tp=tp, port=free_port(), dtype=args.dtype, device=device))
+    wait_healthy(url, proc, 900)
+    return proc, url
 
 
 def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.Namespace, model: str,

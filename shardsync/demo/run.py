@@ -15,10 +15,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
 import torch.multiprocessing as mp
 
 from shardsync.demo import report
+from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.transport.group import free_port
 
 log = logging.getLogger(__name__)
@@ -61,33 +61,20 @@ class DemoConfig:
     def modes(self) -> list[str]:
         return ["p2p", "broadcast"] if self.mode == "both" else [self.mode]
 
+    def engine_config(self, tp: int, **overrides) -> EngineConfig:
+        """One engine server of this demo (delta runs bf16 engines unless told otherwise)."""
+        dtype = self.engine_dtype or ("bfloat16" if self.mode == "delta" else None)
+        return EngineConfig(model=self.model, tp=tp, seed=self.seed, dtype=dtype, device=self.device,
+                            **overrides)
+
 
 
 
 def start_engines(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
-    engines = []
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for tp in cfg.engine_tp:
-        port = free_port()
-        cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
-               "--tp", str(tp), "--port", str(port), "--seed", str(cfg.seed), "--device", cfg.device]
-        dtype = cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else None)
-        if dtype:
-            cmd += ["--dtype", dtype]
-        engines.append((subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"))
+    engines = [spawn_server(cfg.engine_config(tp, port=free_port())) for tp in cfg.engine_tp]
     deadline = time.monotonic() + cfg.timeout_s
     for proc, url in engines:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine {url} exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine {url} not healthy after {cfg.timeout_s}s")
-            time.sleep(0.3)
+        wait_healthy(url, proc, max(0.0, deadline - time.monotonic()))
     return engines
 
 

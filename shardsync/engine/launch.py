@@ -6,8 +6,13 @@ import datetime
 import logging
 import os
 import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from typing import Any
 
+import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -32,6 +37,37 @@ class EngineConfig:
     log_level: str = "warning"
 
 
+
+
+def engine_command(cfg: EngineConfig) -> list[str]:
+    """``shardsync engine serve`` for ``cfg`` (the CLI front of ``serve``)."""
+    cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
+           "--tp", str(cfg.tp), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
+           "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
+    return cmd + (["--dtype", cfg.dtype] if cfg.dtype else [])
+
+
+def spawn_server(cfg: EngineConfig, **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Start an engine server for ``cfg`` as a subprocess; (process, base URL), not yet healthy
+    (``wait_healthy``).  ``popen``: extra ``subprocess.Popen`` arguments (stdout, preexec_fn)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads))
+    return subprocess.Popen(engine_command(cfg), env=env, **popen), f"http://{cfg.host}:{cfg.port}"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Return once ``url`` answers ``/health``; raise if ``proc`` exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine {url} not healthy after {timeout_s:.0f}s")
+        time.sleep(0.3)
 
 
 def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results) -> None:

@@ -35,13 +35,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardsync.demo import DemoConfig, report
-from shardsync.engine.launch import EngineConfig
+from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.launch.loop import RankSite, StepResult, trainer_rank
 from shardsync.runtime.record import append_jsonl
 
@@ -88,19 +87,6 @@ def bundles(cfg: DemoConfig, *, gpus: bool) -> tuple[list[dict[str, float]], lis
     return trainer, engines
 
 
-def engine_command(cfg: EngineConfig) -> list[str]:
-    """``shardsync engine serve`` for ``cfg`` (the CLI front of ``engine.launch.serve``)."""
-    cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
-           "--tp", str(cfg.tp), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
-           "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
-    return cmd + (["--dtype", cfg.dtype] if cfg.dtype else [])
-
-
-def _engine_dtype(cfg: DemoConfig) -> str | None:
-    # as the embedded demo: delta runs bf16 engines unless told otherwise
-    return cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else None)
-
-
 def _die_with_parent() -> None:
     # An engine must not outlive its actor (ray.kill sends SIGKILL, which nothing can trap).
     if sys.platform.startswith("linux"):
@@ -118,20 +104,9 @@ class EngineServer:
         """Start the server on a free port of this node; return its URL once healthy."""
         ip = node_ip()
         cfg = dataclasses.replace(self.cfg, host=ip, port=free_port(ip))
-        self.proc = subprocess.Popen(engine_command(cfg), env=dict(os.environ, OMP_NUM_THREADS="1"),
-                                     preexec_fn=_die_with_parent)
-        url = f"http://{ip}:{cfg.port}"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine {url} exited with {self.proc.returncode}; see its log above")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"engine {url} not healthy after {timeout_s}s")
+        self.proc, url = spawn_server(cfg, preexec_fn=_die_with_parent)
+        wait_healthy(url, self.proc, timeout_s)
+        return url
 
     def stop(self) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
@@ -232,8 +207,7 @@ def _actors(cfg: DemoConfig, pgs: list[PlacementGroup], gpus: bool) -> tuple[lis
     """(engine actors, trainer actors), each pinned to its bundle."""
     engine_actor, trainer_actor = ray.remote(EngineServer), ray.remote(TrainerRank)
     engines = [engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0, scheduling_strategy=_in(pgs[1], i))
-               .remote(EngineConfig(model=cfg.model, tp=tp, seed=cfg.seed, dtype=_engine_dtype(cfg),
-                                    device=cfg.device))
+               .remote(cfg.engine_config(tp))
                for i, tp in enumerate(cfg.engine_tp)]
     trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=_in(pgs[0], r))
                 .remote(r) for r in range(cfg.trainer_tp * cfg.trainer_pp)]

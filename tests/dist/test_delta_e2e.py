@@ -62,7 +62,7 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
 
 @pytest.mark.parametrize("transport", ["p2p", "broadcast", "disk"])
 def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, tmp_path) -> None:
-    proc, url = start_engine("tiny-qwen3", 2, extra=("--dtype", "bfloat16"))
+    proc, url = start_engine("tiny-qwen3", 2, dtype="bfloat16")
     delta_dir = str(tmp_path / "versions") if transport == "disk" else None
     try:
         res = run_world(_trainer, 2, args=(2, free_port(), url, transport, delta_dir), timeout=240)

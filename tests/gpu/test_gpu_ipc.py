@@ -21,7 +21,7 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
     spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
     par = MegatronParallel(tp=1, dtype="bfloat16")
     lay = Topology(spec, par).trainer_layout
-    proc, url = start_engine("tiny-qwen3", 1, extra=("--device", "cuda", "--dtype", "bfloat16"))
+    proc, url = start_engine("tiny-qwen3", 1, device="cuda", dtype="bfloat16")
     try:
         params = load_rank(lay, 0, random_source(spec, seed=3), device="cuda")
         sync = WeightSync(spec, par, 0, params, [url], SyncConfig(mode="p2p", ipc=kind, bucket_mb=0.25))
