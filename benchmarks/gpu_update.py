@@ -94,7 +94,7 @@ def delta_throughput(numel: int, density: float) -> dict:
 def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     """In one process, no IPC: the copy kernels each path runs, as throughput of model bytes."""
     from shardsync.plan.local import allocate
-    from shardsync.runtime.executor import _buf_view, _copy_all, _resolve
+    from shardsync.runtime.executor import drain, pack
     from shardsync.runtime.schedule import p2p_steps
     from shardsync.transport.mapped import SIDE_STREAMS, coalesce, compile_runs, copy_pairs
 
@@ -103,13 +103,13 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     recv = p2p_steps(topo, topo.trainer.world_size, bucket_bytes)
     buf = torch.empty(max(s.numel for s in send), dtype=torch.bfloat16, device="cuda")
 
-    def pack() -> None:
+    def pack_all() -> None:
         for s in send:
-            _copy_all([_buf_view(buf, b) for b in s.pack], [_resolve(b, params, {}) for b in s.pack])
+            pack(s, buf, params)
 
-    def unpack() -> None:
+    def unpack_all() -> None:
         for s in recv:
-            _copy_all([_resolve(b, engine, {}) for b in s.drain], [_buf_view(buf, b) for b in s.drain])
+            drain(s, buf, engine)
 
     pairs = compile_runs(coalesce(topo.p2p_plan.copies), params, engine)
     streams = [torch.cuda.Stream() for _ in range(SIDE_STREAMS)]
@@ -121,7 +121,7 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
         copy_pairs(pairs)
 
     gb = topo.p2p_plan.total_bytes / 1e9
-    out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack), ("unpack", unpack), ("mapped_copy", mapped),
+    out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack_all), ("unpack", unpack_all), ("mapped_copy", mapped),
                                                           ("mapped_copy_one_stream", mapped_one_stream))}
     out["mapped_copies"] = len(pairs)
     out["plan_copies"] = len(topo.p2p_plan.copies)

@@ -108,6 +108,19 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             d.copy_(s)
 
 
+def pack(step: Step, buf: torch.Tensor, local: Mapping[str, torch.Tensor],
+         main: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Copy the step's local regions into its message buffer."""
+    _copy_all([_buf_view(buf, b) for b in step.pack],
+              [_resolve(b, local, main if main is not None else _main_views(step, buf)) for b in step.pack])
+
+
+def drain(step: Step, buf: torch.Tensor, local: Mapping[str, torch.Tensor]) -> None:
+    """Copy a received message buffer into the step's local regions."""
+    main = _main_views(step, buf)
+    _copy_all([_resolve(b, local, main) for b in step.drain], [_buf_view(buf, b) for b in step.drain])
+
+
 def _zero_copy(bindings: tuple[Binding, ...], local: Mapping[str, torch.Tensor], dtype: torch.dtype,
                numel: int) -> torch.Tensor | None:
     """The local tensor itself when one binding covers all of it (no pack/unpack copy)."""
@@ -142,8 +155,7 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
         timing.transfer_s += t1 - posted
         stats.transfer_s += t1 - t0
         if (pooled or lent) and step.drain:  # a direct receive landed in place already
-            main = _main_views(step, buf)
-            _copy_all([_resolve(b, local, main) for b in step.drain], [_buf_view(buf, b) for b in step.drain])
+            drain(step, buf, local)
         t2 = time.perf_counter()
         timing.unpack_s += t2 - t1
         stats.unpack_s += t2 - t1
@@ -169,7 +181,7 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
         buf = base[:step.numel]
         if direct is None:
             main = _main_views(step, buf)
-            _copy_all([_buf_view(buf, b) for b in step.pack], [_resolve(b, local, main) for b in step.pack])
+            pack(step, buf, local, main)
             for sub in step.fill:
                 sbase = pool.get(sub.numel, size)
                 sbuf = sbase[:sub.numel]
