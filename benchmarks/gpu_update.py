@@ -94,9 +94,9 @@ def delta_throughput(numel: int, density: float) -> dict:
 def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     """In one process, no IPC: the copy kernels each path runs, as throughput of model bytes."""
     from shardsync.plan.local import allocate
+    from shardsync.plan.runs import SIDE_STREAMS, Copies, coalesce, compile_runs
     from shardsync.runtime.executor import drain, pack
     from shardsync.runtime.schedule import p2p_steps
-    from shardsync.transport.mapped import SIDE_STREAMS, coalesce, compile_runs, copy_pairs
 
     engine = allocate(topo.p2p_plan, 0, device="cuda")
     send = p2p_steps(topo, 0, bucket_bytes)
@@ -112,13 +112,14 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
             drain(s, buf, engine)
 
     pairs = compile_runs(coalesce(topo.p2p_plan.copies), params, engine)
+    copies = Copies.of(pairs)
     streams = [torch.cuda.Stream() for _ in range(SIDE_STREAMS)]
 
     def mapped() -> None:
-        copy_pairs(pairs, streams)
+        copies.run(streams)
 
     def mapped_one_stream() -> None:
-        copy_pairs(pairs)
+        copies.run()
 
     gb = topo.p2p_plan.total_bytes / 1e9
     out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack_all), ("unpack", unpack_all), ("mapped_copy", mapped),

@@ -17,15 +17,14 @@ import io
 import logging
 import pickle
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as tmp
 
 from shardsync.plan.plan import Copy
+from shardsync.plan.runs import SIDE_STREAMS, Copies, Run, coalesce, compile_runs
 from shardsync.runtime.executor import ExecStats, StepTiming
 from shardsync.topology import Topology
 from shardsync.transport.group import SyncGroup
@@ -78,109 +77,6 @@ def identity(t: torch.Tensor) -> tuple:
         return (t.data_ptr(), None)
 
 
-# -- compiled copies --
-
-@dataclass(frozen=True)
-class Run:
-    """``n`` copies of one shape whose offsets advance by a constant step along dim 0."""
-
-    first: Copy
-    n: int
-    src_step: int
-    dst_step: int
-
-
-def coalesce(copies: Sequence[Copy]) -> list[Run]:
-    """Fuse copies between the same tensors that repeat with a constant row stride on both
-    sides (a QKV shard is 3 runs, not 3 x groups copies): one kernel per run."""
-    groups: dict[tuple, list[Copy]] = defaultdict(list)
-    for c in copies:
-        groups[(c.src, c.src_local, c.dst_local, c.sizes, c.src_offsets[1:], c.dst_offsets[1:])].append(c)
-    runs: list[Run] = []
-    for group in groups.values():
-        group.sort(key=lambda c: c.dst_offsets[0])  # engines concatenate: runs follow the destination
-        i = 0
-        while i < len(group):
-            j = i + 1
-            if j < len(group):
-                ss = group[j].src_offsets[0] - group[i].src_offsets[0]
-                ds = group[j].dst_offsets[0] - group[i].dst_offsets[0]
-                if ds >= group[i].sizes[0] and ss >= 0:  # as_strided takes no negative steps
-                    while (j < len(group) and group[j].src_offsets[0] - group[j - 1].src_offsets[0] == ss
-                           and group[j].dst_offsets[0] - group[j - 1].dst_offsets[0] == ds):
-                        j += 1
-            if j - i > 1:
-                runs.append(Run(group[i], j - i, ss, ds))
-            else:
-                j = i + 1
-                runs.append(Run(group[i], 1, 0, 0))
-            i = j
-    return runs
-
-
-def _view(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...], n: int, step: int) -> torch.Tensor:
-    base = t.storage_offset() + sum(o * s for o, s in zip(offsets, t.stride(), strict=True))
-    if n == 1:
-        return t.as_strided(sizes, t.stride(), base)
-    return t.as_strided((n, *sizes), (step * t.stride(0), *t.stride()), base)
-
-
-def _wide(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same bytes as 8-byte words when no dtype conversion happens: a strided copy of
-    bf16 rows moves 4x fewer elements (the elementwise copy kernel is per-element bound)."""
-    if dst.dtype != src.dtype or dst.element_size() >= 8:
-        return dst, src
-    try:
-        return dst.view(torch.int64), src.view(torch.int64)
-    except RuntimeError:  # a row or an offset not a multiple of 8 bytes: keep the dtype
-        return dst, src
-
-
-def compile_runs(runs: Sequence[Run], src: Mapping[str, torch.Tensor],
-                 dst: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination view, source view) pairs; built once per mapping, reused every update."""
-    return [_wide(_view(dst[r.first.dst_local], r.first.dst_offsets, r.first.sizes, r.n, r.dst_step),
-                  _view(src[r.first.src_local], r.first.src_offsets, r.first.sizes, r.n, r.src_step))
-            for r in runs]
-
-
-SMALL_BYTES = 1 << 20
-SIDE_STREAMS = 3
-
-
-def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-               streams: Sequence[torch.cuda.Stream] = ()) -> None:
-    """Every pair's copy, ordered after and before the current stream's work.
-
-    On CUDA small contiguous copies go in one multi-tensor launch, and the rest are dealt
-    round-robin over the current stream and ``streams`` so one copy's tail overlaps the next
-    one's start (Qwen3-4B on an H200, ``benchmarks/gpu_update.py``: 1601 -> 1749 GB/s).
-    """
-    small = [(d, s) for d, s in pairs if d.is_cuda and d.numel() * d.element_size() < SMALL_BYTES
-             and d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.device == s.device]
-    if len(small) > 1:
-        torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
-    else:
-        small = []
-    done = {id(d) for d, _ in small}
-    rest = [(d, s) for d, s in pairs if id(d) not in done]
-    if not streams or not rest or not rest[0][0].is_cuda:
-        for d, s in rest:
-            d.copy_(s)
-        return
-    current = torch.cuda.current_stream(rest[0][0].device)
-    k = len(streams) + 1
-    for i, side in enumerate(streams, start=1):
-        side.wait_stream(current)  # the weights are not read (e.g. by a forward) any more
-        with torch.cuda.stream(side):
-            for d, s in rest[i::k]:
-                d.copy_(s)
-    for d, s in rest[0::k]:
-        d.copy_(s)
-    for side in streams:
-        current.wait_stream(side)  # a synchronize of the current stream covers every copy
-
-
 def _sync(tensors) -> None:
     for t in tensors:
         if t.is_cuda:
@@ -214,7 +110,7 @@ class MappedTransport:
         self._exported: dict[str, int] = {}
         self.shm_names: set[str] = set()  # of exported CPU storages
         self._mapped: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # peer -> (generation, tensors)
-        self._pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._copies: dict[int, Copies] = {}
         self._runs: dict[int, list[Run]] = {}
         self._streams: list = []  # side streams of the receiver's copies (CUDA)
         self.nbytes = sum(c.numel for c in self.copies) * itemsize  # on the wire dtype
@@ -271,23 +167,23 @@ class MappedTransport:
         """Map ``peer``'s tensors of ``generation`` and compile the copies read from them."""
         key = self._key(peer, self.group.rank, generation)
         self.group._store.wait([key], self.group.rdv.timeout)
-        self._pairs.pop(peer, None)
+        self._copies.pop(peer, None)
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
         mapped = open_shared(self.group._store.get(key))
         if peer not in self._runs:
             self._runs[peer] = coalesce([c for c in self.copies if c.src == peer])
         self._mapped[peer] = (generation, mapped)
-        self._pairs[peer] = compile_runs(self._runs[peer], mapped, local)
+        self._copies[peer] = Copies.of(compile_runs(self._runs[peer], mapped, local))
 
-    def _side_streams(self, pairs) -> list:
-        if not pairs or not pairs[0][0].is_cuda:
+    def _side_streams(self, device: torch.device | None) -> list:
+        if device is None or device.type != "cuda":
             return []
         if not self._streams:
-            self._streams = [torch.cuda.Stream(pairs[0][0].device) for _ in range(SIDE_STREAMS)]
+            self._streams = [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)]
         return self._streams
 
     def detach(self) -> None:
-        self._pairs.clear()
+        self._copies.clear()
         self._mapped.clear()
 
     # -- one update --
@@ -344,9 +240,10 @@ class MappedTransport:
                 if error is None:
                     if self._mapped.get(peer, (None,))[0] != gen:
                         self.attach(peer, gen, local)
-                    pairs = self._pairs[peer]
-                    copy_pairs(pairs, self._side_streams(pairs))
-                    _sync(d for d, _ in pairs)
+                    copies = self._copies[peer]
+                    copies.run(self._side_streams(copies.device))
+                    if copies.device is not None and copies.device.type == "cuda":
+                        torch.cuda.current_stream(copies.device).synchronize()  # before the ack
                     status = READY
             except Exception as e:
                 error = error or e
