@@ -73,9 +73,20 @@ class _Work:
             self._then = None
 
 
-def _staged(buf: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy target for a device tensor gloo cannot read in place."""
-    return torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+class _PinnedPool:
+    """Pinned host buffers for device tensors gloo cannot read in place, reused across
+    messages (a bucket schedule sends the same sizes every update)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((like.numel(), like.dtype))
+        host = free.pop() if free else torch.empty(like.numel(), dtype=like.dtype, pin_memory=True)
+        return host.view(like.shape)
+
+    def give(self, host: torch.Tensor) -> None:
+        self._free.setdefault((host.numel(), host.dtype), []).append(host.view(-1))
 
 
 class SyncGroup:
@@ -101,20 +112,26 @@ class SyncGroup:
                               rdv.backend, rdv.timeout, device)
                 self.groups[name] = (pg, members)
         self._tag = 0
+        self._pinned = _PinnedPool()
         self.barrier_calls = 0
 
     def send(self, buf: torch.Tensor, peer: int) -> _Work:
         if buf.is_cuda and self.rdv.backend == "gloo":  # gloo moves host memory: stage
-            host = _staged(buf)
+            host = self._pinned.take(buf)
             host.copy_(buf)
             work = self.world.send([host], peer, 0)
-            return _Work(work, self.rdv.timeout, then=lambda: host)  # keeps host alive until done
+            return _Work(work, self.rdv.timeout, then=lambda: self._pinned.give(host))
         return _Work(self.world.send([buf], peer, 0), self.rdv.timeout)
 
     def recv(self, buf: torch.Tensor, peer: int) -> _Work:
         if buf.is_cuda and self.rdv.backend == "gloo":
-            host = _staged(buf)
-            return _Work(self.world.recv([host], peer, 0), self.rdv.timeout, then=lambda: buf.copy_(host))
+            host = self._pinned.take(buf)
+
+            def land() -> None:
+                buf.copy_(host)
+                self._pinned.give(host)
+
+            return _Work(self.world.recv([host], peer, 0), self.rdv.timeout, then=land)
         return _Work(self.world.recv([buf], peer, 0), self.rdv.timeout)
 
     def broadcast(self, buf: torch.Tensor, group: str, root: int) -> _Work:
