@@ -86,3 +86,22 @@ def run_world(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float = 1
                 p.kill()
                 p.join(5)
     return results
+
+
+def join_trainer(rank: int, world: int, port: int, spec, par, *, seed: int, timeout_s: float = 60.0):
+    """In a spawned rank: join the trainer's default group (gloo, one torch thread) and load
+    this rank's share of ``spec``'s random weights in ``par``'s Megatron layout.
+
+    Returns (trainer layout, local tensors by name)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from shardsync.models.weights import load_rank, random_source
+    from shardsync.topology import Topology
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    layout = Topology(spec, par).trainer_layout
+    return layout, load_rank(layout, rank, random_source(spec, seed=seed))

@@ -16,17 +16,13 @@ from shardsync.spec import PRESETS
 from shardsync.sync import SyncConfig, SyncError, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
-from tests.dist._world import free_port, run_world
+from tests.dist._world import free_port, join_trainer, run_world
 
 
 def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     spec = PRESETS["tiny-qwen3"]
     par = MegatronParallel(tp=2, dtype="float32")
-    lay = Topology(spec, par).trainer_layout
-    params = load_rank(lay, rank, random_source(spec, seed=31))
+    lay, params = join_trainer(rank, world, port, spec, par, seed=31)
     sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", ipc=True, timeout_s=30, detail=True),
                       trainer_group=dist.group.WORLD)
     sync.connect()

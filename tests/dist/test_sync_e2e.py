@@ -15,17 +15,13 @@ from shardsync.spec import PRESETS
 from shardsync.sync import SyncConfig, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
-from tests.dist._world import free_port, run_world
+from tests.dist._world import free_port, join_trainer, run_world
 
 
 def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     spec = PRESETS[case["model"]]
     par = MegatronParallel(**case["trainer"], dtype="float32")
-    lay = Topology(spec, par).trainer_layout
-    params = load_rank(lay, rank, random_source(spec, seed=11))
+    lay, params = join_trainer(rank, world, port, spec, par, seed=11)
     sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode=case["mode"], bucket_mb=0.05,
                                                                    timeout_s=30, detail=True),
                       trainer_group=dist.group.WORLD)
@@ -71,13 +67,9 @@ def test_trainer_tp2_engine_tp2(mode: str) -> None:
 
 
 def _trainer_grow(rank: int, world: int, port: int, urls: list[str], relay: bool, out) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     spec = PRESETS["tiny-qwen2"]
     par = MegatronParallel(tp=2, dtype="float32")
-    lay = Topology(spec, par).trainer_layout
-    params = load_rank(lay, rank, random_source(spec, seed=21))
+    lay, params = join_trainer(rank, world, port, spec, par, seed=21)
     sync = WeightSync(spec, par, rank, params, urls[:1], SyncConfig(bucket_mb=0.05, timeout_s=30, relay=relay),
                       trainer_group=dist.group.WORLD)
     sync.connect()

@@ -19,7 +19,7 @@ from shardsync.spec import PRESETS, load_spec
 from shardsync.sync import SyncConfig, SyncError, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
-from tests.dist._world import free_port, run_world
+from tests.dist._world import free_port, join_trainer, run_world
 
 
 class _Lines(logging.Handler):
@@ -36,11 +36,9 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     handler = _Lines()
     logging.getLogger("shardsync").addHandler(handler)
     logging.getLogger("shardsync").setLevel(logging.INFO)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     spec = load_spec(case["model"])
     par = MegatronParallel(tp=world, dtype="float32")
-    params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, seed=case["seed"]))
+    _, params = join_trainer(rank, world, port, spec, par, seed=case["seed"])
     sync = WeightSync(spec, par, rank, params, [url],
                       SyncConfig(bucket_mb=0.05, timeout_s=case.get("timeout", 30), **case["config"]),
                       trainer_group=dist.group.WORLD)
