@@ -14,17 +14,19 @@ import sys
 
 import torch
 
+from shardsync.config import ColocatedConfig, ControlConfig, SyncConfig
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import load_spec
-from shardsync.sync import SyncConfig, WeightSync
+from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from shardsync.transport.group import free_port
 
 
 def run(control: str, ipc: bool, spec, par, params, url: str, updates: int, first: int) -> dict:
-    sync = WeightSync(spec, par, 0, params, [url], SyncConfig(mode="p2p", control=control, ipc=ipc))
+    sync = WeightSync(spec, par, 0, params, [url], SyncConfig(mode="p2p", control=ControlConfig(channel=control),
+                                                         colocated=ColocatedConfig() if ipc else None))
     sync.connect()
     try:
         recs = [sync.update(v) for v in range(first, first + updates + 1)][1:]

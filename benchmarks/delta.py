@@ -109,7 +109,8 @@ def part1(lrs: list[float], steps: int) -> list[dict]:
 
 
 def _trainer(rank: int, world: int, port: int, url: str, args, transport: str, root: str, out) -> None:
-    from shardsync.sync import SyncConfig, WeightSync
+    from shardsync.config import DeltaConfig, SyncConfig, TransportConfig
+    from shardsync.sync import WeightSync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -121,8 +122,8 @@ def _trainer(rank: int, world: int, port: int, url: str, args, transport: str, r
     model = TrainerModel(SPEC, par, rank, groups.tp, groups.pp, source=random_source(SPEC, 0),
                          optim=OptimConfig(lr=args.e2e_lr))
     sync = WeightSync(SPEC, par, rank, dict(model.named_parameters()), [url],
-                      SyncConfig(mode="delta", delta_transport=transport, delta_dir=root, bucket_mb=16,
-                                 timeout_s=600), trainer_group=dist.group.WORLD)
+                      SyncConfig(delta=DeltaConfig(transport=transport, dir=root),
+                                 transport=TransportConfig(bucket_mb=16, timeout_s=600)), trainer_group=dist.group.WORLD)
     sync.connect()
     g = torch.Generator().manual_seed(1)
     sync.update(0)

@@ -19,13 +19,14 @@ import time
 
 import torch
 
+from shardsync.config import ColocatedConfig, ControlConfig, SyncConfig, TransportConfig
 from shardsync.delta.encode import decode, encode
 from shardsync.delta.parts import Part, apply_values
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import load_spec
-from shardsync.sync import SyncConfig, WeightSync
+from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from shardsync.transport.group import free_port
 
@@ -133,8 +134,9 @@ def ipc_updates(kind: str, control: str, spec, par, params: dict, url: str, args
     """Connect with one IPC kind and control plane, run ``--updates`` full updates after a
     warm-up, verify."""
     sync = WeightSync(spec, par, 0, params, [url],
-                      SyncConfig(mode="p2p", ipc=kind, control=control, bucket_mb=args.bucket_mb,
-                                 timeout_s=300, http_timeout_s=300))
+                      SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc=kind),
+                                 control=ControlConfig(channel=control, http_timeout_s=300),
+                                 transport=TransportConfig(bucket_mb=args.bucket_mb, timeout_s=300)))
     sync.connect()
     recs = []
     try:

@@ -46,11 +46,12 @@ def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[
 
 def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.Namespace, model: str,
              out) -> None:
+    from shardsync.config import SyncConfig, TransportConfig
     from shardsync.layout import MegatronParallel
     from shardsync.models.weights import load_rank, random_source
     from shardsync.placement import rank_device
     from shardsync.spec import load_spec
-    from shardsync.sync import SyncConfig, WeightSync
+    from shardsync.sync import WeightSync
     from shardsync.topology import Topology
 
     torch.set_num_threads(1)
@@ -63,8 +64,9 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
         torch.cuda.set_device(device)
     params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0), device=device)
     sync = WeightSync(spec, par, rank, params, urls,
-                      SyncConfig(mode="auto", bucket_mb=args.bucket_mb, credits=args.credits,
-                                 timeout_s=600, backend=args.backend), trainer_group=dist.group.WORLD)
+                      SyncConfig(transport=TransportConfig(bucket_mb=args.bucket_mb, credits=args.credits,
+                                                           timeout_s=600, backend=args.backend)),
+                      trainer_group=dist.group.WORLD)
     sync.connect()
     rows = []
     version = 0

@@ -74,10 +74,11 @@ def _model_arg(case: Case, tmp: Path) -> str:
 
 def _trainer(rank: int, port: int, urls: list[str], case: Case, model: str,
              args: argparse.Namespace, out) -> None:
+    from shardsync.config import SyncConfig, TransportConfig
     from shardsync.layout import MegatronParallel
     from shardsync.models.weights import load_rank, random_source
     from shardsync.spec import load_spec
-    from shardsync.sync import SyncConfig, WeightSync
+    from shardsync.sync import WeightSync
     from shardsync.topology import Topology
 
     torch.set_num_threads(1)
@@ -87,8 +88,8 @@ def _trainer(rank: int, port: int, urls: list[str], case: Case, model: str,
     spec = load_spec(model)
     params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0))
     sync = WeightSync(spec, par, rank, params, urls,
-                      SyncConfig(mode="auto", bucket_mb=args.bucket_mb, credits=args.credits,
-                                 timeout_s=600), trainer_group=dist.group.WORLD)
+                      SyncConfig(transport=TransportConfig(bucket_mb=args.bucket_mb, credits=args.credits,
+                                                           timeout_s=600)), trainer_group=dist.group.WORLD)
     sync.connect()
     modes = [m for m in MODES if m in sync.modes]
     rows, bad, version = [], [], 0

@@ -252,10 +252,10 @@ def _ray(*argv: str) -> list[str]:
 
 def _delta_unsupported() -> str | None:
     """Why the installed runtime refuses ``mode="delta"``, or None when it accepts it."""
-    from shardsync.sync import SyncConfig
+    from shardsync.config import DeltaConfig, SyncConfig
 
     try:
-        SyncConfig(mode="delta")
+        SyncConfig(delta=DeltaConfig())
     except ValueError as e:
         return str(e)
     return None

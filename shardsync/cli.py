@@ -74,7 +74,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
 
     return serve(EngineConfig(model=args.model, tp=args.tp, host=args.host, port=args.port,
                               seed=args.seed, dtype=args.dtype, device=args.device,
-                              threads=args.threads, log_level=args.log_level))
+                              threads=args.threads, log_level=args.log_level, advertise=args.advertise))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu, cuda (TP workers on GPUs 0..tp-1) or cuda:K (on GPUs K..K+tp-1, wrapping)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--advertise", default=None, metavar="kind=K,pp=N,quantization=Q",
+                   help="test stand-in: report these engine facts at connect instead of the reference "
+                        "engine's (exercises the trainer's fallbacks for engines that cannot run here)")
     p.set_defaults(func=cmd_engine_serve)
     return parser
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsync.bench.topology import BenchLayout
-from shardsync.runtime.executor import BufferPool, Transport
+from shardsync.runtime.executor import BufferPool, Pooled, Transport
 
 CLOCK = "time.perf_counter"
 _clock = time.perf_counter
@@ -44,7 +44,7 @@ class _TimedWork:
         self._rec.t_end = _clock()
 
 
-class TracingTransport:
+class TracingTransport(Pooled):
     """Records a ``Transfer`` per call; on CUDA every completion time follows a device sync.
 
     Without the sync a completion time on CUDA would only mean "enqueued", so the

@@ -27,9 +27,10 @@ import xxhash
 
 from shardsync.delta.encode import xor_decode, xor_encode
 from shardsync.delta.parts import Part, apply_xor, stage_parts, targets_for
-from shardsync.delta.transfer import DeltaStats, Snapshot, _move_p2p
+from shardsync.delta.transfer import Snapshot, move_p2p
 from shardsync.layout.piece import RankLayout
 from shardsync.runtime.executor import BufferPool
+from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 
@@ -84,9 +85,9 @@ class DiskPublisher:
         self.pool = BufferPool(torch.uint8)
         self._parts: dict[int, list[Part]] = {}  # per stage, derived once
 
-    def write(self, version: int, base_version: int, group: SyncGroup | None) -> DeltaStats:
+    def write(self, version: int, base_version: int, group: SyncGroup | None) -> Stats:
         """Write this rank's share of ``version`` into the temporary directory."""
-        stats = DeltaStats()
+        stats = Stats()
         tmp = _tmp_dir(self.root, version)
         for stage in range(self.topo.trainer.pp):
             members = self.topo.stage_ranks(stage)
@@ -104,14 +105,14 @@ class DiskPublisher:
                 blobs.append(xor_encode(new, self.snapshot.values[p.local][p.region()]))
                 stats.elements += p.numel
             stats.encodings["xor+zstd"] += len(blobs)
-            stats.encode_s += time.perf_counter() - t0
+            stats.pack_s += time.perf_counter() - t0
             source = members[0]
             links = [(r, source) for r in members if r != source]
             mine = _pack_blobs(blobs)
             got = {}
             if links:
                 assert group is not None, "TP > 1 needs the sync group to gather parts"
-                got = _move_p2p(group, self.me, links, {source: mine} if self.me != source else {},
+                got = move_p2p(group, self.me, links, {source: mine} if self.me != source else {},
                                 self.budget, self.credits, self.pool)
             if self.me != source:
                 stats.bytes_sent += mine.numel()
@@ -167,7 +168,7 @@ def read_manifest(root: str | Path, version: int) -> dict:
 
 
 def apply_version(root: str | Path, version: int, current: int, tensors: Mapping[str, torch.Tensor],
-                  rank: RankLayout, targets: dict[Part, list] | None = None) -> DeltaStats:
+                  rank: RankLayout, targets: dict[Part, list] | None = None) -> Stats:
     """Engine side: apply a published delta to this rank's tensors, after checking its base.
 
     ``targets`` caches where each part lands on this rank across pulls (parts repeat).
@@ -179,7 +180,7 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
     if manifest["base_version"] != current:
         raise ValueError(f"version {version} is a delta against {manifest['base_version']}, "
                          f"this engine holds {current}; it needs a full update")
-    stats = DeltaStats()
+    stats = Stats()
     t0 = time.perf_counter()
     dtype = getattr(torch, manifest["dtype"])
     for stage_file in manifest["stages"]:
@@ -199,5 +200,5 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
                 mask = xor_decode(blob, part.numel, dtype)
                 stats.changed += int((mask != 0).sum())
                 apply_xor(part, mask, tensors, where)
-    stats.apply_s = time.perf_counter() - t0
+    stats.unpack_s = time.perf_counter() - t0
     return stats

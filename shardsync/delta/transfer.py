@@ -10,9 +10,8 @@ broadcasts the concatenation; every engine rank keeps what falls in its pieces.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,26 +20,10 @@ from shardsync.delta.parts import Part, apply_values, p2p_parts, stage_parts, ta
 from shardsync.layout.piece import RankLayout
 from shardsync.runtime.executor import BufferPool, execute
 from shardsync.runtime.schedule import SyncRanks
+from shardsync.runtime.stats import Stats
 from shardsync.runtime.steps import Binding, Step
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
-
-
-@dataclass
-class DeltaStats:
-    encode_s: float = 0.0
-    transfer_s: float = 0.0
-    apply_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    changed: int = 0
-    elements: int = 0
-    encodings: Counter = field(default_factory=Counter)
-
-    def merge(self, other: DeltaStats) -> None:
-        for k in ("encode_s", "transfer_s", "apply_s", "bytes_sent", "bytes_received", "changed", "elements"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        self.encodings.update(other.encodings)
 
 
 class Snapshot:
@@ -64,7 +47,7 @@ class Snapshot:
             self.values[n].copy_(p.detach())
         self.valid = True
 
-    def encode(self, parts: list[Part], stats: DeltaStats) -> torch.Tensor:
+    def encode(self, parts: list[Part], stats: Stats) -> torch.Tensor:
         t0 = time.perf_counter()
         out = []
         for part in parts:
@@ -73,7 +56,7 @@ class Snapshot:
             stats.encodings[encoding_of(blob)] += 1
             stats.elements += part.numel
             out.append(blob)
-        stats.encode_s += time.perf_counter() - t0
+        stats.pack_s += time.perf_counter() - t0
         return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
 
 
@@ -93,13 +76,13 @@ def _split(payload: torch.Tensor, parts: list[Part], dtype: torch.dtype) -> list
 
 
 def _apply(parts: list[Part], blobs: list[torch.Tensor], tensors: Mapping[str, torch.Tensor],
-           targets: Mapping[Part, list], dtype: torch.dtype, stats: DeltaStats) -> None:
+           targets: Mapping[Part, list], dtype: torch.dtype, stats: Stats) -> None:
     t0 = time.perf_counter()
     for part, blob in zip(parts, blobs, strict=True):
         pos, vals = decode(blob, part.numel, dtype)
         stats.changed += part.numel if pos is None else pos.numel()
         apply_values(part, pos, vals, tensors, targets[part])
-    stats.apply_s += time.perf_counter() - t0
+    stats.unpack_s += time.perf_counter() - t0
 
 
 def _chunks(n: int, budget: int) -> list[tuple[int, int]]:
@@ -110,7 +93,7 @@ def _bind(key: str, n: int) -> tuple[Binding, ...]:
     return (Binding(key, (slice(0, n),), 0, (n,), (slice(0, n),)),)
 
 
-def _move_p2p(group: SyncGroup, me: int, links: list[tuple[int, int]], payloads: dict[int, torch.Tensor],
+def move_p2p(group: SyncGroup, me: int, links: list[tuple[int, int]], payloads: dict[int, torch.Tensor],
               budget: int, credits: int, pool: BufferPool) -> dict[int, torch.Tensor]:
     """One variable-size payload per link (src, dst): sizes first, then uint8 chunks in one
     global order (link, chunk).  Returns what this rank received, by source."""
@@ -200,8 +183,8 @@ class DeltaRunner:
                 self._targets[p] = targets_for(p, self.rank)
         return self._targets
 
-    def run(self, transport: str, tensors: Mapping[str, torch.Tensor], group: SyncGroup) -> DeltaStats:
-        stats = DeltaStats()
+    def run(self, transport: str, tensors: Mapping[str, torch.Tensor], group: SyncGroup) -> Stats:
+        stats = Stats()
         t0 = time.perf_counter()
         if transport == "p2p":
             self._p2p(tensors, group, stats)
@@ -211,10 +194,10 @@ class DeltaRunner:
                 group.barrier()
         else:
             raise ValueError(f"delta transport {transport!r} runs through files, not the group")
-        stats.transfer_s = time.perf_counter() - t0 - stats.encode_s - stats.apply_s
+        stats.transfer_s = time.perf_counter() - t0 - stats.pack_s - stats.unpack_s
         return stats
 
-    def _p2p(self, tensors: Mapping[str, torch.Tensor], group: SyncGroup, stats: DeltaStats) -> None:
+    def _p2p(self, tensors: Mapping[str, torch.Tensor], group: SyncGroup, stats: Stats) -> None:
         if self._links is None:
             self._links = sorted({(c.src, self.ranks.engine(c.dst)) for c in self.topo.p2p_plan.copies})
         links = self._links
@@ -225,7 +208,7 @@ class DeltaRunner:
                 if s == self.me:
                     payloads[d] = self.snapshot.encode(self._parts(("p2p", s, d - engine)), stats)
                     stats.bytes_sent += payloads[d].numel()
-        got = _move_p2p(group, self.me, links, payloads, self.budget, self.credits, self.pool)
+        got = move_p2p(group, self.me, links, payloads, self.budget, self.credits, self.pool)
         if self.rank is not None:
             for s, payload in sorted(got.items()):
                 parts = self._parts(("p2p", s, self.me - engine))
@@ -234,7 +217,7 @@ class DeltaRunner:
                        self.dtype, stats)
 
     def _stage(self, stage: int, tensors: Mapping[str, torch.Tensor], group: SyncGroup,
-               stats: DeltaStats) -> None:
+               stats: Stats) -> None:
         members = self.topo.stage_ranks(stage)
         source = members[0]
         parts = self._parts(("stage", stage))
@@ -248,7 +231,7 @@ class DeltaRunner:
             if self.me != source:
                 payloads[source] = own
                 stats.bytes_sent += own.numel()
-        got = _move_p2p(group, self.me, gather_links, payloads, self.budget, self.credits, self.pool)
+        got = move_p2p(group, self.me, gather_links, payloads, self.budget, self.credits, self.pool)
         # the source broadcasts the concatenation, in member order
         total = None
         if self.me == source:

@@ -2,7 +2,8 @@
 
 Commands run strictly in submission order, so a weight update and a generation never
 interleave: requests that arrive during an update wait (bounded by their deadline) and
-run on the new weights.
+run on the new weights.  An update's outcome is settled in the session here, in the
+dispatch thread, before the next command runs: every result carries the version it ran on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardsync.control.session import Stale, UpdateSession
+from shardsync.control.wire import UpdateResult
 from shardsync.engine.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -24,16 +27,12 @@ class BusyError(RuntimeError):
     """The request waited longer than its deadline (an update was in progress)."""
 
 
-class StaleError(RuntimeError):
-    """The weights are from a failed update; only a full update makes them servable."""
-
-
 class WorkerError(RuntimeError):
     """A TP worker failed or did not answer; the engine cannot serve consistently."""
 
 
 SERVING = ("generate", "score")
-UPDATES = ("update", "pull")  # commands that write weights: they set the version or staleness
+UPDATES = {"update": None, "pull": "delta-disk"}  # commands that write weights -> mode (None: in args)
 
 
 @dataclass
@@ -45,16 +44,29 @@ class Command:
     timeout_s: float = 300.0
 
 
+def reduce_results(version: int, mode: str, results: list[dict], error: str | None = None) -> UpdateResult:
+    """One engine's ``UpdateResult`` from its TP workers' results (times: the slowest rank)."""
+    error = error or next((r["error"] for r in results if not r["ok"]), None)
+    ok = [r for r in results if r.get("ok")] if error is None else []
+
+    def top(k: str) -> float:
+        return max((r[k] for r in ok), default=0.0)
+
+    return UpdateResult(version=version, mode=mode, ok=error is None, error=error,
+                        pack_s=top("pack_s"), transfer_s=top("transfer_s"), unpack_s=top("unpack_s"),
+                        total_s=top("total_s"), bytes_received=sum(r["bytes_received"] for r in ok),
+                        changed=sum(r["changed"] for r in ok), buffer_bytes=int(top("buffer_bytes")),
+                        buckets=sum(r["buckets"] for r in ok),
+                        destination=ok[0]["destination"] if ok else "params")
+
+
 class Dispatcher:
-    def __init__(self, worker: EngineWorker, peers: list, results, *, max_queue: int = 256) -> None:
-        self.worker, self.peers, self.results = worker, peers, results
+    def __init__(self, worker: EngineWorker, peers: list, results, session: UpdateSession, *,
+                 max_queue: int = 256) -> None:
+        self.worker, self.peers, self.results, self.session = worker, peers, results, session
         self._q: queue.Queue[Command | None] = queue.Queue(maxsize=max_queue)
         self._seq = 0
         self.current: str | None = None
-        # Owned by the dispatch thread: every result is tagged with the version it ran on.
-        self.version = 0
-        self.stale = False
-        self.stale_reason = ""
 
     def submit(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
                timeout_s: float = 300.0) -> Future:
@@ -85,33 +97,34 @@ class Dispatcher:
                 cmd.future.set_exception(BusyError(
                     "request waited too long: a weight update was in progress; retry"))
                 continue
-            if cmd.kind in SERVING and self.stale:
-                cmd.future.set_exception(StaleError(self.stale_reason))
+            if cmd.kind in SERVING and self.session.stale:
+                cmd.future.set_exception(Stale(self.session.stale_message()))
                 continue
             self._seq += 1
             self.current = cmd.kind
-            version = self.version
+            version = self.session.version
             try:
                 results = self._run(cmd)
-            except BaseException as e:  # delivered to the waiting HTTP handler
+            except BaseException as e:  # delivered to the waiting caller
                 if cmd.kind in UPDATES:
-                    self._mark_stale(f"update {cmd.args['version']} failed: {e}")
+                    self._settle(cmd, [], f"{type(e).__name__}: {e}")
+                if isinstance(e, WorkerError):
+                    self.session.fail(f"worker failure: {e}")
                 cmd.future.set_exception(e)
                 continue
             finally:
                 self.current = None
             if cmd.kind in UPDATES:
-                failed = [r["error"] for r in results if not r["ok"]]
-                if failed:
-                    self._mark_stale(f"update {cmd.args['version']} failed: {failed[0]}")
-                else:
-                    self.version, self.stale, self.stale_reason = cmd.args["version"], False, ""
-                version = self.version
-            cmd.future.set_result((results, version))
+                cmd.future.set_result((self._settle(cmd, results), self.session.version))
+            else:
+                cmd.future.set_result((results, version))
 
-    def _mark_stale(self, reason: str) -> None:
-        self.stale, self.stale_reason = True, reason
-        log.warning("engine stale: %s", reason)
+    def _settle(self, cmd: Command, results: list[dict], error: str | None = None) -> UpdateResult:
+        mode = UPDATES[cmd.kind] or cmd.args["mode"]
+        res = self.session.settle(reduce_results(cmd.args["version"], mode, results, error))
+        if not res.ok:
+            log.warning("engine stale: %s", self.session.stale_reason)
+        return res
 
     def _run(self, cmd: Command) -> list[Any]:
         """Results of every worker, by TP rank."""

@@ -35,8 +35,23 @@ class EngineConfig:
     threads: int = 1
     request_wait_s: float = 60.0
     log_level: str = "warning"
+    advertise: str | None = None  # test stand-in: "kind=vllm,pp=2,quantization=fp8" (engine facts)
 
 
+
+
+FACTS = {"kind": str, "pp": int, "quantization": str}
+
+
+def parse_facts(text: str | None) -> dict:
+    """``kind=vllm,pp=2`` -> {"kind": "vllm", "pp": 2} (only the engine facts a trainer reads)."""
+    out: dict = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in FACTS or not value:
+            raise ValueError(f"--advertise takes {sorted(FACTS)} as key=value pairs, got {item!r}")
+        out[key] = FACTS[key](value)
+    return out
 
 
 def engine_command(cfg: EngineConfig) -> list[str]:
@@ -44,7 +59,8 @@ def engine_command(cfg: EngineConfig) -> list[str]:
     cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
            "--tp", str(cfg.tp), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
            "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
-    return cmd + (["--dtype", cfg.dtype] if cfg.dtype else [])
+    cmd += ["--dtype", cfg.dtype] if cfg.dtype else []
+    return cmd + (["--advertise", cfg.advertise] if cfg.advertise else [])
 
 
 def spawn_server(cfg: EngineConfig, **popen: Any) -> tuple[subprocess.Popen, str]:
@@ -99,11 +115,12 @@ def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results)
         return
     import uvicorn
 
+    from shardsync.control.session import UpdateSession
     from shardsync.engine.server import create_app
 
-    dispatcher = Dispatcher(worker, commands, results)
+    dispatcher = Dispatcher(worker, commands, results, UpdateSession())
     dispatcher.start()
-    app = create_app(dispatcher, request_wait_s=cfg.request_wait_s)
+    app = create_app(dispatcher, request_wait_s=cfg.request_wait_s, facts=parse_facts(cfg.advertise))
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     dispatcher.stop()
 

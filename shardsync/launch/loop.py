@@ -117,9 +117,11 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     and tears both down when the generator finishes or is closed.  ``verify=False`` skips
     the bitwise checksum after each update (``checksum_ok`` is then None).
     """
+    from shardsync.config import ColocatedConfig, DeltaConfig, SyncConfig, TransportConfig
+    from shardsync.control.ranks import share_json
     from shardsync.layout import MegatronParallel
     from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
-    from shardsync.sync import SyncConfig, WeightSync
+    from shardsync.sync import WeightSync
 
     torch.set_num_threads(1)
     rank = where.rank
@@ -138,10 +140,12 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         # detached views: the same storage, read in place, never part of an autograd graph
         params = {n: p.detach() for n, p in model.named_parameters()}
         sync = WeightSync(spec, par, rank, params, list(where.engines),
-                          SyncConfig(mode="auto" if cfg.mode == "both" else cfg.mode,
-                                     bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                                     host=where.sync_host, delta_transport=cfg.delta_transport,
-                                     delta_dir=where.delta_dir, ipc=cfg.uses_ipc,
+                          SyncConfig(mode="auto" if cfg.mode in ("both", "delta") else cfg.mode,
+                                     transport=TransportConfig(bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
+                                                               host=where.sync_host),
+                                     delta=DeltaConfig(transport=cfg.delta_transport, dir=where.delta_dir)
+                                     if cfg.mode == "delta" else None,
+                                     colocated=ColocatedConfig() if cfg.uses_ipc else None,
                                      records_path=where.records_path if rank == 0 else None),
                           trainer_group=dist.group.WORLD)
         sync.connect()
@@ -150,9 +154,8 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         else:  # delta: the sync picks a delta or a full update per step
             modes = ["delta"] if cfg.mode == "delta" else [sync.mode]
         for step in range(1, cfg.steps + 1):
-            box = [rollouts(cfg, where.engines, step, spec.vocab_size, step - 1) if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            batch = box[0]
+            batch = share_json(rollouts(cfg, where.engines, step, spec.vocab_size, step - 1) if rank == 0
+                               else None, rank=rank, world=par.world_size, group=dist.group.WORLD)
             ids = torch.tensor(batch["ids"], dtype=torch.long, device=device)
             start = cfg.prompt_len - 1  # first position whose next token was sampled
             mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=device)

@@ -1,7 +1,7 @@
 """The fallback matrix: which path a sync takes for a topology and a mode, and why.
 
 Every answer comes from the precondition table (``check_p2p``); this module only
-enumerates topologies and applies the mode rules of ``WeightSync._choose_mode``:
+enumerates topologies and applies the mode rules of ``paths.choose_full``:
 
 - ``auto``: p2p when every precondition holds, else broadcast, naming the first failure;
 - ``p2p``: p2p, or refused with the ``ValueError`` that ``WeightSync.connect`` raises;
@@ -100,7 +100,7 @@ def decide(entry: Entry, mode: str) -> Decision:
     failed = entry.first_failure
     if failed is None:
         return Decision(mode, "p2p", "")
-    # Same wording as WeightSync._choose_mode (tests/unit/test_matrix.py holds them equal).
+    # Same wording as paths.choose_full (tests/unit/test_matrix.py holds them equal).
     reason = f"p2p precondition {failed.name} failed: {failed.detail}"
     if mode == "p2p":
         return Decision(mode, "refused", f"ValueError: mode='p2p' requested but {reason}; "

@@ -11,11 +11,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.runtime.steps import Binding, Step
 
 log = logging.getLogger(__name__)
@@ -33,26 +33,23 @@ class Transport(Protocol):
     def broadcast(self, buf: torch.Tensor, group: str, root: int) -> Work: ...
     def synchronize(self) -> None: ...
 
+    def lend(self, kind: str, peer: int, numel: int) -> torch.Tensor | None:
+        """A buffer the transport owns for this message (CUDA IPC slots), or None."""
+        ...
 
-@dataclass
-class StepTiming:
-    label: str
-    link: str
-    bytes: int
-    pack_s: float = 0.0
-    transfer_s: float = 0.0
-    unpack_s: float = 0.0
+    def give_back(self, kind: str, peer: int, buf: torch.Tensor) -> None:
+        """A lent buffer is done with (unpacked or packed)."""
+        ...
 
 
-@dataclass
-class ExecStats:
-    pack_s: float = 0.0
-    transfer_s: float = 0.0
-    unpack_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    steps: list[StepTiming] = field(default_factory=list)
-    peak_buffer_bytes: int = 0
+class Pooled:
+    """``Transport`` defaults for transports whose messages use the executor's pooled buffers."""
+
+    def lend(self, kind: str, peer: int, numel: int) -> torch.Tensor | None:
+        return None
+
+    def give_back(self, kind: str, peer: int, buf: torch.Tensor) -> None:
+        return None
 
 
 class BufferPool:
@@ -137,14 +134,12 @@ def _zero_copy(bindings: tuple[Binding, ...], local: Mapping[str, torch.Tensor],
 
 @torch.no_grad()
 def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Transport, *,
-            pool: BufferPool, credits: int = 2, detail: bool = False) -> ExecStats:
+            pool: BufferPool, credits: int = 2, detail: bool = False) -> Stats:
     """Run ``steps`` in order, at most ``credits`` buffers in flight; oldest completes first."""
-    stats = ExecStats()
+    stats = Stats()
     inflight: deque = deque()
     size = max((max([s.numel] + [f.numel for f in s.fill]) for s in steps), default=0)
     itemsize = torch.empty((), dtype=pool.dtype).element_size()
-
-    lend = getattr(transport, "lend", None)  # a transport that owns its buffers (CUDA IPC slots)
 
     def complete_oldest() -> None:
         step, buf, base, work, pooled, lent, timing, posted = inflight.popleft()
@@ -171,8 +166,8 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
         t0 = time.perf_counter()
         kind = step.comm[0] if step.comm else "local"
         direct = lent = None
-        if lend is not None and kind in ("send", "recv") and not step.fill:
-            lent = lend(kind, step.comm[1], step.numel)  # unpack from (or pack into) its memory
+        if kind in ("send", "recv") and not step.fill:
+            lent = transport.lend(kind, step.comm[1], step.numel)  # unpack from (or pack into) its memory
         if lent is None and kind == "send" and not step.fill:
             direct = _zero_copy(step.pack, local, pool.dtype, step.numel)
         elif lent is None and kind == "recv":

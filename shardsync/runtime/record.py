@@ -6,7 +6,14 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from shardsync.runtime.stats import Stats
+
+if TYPE_CHECKING:
+    from shardsync.control.wire import UpdateResult
+    from shardsync.mode import Mode
+    from shardsync.topology import Topology
 
 log = logging.getLogger("shardsync")
 
@@ -52,3 +59,27 @@ class UpdateRecord:
 def append_jsonl(path: str | Path, record: UpdateRecord) -> None:
     with open(path, "a") as f:
         f.write(record.to_json() + "\n")
+
+
+def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None,
+                engines: list[UpdateResult], times: dict[str, float], *, rank: int, topo: Topology,
+                detail: bool, fallback_reason: str | None, buckets: int) -> UpdateRecord:
+    """A trainer rank's record of one update: its own ``Stats``, the engines' results, and the
+    control times around them.  ``unpack`` is the slowest engine's."""
+    stats = stats or Stats()
+    unpack = max((e.unpack_s for e in engines), default=0.0)
+    phases = {"plan": times["plan"], "pack": stats.pack_s, "transfer": stats.transfer_s, "unpack": unpack,
+              **{k: v for k, v in times.items() if k != "plan"}}
+    common = dict(version=version, mode=mode.value, ok=error is None, rank=rank, error=error,
+                  bytes_sent=stats.bytes_sent, engines=[e.model_dump() for e in engines], phases=phases)
+    if mode.is_delta:
+        delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),
+                 "engine_changed": sum(e.changed for e in engines),
+                 "engine_bytes_received": sum(e.bytes_received for e in engines)}
+        return UpdateRecord(fallback_reason=None, buckets=0, delta=delta,
+                            link_bytes={f"rank{rank}->engines": stats.bytes_sent}, **common)
+    plan = topo.p2p_plan if mode.value == "p2p" else topo.broadcast_plan
+    links = ({f"{plan.src.ranks[s].label}->{plan.dst.ranks[d].label}": b for (s, d), b in plan.link_bytes.items()}
+             if rank == 0 else {})
+    return UpdateRecord(fallback_reason=fallback_reason, buckets=buckets, buffer_bytes=stats.peak_buffer_bytes,
+                        link_bytes=links, steps=stats.steps_json() if detail else [], **common)

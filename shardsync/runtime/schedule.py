@@ -197,3 +197,9 @@ def _prod(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def subgroups(topo: Topology) -> dict[str, list[int]]:
+    """The sync group's named subgroups (every member builds the same ones, in this order)."""
+    ranks = SyncRanks(topo)
+    return {f"stage{s}": ranks.stage_group(s) for s in range(topo.trainer.pp)}

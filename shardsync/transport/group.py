@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardsync.runtime.executor import Pooled
+
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +91,7 @@ class _PinnedPool:
         self._free.setdefault((host.numel(), host.dtype), []).append(host.view(-1))
 
 
-class SyncGroup:
+class SyncGroup(Pooled):
     """The ranks of one sync and their groups: the whole world and named subgroups.
 
     Collective contract: every member constructs it with the same ``rdv`` and the same
@@ -100,8 +102,8 @@ class SyncGroup:
                  *, store: dist.Store | None = None, device: torch.device | None = None) -> None:
         self.rdv, self.rank = rdv, rank
         self.device = device
-        self._store = store if store is not None else open_store(rdv, is_master=False)
-        base = dist.PrefixStore(rdv.name, self._store)
+        self.store = store if store is not None else open_store(rdv, is_master=False)
+        base = dist.PrefixStore(rdv.name, self.store)
         self.world = _make_pg(dist.PrefixStore("world", base), rank, rdv.world_size, rdv.backend,
                               rdv.timeout, device)
         self.groups: dict[str, tuple[object, list[int]]] = {}

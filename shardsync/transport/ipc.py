@@ -10,12 +10,12 @@ as every other transport: this class only replaces ``send`` and ``recv``.
 
 from __future__ import annotations
 
-import pickle
-
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
 
+from shardsync.control.wire import Keys
+from shardsync.runtime.executor import Pooled
 from shardsync.transport.group import SyncGroup
+from shardsync.transport.handles import export_tensors, open_tensors
 
 
 class _Done:
@@ -31,11 +31,7 @@ class _Pending:
         self._work.wait()
 
 
-def _key(src: int, dst: int) -> str:
-    return f"ipc/{src}->{dst}"
-
-
-class IpcTransport:
+class IpcTransport(Pooled):
     """Wraps a ``SyncGroup``: point-to-point data through shared device memory.
 
     Collective contract: senders call ``export(peer, ...)`` for each receiver before the
@@ -58,13 +54,15 @@ class IpcTransport:
         bufs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.nslots)]
         self._out[peer] = bufs
         self._next[peer] = 0
-        self.group._store.set(_key(self.rank, peer), pickle.dumps([reduce_tensor(b) for b in bufs]))
+        blob = export_tensors({str(i): b for i, b in enumerate(bufs)})
+        self.group.store.set(Keys(self.group.rdv.name).slots(self.rank, peer), blob)
 
     def attach(self, peer: int) -> None:
         """Map the slots ``peer`` exported for us (same GPU)."""
-        key = _key(peer, self.rank)
-        self.group._store.wait([key], self.group.rdv.timeout)
-        self._in[peer] = [fn(*args) for fn, args in pickle.loads(self.group._store.get(key))]
+        key = Keys(self.group.rdv.name).slots(peer, self.rank)
+        self.group.store.wait([key], self.group.rdv.timeout)
+        slots = open_tensors(self.group.store.get(key), where=f"store key {key}")
+        self._in[peer] = [slots[str(i)] for i in range(len(slots))]
         self._next[peer] = 0
 
     def detach(self) -> None:

@@ -13,51 +13,24 @@ before reading, so a stale mapping is never read.
 
 from __future__ import annotations
 
-import io
 import logging
-import pickle
 import time
 from collections.abc import Mapping, Sequence
-from multiprocessing.reduction import ForkingPickler
 
 import torch
-import torch.multiprocessing as tmp
 
+from shardsync.control.wire import Keys
 from shardsync.plan.plan import Copy
 from shardsync.plan.runs import SIDE_STREAMS, Copies, Run, coalesce, compile_runs
-from shardsync.runtime.executor import ExecStats, StepTiming
+from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.topology import Topology
 from shardsync.transport.group import SyncGroup
+from shardsync.transport.handles import export_tensors, open_tensors
 
 log = logging.getLogger(__name__)
 
 READY, FAILED = 1, 0
 ABORT = -1  # generation sent when the sender cannot offer its tensors this update
-
-
-# -- handles --
-
-def share(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """Handles another process on this machine opens with ``open_shared``.
-
-    CPU tensors move into shared memory first (same values, new storage, in place for every
-    view of it); CUDA tensors are exported as they are.
-    """
-    previous = tmp.get_sharing_strategy()
-    tmp.set_sharing_strategy("file_system")  # names, not file descriptors: fits in a store value
-    try:
-        for t in tensors.values():
-            if not t.is_cuda:
-                t.share_memory_()
-        out = io.BytesIO()
-        ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(dict(tensors))
-        return out.getvalue()
-    finally:
-        tmp.set_sharing_strategy(previous)
-
-
-def open_shared(blob: bytes) -> dict[str, torch.Tensor]:
-    return pickle.loads(blob)
 
 
 def identity(t: torch.Tensor) -> tuple:
@@ -92,8 +65,6 @@ class MappedTransport:
     Collective contract: every sender calls ``export`` before any receiver calls ``attach``
     (both at join); then every update, senders and receivers call ``run`` with the same plan.
     """
-
-    one_sided = True
 
     def __init__(self, group: SyncGroup, copies: Sequence[Copy], *, sender: bool, peers: Sequence[int],
                  prefix: str, itemsize: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
@@ -138,7 +109,7 @@ class MappedTransport:
                    itemsize=plan.itemsize, shapes=shapes, trainers=trainers)
 
     def _key(self, src: int, dst: int, generation: int) -> str:
-        return f"{self.prefix}/map/{src}->{dst}/g{generation}"
+        return Keys(self.prefix).mapped(src, dst, generation)
 
     # -- sender --
 
@@ -152,8 +123,8 @@ class MappedTransport:
             raise ValueError(f"tensor(s) changed shape since connect: {', '.join(wrong[:3])}; "
                              "restore the shapes or reconnect with the new model")
         self.generation += 1
-        for peer in self.peers:  # one pickle per reader: torch balances each pickle with one load
-            self.group._store.set(self._key(self.group.rank, peer, self.generation), share(tensors))
+        for peer in self.peers:  # one handle set per reader: each holds one reference
+            self.group.store.set(self._key(self.group.rank, peer, self.generation), export_tensors(tensors))
         self._exported = {n: identity(t) for n, t in tensors.items()}
         # shared-memory names (CPU): torch removes them when the last process unmaps
         self.shm_names.update(i[1].decode() for i in self._exported.values() if len(i) == 2 and i[1])
@@ -166,10 +137,10 @@ class MappedTransport:
     def attach(self, peer: int, generation: int, local: Mapping[str, torch.Tensor]) -> None:
         """Map ``peer``'s tensors of ``generation`` and compile the copies read from them."""
         key = self._key(peer, self.group.rank, generation)
-        self.group._store.wait([key], self.group.rdv.timeout)
+        self.group.store.wait([key], self.group.rdv.timeout)
         self._copies.pop(peer, None)
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
-        mapped = open_shared(self.group._store.get(key))
+        mapped = open_tensors(self.group.store.get(key), where=f"store key {key}")
         if peer not in self._runs:
             self._runs[peer] = coalesce([c for c in self.copies if c.src == peer])
         self._mapped[peer] = (generation, mapped)
@@ -188,11 +159,11 @@ class MappedTransport:
 
     # -- one update --
 
-    def run(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
+    def run(self, local: Mapping[str, torch.Tensor]) -> Stats:
         return self._send(local) if self.sender else self._receive(local)
 
-    def _send(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
-        stats = ExecStats()
+    def _send(self, local: Mapping[str, torch.Tensor]) -> Stats:
+        stats = Stats()
         t0 = time.perf_counter()
         error = None
         try:
@@ -223,9 +194,9 @@ class MappedTransport:
         stats.bytes_sent = self.nbytes
         return stats
 
-    def _receive(self, local: Mapping[str, torch.Tensor]) -> ExecStats:
+    def _receive(self, local: Mapping[str, torch.Tensor]) -> Stats:
         """Every sender gets its ack, even after another one failed: none waits for a timeout."""
-        stats = ExecStats()
+        stats = Stats()
         error: Exception | None = None
         for peer in self.peers:
             t0 = time.perf_counter()

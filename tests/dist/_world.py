@@ -55,7 +55,7 @@ def run_world(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float = 1
     Results should be plain Python (tensors as ``torch.save`` bytes).
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "shardsync.plan", "shardsync.runtime.update"])
+    ctx.set_forkserver_preload(["torch", "shardsync.plan", "shardsync.paths"])
     out = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
     start_all(procs, threads=1)

@@ -16,7 +16,8 @@ from shardsync.layout import MegatronParallel
 from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
 from shardsync.models.weights import random_source
 from shardsync.spec import PRESETS
-from shardsync.sync import SyncConfig, WeightSync
+from shardsync.config import DeltaConfig, SyncConfig, TransportConfig
+from shardsync.sync import WeightSync
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, run_world
 
@@ -30,8 +31,9 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
     model = TrainerModel(spec, par, rank, groups.tp, groups.pp, source=random_source(spec, 0),
                          optim=OptimConfig(lr=1e-5))
     sync = WeightSync(spec, par, rank, dict(model.named_parameters()), [url],
-                      SyncConfig(mode="delta", delta_transport=transport, delta_dir=delta_dir,
-                                 bucket_mb=0.25, timeout_s=30), trainer_group=dist.group.WORLD)
+                      SyncConfig(delta=DeltaConfig(transport=transport, dir=delta_dir),
+                                 transport=TransportConfig(bucket_mb=0.25, timeout_s=30)),
+                      trainer_group=dist.group.WORLD)
     sync.connect()
     res: dict = {"modes": [], "verify": [], "density": []}
     g = torch.Generator().manual_seed(7)

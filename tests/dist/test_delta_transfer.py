@@ -10,7 +10,9 @@ import torch
 from shardsync.delta.transfer import DeltaRunner, Snapshot
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.runtime.update import Schedule
+from shardsync.mode import Mode
+from shardsync.paths import Endpoint, UpdateArgs, compile_path
+from shardsync.runtime.schedule import subgroups
 from shardsync.spec import PRESETS
 from shardsync.topology import Topology
 from shardsync.transport import Rendezvous, SyncGroup
@@ -32,8 +34,7 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
                     tuple(EngineParallel(tp=t) for t in case["engines"]))
     rdv = Rendezvous("127.0.0.1", port, world, "d", timeout_s=30)
     store = open_store(rdv, is_master=True) if rank == 0 else None
-    sched = Schedule(topo, rank, bucket_bytes=32 * 1024)
-    group = SyncGroup(rdv, rank, sched.subgroups(), store=store)
+    group = SyncGroup(rdv, rank, subgroups(topo), store=store)
     T = topo.trainer.world_size
     src = random_source(spec, seed=3)
     if rank < T:
@@ -46,7 +47,8 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
         lr = e - topo.engine_rank_offset(engine)
         local = load_rank(topo.engine_layouts[engine], lr, random_source(spec, seed=999))
         runner = DeltaRunner(topo, rank, 4096, rank=topo.engine_layouts[engine].ranks[lr])
-    sched.run("p2p", local, group, barrier=group.barrier)  # first sync is always full
+    full_sync = compile_path(Mode.P2P, Endpoint(topo, rank, group, 32 * 1024))
+    full_sync.run(local, UpdateArgs())  # the first sync is always full
     if runner.snapshot is not None:
         runner.snapshot.refresh()
     results = {}

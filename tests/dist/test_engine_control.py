@@ -11,7 +11,8 @@ import torch
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
-from shardsync.sync import SyncConfig, SyncError, WeightSync
+from shardsync.config import ControlConfig, SyncConfig, TransportConfig
+from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
 
@@ -25,7 +26,8 @@ def test_updates_and_a_refused_begin(control: str) -> None:
     proc, url = start_engine("tiny-qwen2", 1)
     try:
         params = load_rank(lay, 0, random_source(spec, seed=8))
-        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(control=control, timeout_s=20))
+        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(control=ControlConfig(channel=control),
+                                                                      transport=TransportConfig(timeout_s=20)))
         sync.connect()
         assert sync.update(2).engines[0]["ok"] and sync.verify() == []
         with pytest.raises(SyncError, match="older than the engine's 2"):
@@ -43,5 +45,5 @@ def test_updates_and_a_refused_begin(control: str) -> None:
 
 
 def test_control_must_be_known() -> None:
-    with pytest.raises(ValueError, match="control must be one of"):
-        SyncConfig(control="grpc")
+    with pytest.raises(ValueError, match="control channel must be one of"):
+        ControlConfig(channel="grpc")

@@ -13,7 +13,9 @@ import torch.distributed as dist
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
-from shardsync.sync import SyncConfig, SyncError, WeightSync
+from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
+from shardsync.mode import Mode
+from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
@@ -23,7 +25,8 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     spec = PRESETS["tiny-qwen3"]
     par = MegatronParallel(tp=2, dtype="float32")
     lay, params = join_trainer(rank, world, port, spec, par, seed=31)
-    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", ipc=True, timeout_s=30, detail=True),
+    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(), detail=True,
+                                                             transport=TransportConfig(timeout_s=30)),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res = {"records": [], "verify": [], "generation": []}
@@ -39,7 +42,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
                                "step_bytes": sum(st["bytes"] for st in rec.steps),
                                "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)})
         res["verify"].append(sync.verify())
-        res["generation"].append(sync._transport.generation)
+        res["generation"].append(sync.programs[Mode.P2P].mapped.generation)
     # a tensor whose shape changed since connect (a user bug) fails the update on every rank,
     # promptly (rank 1 aborts, engines ack), and the engine refuses to serve the mix it holds
     name = next(k for k in params if k.endswith("linear_fc2.weight"))
@@ -58,7 +61,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     sync.connect()  # a failed update drops the group; reconnect and send a full update
     sync.update(5)
     res["after"] = sync.verify()
-    res["files"] = sorted(sync._transport.shm_names)
+    res["files"] = sorted(sync.programs[Mode.P2P].mapped.shm_names)
     sync.close()  # engines unmap: the trainer holds the last reference to its shared memory
     dist.destroy_process_group()
     out.put((rank, res))

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
-from shardsync.sync import SyncConfig, WeightSync
+from shardsync.config import SyncConfig, TransportConfig
+from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
@@ -22,8 +23,8 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     spec = PRESETS[case["model"]]
     par = MegatronParallel(**case["trainer"], dtype="float32")
     lay, params = join_trainer(rank, world, port, spec, par, seed=11)
-    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode=case["mode"], bucket_mb=0.05,
-                                                                   timeout_s=30, detail=True),
+    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode=case["mode"], detail=True,
+                                                                   transport=TransportConfig(bucket_mb=0.05, timeout_s=30)),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res = {"mode": sync.mode, "records": [], "verify": []}
@@ -70,7 +71,7 @@ def _trainer_grow(rank: int, world: int, port: int, urls: list[str], relay: bool
     spec = PRESETS["tiny-qwen2"]
     par = MegatronParallel(tp=2, dtype="float32")
     lay, params = join_trainer(rank, world, port, spec, par, seed=21)
-    sync = WeightSync(spec, par, rank, params, urls[:1], SyncConfig(bucket_mb=0.05, timeout_s=30, relay=relay),
+    sync = WeightSync(spec, par, rank, params, urls[:1], SyncConfig(relay=relay, transport=TransportConfig(bucket_mb=0.05, timeout_s=30)),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     sync.update(1)

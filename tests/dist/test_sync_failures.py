@@ -16,7 +16,10 @@ import torch.distributed as dist
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS, load_spec
-from shardsync.sync import SyncConfig, SyncError, WeightSync
+from shardsync.config import SyncConfig, TransportConfig
+from shardsync.control.wire import Go, Keys, get
+from shardsync.paths import choose_full
+from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
@@ -40,13 +43,15 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     par = MegatronParallel(tp=world, dtype="float32")
     _, params = join_trainer(rank, world, port, spec, par, seed=case["seed"])
     sync = WeightSync(spec, par, rank, params, [url],
-                      SyncConfig(bucket_mb=0.05, timeout_s=case.get("timeout", 30), **case["config"]),
+                      SyncConfig(transport=TransportConfig(bucket_mb=0.05, timeout_s=case.get("timeout", 30)),
+                                 **case["config"]),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res: dict = {"mode": sync.mode, "reason": sync.fallback_reason}
     if case.get("die") and rank == 1:
         out.put((rank, res))
-        sync._signal("u1/begin")  # wait until the engines entered the update, then vanish
+        # wait until trainer rank 0 began update 1 on the engines, then vanish
+        get(sync.group.store, Keys(sync.group.rdv.name).go(1), Go, datetime.timedelta(seconds=30))
         os._exit(1)
     try:
         rec = sync.update(1)
@@ -61,17 +66,19 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
         dist.destroy_process_group()
 
 
+# What the engine reports at connect (``--advertise``: the reference engine stands in for
+# engines that cannot run here) -> the precondition that sends auto to broadcast.
 FALLBACKS = {
-    "engine_layout_known": ("tiny-qwen3", {"engine_kind": "trtllm"}),
-    "vllm_vocab_split": ("tp3", {"engine_kind": "vllm"}),
-    "unquantized": ("tiny-qwen3", {"quantization": "fp8"}),
-    "engine_pp_1": ("tiny-qwen3", {"engine_pp": 2}),
+    "engine_layout_known": ("tiny-qwen3", "kind=trtllm"),
+    "vllm_vocab_split": ("tp3", "kind=vllm"),
+    "unquantized": ("tiny-qwen3", "quantization=fp8"),
+    "engine_pp_1": ("tiny-qwen3", "pp=2"),
 }
 
 
 @pytest.mark.parametrize("precondition", list(FALLBACKS))
 def test_auto_falls_back_to_broadcast_and_logs_why(precondition: str, tmp_path) -> None:
-    model, config = FALLBACKS[precondition]
+    model, facts = FALLBACKS[precondition]
     trainer_tp, engine_tp = 2, 2
     if model == "tp3":
         # vLLM pads the vocab to 64 only: 1000 -> 1024 rows do not split over TP 3
@@ -80,9 +87,9 @@ def test_auto_falls_back_to_broadcast_and_logs_why(precondition: str, tmp_path) 
                                              vocab_size=1000)
         (tmp_path / "config.json").write_text(json.dumps(spec.to_hf_config()))
         model, trainer_tp, engine_tp = str(tmp_path / "config.json"), 1, 3
-    proc, url = start_engine(model, engine_tp)
+    proc, url = start_engine(model, engine_tp, advertise=facts)
     try:
-        case = {"model": model, "seed": 5, "config": {"mode": "auto", **config}}
+        case = {"model": model, "seed": 5, "config": {"mode": "auto"}}
         res = run_world(_trainer, trainer_tp, args=(trainer_tp, free_port(), url, case), timeout=180)
         assert res[0]["mode"] == "broadcast" and res[0]["ok"] and res[0]["verify"] == []
         fallback = [line for line in res[0]["log"] if "falls back to broadcast" in line]
@@ -95,15 +102,10 @@ def test_auto_falls_back_to_broadcast_and_logs_why(precondition: str, tmp_path) 
 
 
 def test_forced_p2p_refuses_with_reason() -> None:
-    from shardsync.sync import WeightSync as WS
-
-    spec = PRESETS["tiny-qwen3"]
-    topo = Topology(spec, MegatronParallel(tp=1), quantization="fp8")
-    sync = WS(spec, MegatronParallel(tp=1), 0, {}, ["http://127.0.0.1:1"], SyncConfig(mode="p2p"))
+    topo = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1), quantization="fp8")
     with pytest.raises(ValueError, match="unquantized"):
-        sync._choose_mode(topo)
-    assert WS(spec, MegatronParallel(tp=1), 0, {}, ["http://127.0.0.1:1"],
-              SyncConfig(mode="broadcast"))._choose_mode(topo) == ("broadcast", None)
+        choose_full(topo, "p2p")
+    assert choose_full(topo, "broadcast") == ("broadcast", None)
 
 
 def test_trainer_rank_killed_mid_update_leaves_engine_stale_until_full_update() -> None:

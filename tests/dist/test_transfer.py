@@ -1,4 +1,5 @@
-"""Real gloo worlds of trainer + engine processes: p2p and broadcast schedules, bitwise."""
+"""Real gloo worlds of trainer + engine processes: the resharding matrix through every path
+and transport (p2p over the group, p2p read in place through shared memory, broadcast), bitwise."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import torch
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.runtime.update import Schedule
+from shardsync.mode import Mode
+from shardsync.paths import Endpoint, UpdateArgs, compile_path
+from shardsync.runtime.schedule import subgroups
 from shardsync.spec import PRESETS
 from shardsync.topology import Topology
 from shardsync.transport import Rendezvous, SyncGroup
@@ -26,23 +29,30 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
                     tuple(EngineParallel(tp=t) for t in case["engines"]), relay=case.get("relay", False))
     rdv = Rendezvous("127.0.0.1", port, world, "t", timeout_s=30)
     store = open_store(rdv, is_master=True) if rank == 0 else None
-    sched = Schedule(topo, rank, bucket_bytes=case.get("bucket", 64 * 1024), credits=case.get("credits", 2))
-    group = SyncGroup(rdv, rank, sched.subgroups(), store=store)
+    group = SyncGroup(rdv, rank, subgroups(topo), store=store)
     T = topo.trainer.world_size
     results = {}
+    programs = {}
     for step, mode in enumerate(case["modes"]):
         src = random_source(spec, seed=step + 1)
         if rank < T:
-            local = load_rank(topo.trainer_layout, rank, src)  # fp32 master weights
+            if step == 0:
+                local = load_rank(topo.trainer_layout, rank, src)  # fp32 master weights
+            else:  # new values in place: mapped engines read these very tensors
+                for k, v in load_rank(topo.trainer_layout, rank, src).items():
+                    local[k].copy_(v)
         else:
             e = rank - T
             engine = max(i for i in range(len(topo.engines)) if topo.engine_rank_offset(i) <= e)
             if step == 0:
                 # Engines start from other weights: any region a sync misses keeps them.
-                engine_local = load_rank(topo.engine_layouts[engine], e - topo.engine_rank_offset(engine),
-                                         random_source(spec, seed=999))
-            local = engine_local
-        stats = sched.run(mode, local, group, barrier=group.barrier)
+                local = load_rank(topo.engine_layouts[engine], e - topo.engine_rank_offset(engine),
+                                  random_source(spec, seed=999))
+        if mode not in programs:
+            ep = Endpoint(topo, rank, group, case.get("bucket", 64 * 1024), case.get("credits", 2),
+                          ipc=case.get("ipc") if mode == "p2p" else None, tensors=local)
+            programs[mode] = compile_path(Mode(mode), ep)
+        stats = programs[mode].run(local, UpdateArgs(version=step))
         if rank >= T:
             e = rank - T
             expect = load_rank(topo.engine_layouts[engine], e - topo.engine_rank_offset(engine), src)
@@ -51,7 +61,9 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
         results[f"barriers{step}"] = group.barrier_calls
         results[f"sent{step}"] = stats.bytes_sent
         results[f"sent_mode{step}"] = mode
-        results[f"pool_{mode}"] = sched.pool(mode).allocated_bytes
+        results[f"pool_{mode}"] = getattr(programs[mode], "pool", None) and programs[mode].pool.allocated_bytes
+    for program in programs.values():
+        program.close()
     group.close()
     out.put((rank, results))
 
@@ -79,9 +91,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_transfer_bitwise(name: str) -> None:
-    case = CASES[name]
+# p2p read in place (CPU shared memory stands in for CUDA IPC): every case relay aside
+MAPPED = ["tp2-tp1", "tp2-tp4-kvrep", "tp4-tp2", "tp1pp2", "dp2-2engines", "tp2pp2-tp4-bf16",
+          "tp1pp3-uneven-2engines"]
+
+
+@pytest.mark.parametrize("name,ipc", [(n, None) for n in CASES] + [(n, "map") for n in MAPPED])
+def test_transfer_bitwise(name: str, ipc: str | None) -> None:
+    case = dict(CASES[name], ipc=ipc)
     t = MegatronParallel(**case["trainer"]).world_size
     world = t + sum(case["engines"])
     results = run_world(_worker, world, args=(world, free_port(), case), timeout=120)
@@ -92,7 +109,7 @@ def test_transfer_bitwise(name: str) -> None:
     # p2p needs no gather: every rank's extra memory stays within credits x bucket
     budget = case.get("credits", 2) * case.get("bucket", 64 * 1024)
     for rank, res in results.items():
-        if "pool_p2p" in res:
+        if res.get("pool_p2p") is not None:
             assert res["pool_p2p"] <= budget, (rank, res["pool_p2p"], budget)
     if case.get("relay"):
         # the trainer sends one copy (to engine 0); engines 0 and 1 forward theirs

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
-from shardsync.sync import SyncConfig, WeightSync
+from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
 
@@ -24,7 +25,8 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
     proc, url = start_engine("tiny-qwen3", 1, device="cuda", dtype="bfloat16")
     try:
         params = load_rank(lay, 0, random_source(spec, seed=3), device="cuda")
-        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(mode="p2p", ipc=kind, bucket_mb=0.25))
+        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc=kind),
+                                                                  transport=TransportConfig(bucket_mb=0.25)))
         sync.connect()
         bad = []
         for version in (1, 2, 3):

@@ -11,7 +11,7 @@ from shardsync.bench.schedule import effective_credits, global_order, rank_progr
 from shardsync.bench.topology import partition
 from shardsync.bench.transport import FreshPool, TracingTransport, make_pool
 from shardsync.bench.workload import synthetic
-from shardsync.runtime.executor import BufferPool, execute
+from shardsync.runtime.executor import BufferPool, Pooled, execute
 
 
 class _Done:
@@ -19,7 +19,7 @@ class _Done:
         pass
 
 
-class _Loopback:
+class _Loopback(Pooled):
     """Completes every transfer at once and remembers which buffers it saw."""
 
     def __init__(self) -> None:

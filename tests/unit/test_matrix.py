@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from shardsync.paths import choose_full
 from shardsync.plan.matrix import MODES, build, decide, render_markdown
 from shardsync.plan.preconditions import PRECONDITIONS
 from shardsync.spec import PRESETS
-from shardsync.sync import SyncConfig, WeightSync
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "fallback_matrix.md"
 # Cannot fail on a topology that exists: ModelSpec refuses other families, and the planner
@@ -71,18 +71,16 @@ def test_mode_semantics(entries) -> None:
             assert p2p.path == "refused" and p2p.why.startswith("ValueError: mode='p2p'")
 
 
-def test_decisions_match_weightsync_choose_mode(entries) -> None:
-    """The matrix mirrors WeightSync._choose_mode (same path, same reason text)."""
+def test_decisions_match_choose_full(entries) -> None:
+    """The matrix mirrors paths.choose_full, which WeightSync uses (same path, same reason text)."""
     for e in entries:
         if e.impossible is not None:
             continue
         topo = e.case.topology()
         for mode in MODES:
-            ws = WeightSync.__new__(WeightSync)  # _choose_mode only reads the config
-            ws.config = SyncConfig(mode=mode)
             ours = decide(e, mode)
             try:
-                path, reason = ws._choose_mode(topo)
+                path, reason = choose_full(topo, mode)
             except ValueError as err:
                 assert ours.path == "refused" and ours.why == f"ValueError: {err}", e.case
                 continue

@@ -1,11 +1,12 @@
-"""Begin/finish through the sync group's store instead of HTTP (``SyncConfig(control="store")``).
+"""The engine's store listener: begin/finish through the sync group's store instead of HTTP
+(``control="store"``).
 
 The trainer already hosts a TCPStore every engine joined at connect; a key set there reaches
 the engine in a fraction of an HTTP round trip.  Per update ``n`` (counted from 1 per
-connection): trainer rank 0 sets ``ctl/n/begin`` (the begin body); this engine's control
-thread validates it exactly as ``POST /weights/begin`` does and answers
-``ctl/n/accepted/<engine>``; after the receive it answers ``ctl/n/result/<engine>`` (the
-``UpdateResult``).  Every wait is bounded; the HTTP endpoints keep working alongside.
+connection): trainer rank 0 sets ``Keys.begin(n)`` (a ``BeginRequest``); this listener hands
+it to the engine's ``begin`` (the same validation HTTP begin runs) and answers
+``Keys.accepted(n, engine)``; after the receive it answers ``Keys.result(n, engine)`` (the
+``UpdateResult``).  Every value is validated JSON; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from concurrent.futures import Future
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from shardsync.engine.protocol import BeginRequest, UpdateResult, ctl_key
+from shardsync.control.wire import Accepted, BeginRequest, Keys, Stop, UpdateResult, put
 from shardsync.transport.group import Rendezvous, open_store
 
 log = logging.getLogger(__name__)
@@ -29,18 +30,16 @@ log = logging.getLogger(__name__)
 # An idle engine waits this long per wait (between updates: rollouts, training); a wait that
 # times out is simply renewed.  Stopping never waits for it: ``stop`` wakes the thread.
 IDLE = datetime.timedelta(hours=1)
-STOP = json.dumps({"stop": True})
 
 
-class StoreControl:
-    """The engine's control thread for one sync connection."""
+class StoreListener:
+    """One thread per sync connection.  ``begin`` validates and starts an update, returning
+    the future of its ``UpdateResult`` (or raises the refusal)."""
 
-    def __init__(self, pending: dict, *, begin: Callable[[BeginRequest], dict],
-                 entry: Callable[[int], tuple[str, Future]],
-                 settle: Callable[[int, str, Future | BaseException], UpdateResult]) -> None:
-        self.rdv = Rendezvous(**pending["rendezvous"])
-        self.index = pending["engine_index"]
-        self._begin, self._entry, self._settle = begin, entry, settle
+    def __init__(self, rdv: Rendezvous, engine_index: int,
+                 begin: Callable[[BeginRequest], Future]) -> None:
+        self.rdv, self.index, self._begin = rdv, engine_index, begin
+        self.keys = Keys(rdv.name)
         self._stop = threading.Event()
         self._seq = 1  # the next update's number on this connection
         self._thread = threading.Thread(target=self._loop, name="engine-control", daemon=True)
@@ -58,7 +57,7 @@ class StoreControl:
     def _wake(self) -> None:
         try:
             store = open_store(dataclasses.replace(self.rdv, timeout_s=5.0), is_master=False)
-            store.compare_set(ctl_key(self.rdv.name, self._seq, "begin"), "", STOP)
+            store.compare_set(self.keys.begin(self._seq), "", Stop().model_dump_json())
         except Exception:
             pass
 
@@ -69,7 +68,7 @@ class StoreControl:
             log.warning("store control: cannot reach the trainer's store: %s", e)
             return
         while not self._stop.is_set():
-            key = ctl_key(self.rdv.name, self._seq, "begin")
+            key = self.keys.begin(self._seq)
             try:
                 store.wait([key], IDLE)
             except dist.DistNetworkError as e:  # the trainer is gone: nothing more will come
@@ -77,32 +76,37 @@ class StoreControl:
                 return
             except dist.DistStoreError:  # idle for an hour: wait again (breaks nothing)
                 continue
-            body = json.loads(store.get(key))
-            if body.get("stop"):
+            raw = store.get(key)
+            if _is_stop(raw):
                 return
             try:
-                self._serve(store, self._seq, body)
+                self._serve(store, self._seq, raw)
             except Exception as e:  # the trainer times out on its side; keep serving later updates
                 log.warning("store control: update %d: %s", self._seq, e)
             self._seq += 1
 
-    def _serve(self, store: dist.Store, seq: int, body: dict) -> None:
-        name = self.rdv.name
+    def _serve(self, store: dist.Store, seq: int, raw: bytes) -> None:
+        accepted = self.keys.accepted(seq, self.index)
         try:
-            self._begin(BeginRequest(**body))
+            req = BeginRequest.model_validate_json(raw)
+            fut = self._begin(req)
         except ValidationError as e:
-            store.set(ctl_key(name, seq, "accepted", self.index), json.dumps({"error": f"422: {e}"}))
+            put(store, accepted, Accepted(error=f"invalid begin: {e}"))
             return
-        except Exception as e:  # ApiError: the same refusal HTTP would give, weights untouched
-            status = getattr(e, "status", 500)
-            store.set(ctl_key(name, seq, "accepted", self.index), json.dumps({"error": f"{status}: {e}"}))
+        except Exception as e:  # a session refusal: the same HTTP begin gives, weights untouched
+            put(store, accepted, Accepted(error=str(e)))
             return
-        store.set(ctl_key(name, seq, "accepted", self.index), json.dumps({"ok": True}))
-        mode, fut = self._entry(body["version"])
-        try:
-            fut.result(timeout=4 * self.rdv.timeout_s + 60)  # the receive itself waits under the timeout
-            outcome: Future | BaseException = fut
+        put(store, accepted, Accepted(ok=True))
+        try:  # the receive itself waits under the group timeout
+            res: UpdateResult = fut.result(timeout=4 * self.rdv.timeout_s + 60)
         except Exception as e:
-            outcome = e
-        res = self._settle(body["version"], mode, outcome)
-        store.set(ctl_key(name, seq, "result", self.index), res.model_dump_json())
+            res = UpdateResult(version=req.version, mode=req.mode.value, ok=False,
+                               error=f"{type(e).__name__}: {e}")
+        put(store, self.keys.result(seq, self.index), res)
+
+
+def _is_stop(raw: bytes) -> bool:
+    try:
+        return bool(json.loads(raw).get("stop"))
+    except (ValueError, AttributeError):
+        return False

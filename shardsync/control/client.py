@@ -1,0 +1,148 @@
+"""The trainer's control clients: trainer rank 0 talking to every engine.
+
+``Engines`` makes the connect-time and occasional calls over HTTP (info, connect, join,
+versions, pull, checksums, disconnect), every engine in parallel, each call bounded.  Each
+update's begin/finish go through an ``UpdateChannel``: ``StoreChannel`` (keys in the sync
+group's store; O(1) store operations per engine) or ``HttpChannel`` (two POSTs per engine).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import httpx
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from shardsync.control.wire import (
+    Accepted,
+    BeginRequest,
+    ChecksumResponse,
+    ConnectRequest,
+    InfoResponse,
+    Keys,
+    UpdateResult,
+    VersionResponse,
+    get,
+    put,
+)
+
+
+class SyncError(RuntimeError):
+    """An update or connect that did not complete; engines keep (or mark stale) their weights."""
+
+
+class Engines:
+    """HTTP client of every engine of one trainer (used on trainer rank 0 only)."""
+
+    def __init__(self, urls: Sequence[str], timeout_s: float) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def call(self, method: str, path: str, payloads: Sequence[BaseModel | dict | None] | None = None) -> list[dict]:
+        payloads = payloads or [None] * len(self.urls)
+
+        def one(i: int) -> dict:
+            url = self.urls[i] + path
+            body = payloads[i]
+            if isinstance(body, BaseModel):
+                body = body.model_dump(mode="json")
+            r = self._http.request(method, url, json=body)
+            if r.status_code >= 400:
+                raise SyncError(f"{method} {url} -> {r.status_code}: {r.text[:500]}")
+            return r.json()
+
+        if len(self.urls) == 1:  # the common colocated case: no thread hop on the hot path
+            return [one(0)]
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            return list(pool.map(one, range(len(self.urls))))
+
+    def info(self) -> list[InfoResponse]:
+        return [InfoResponse.model_validate(r) for r in self.call("GET", "/weights/info")]
+
+    def connect(self, requests: Sequence[ConnectRequest]) -> None:
+        self.call("POST", "/weights/connect", requests)
+
+    def join(self) -> None:
+        self.call("POST", "/weights/join")
+
+    def versions(self) -> list[VersionResponse]:
+        return [VersionResponse.model_validate(r) for r in self.call("GET", "/weights/version")]
+
+    def pull(self, root: str, version: int) -> list[UpdateResult]:
+        body = {"root": root, "version": version}
+        return [UpdateResult.model_validate(r)
+                for r in self.call("POST", "/weights/pull", [body] * len(self.urls))]
+
+    def checksums(self) -> list[ChecksumResponse]:
+        return [ChecksumResponse.model_validate(r) for r in self.call("GET", "/weights/checksum")]
+
+    def disconnect(self) -> None:
+        self.call("POST", "/weights/disconnect")
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class UpdateChannel(Protocol):
+    """Begin and finish of one update on every engine (trainer rank 0)."""
+
+    def begin(self, req: BeginRequest) -> None:
+        """Every engine accepted ``req``, or ``SyncError`` naming the first refusal."""
+        ...
+
+    def finish(self, version: int) -> list[UpdateResult]:
+        """Every engine's result of the update just moved (``SyncError`` if one failed)."""
+        ...
+
+
+def _check(urls: Sequence[str], version: int, results: list[UpdateResult]) -> list[UpdateResult]:
+    bad = next(((u, r) for u, r in zip(urls, results, strict=True) if not r.ok), None)
+    if bad is not None:
+        raise SyncError(f"{bad[0]}: update {version} failed: {bad[1].error}; the engine refuses "
+                        "generation until a full update")
+    return results
+
+
+class HttpChannel:
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+
+    def begin(self, req: BeginRequest) -> None:
+        self.engines.call("POST", "/weights/begin", [req] * len(self.engines.urls))
+
+    def finish(self, version: int) -> list[UpdateResult]:
+        out = self.engines.call("POST", "/weights/finish", [{"version": version}] * len(self.engines.urls))
+        return [UpdateResult.model_validate(r) for r in out]
+
+
+class StoreChannel:
+    """Keys under the sync's name in its store; each engine's listener answers (``listener``)."""
+
+    def __init__(self, store: dist.Store, keys: Keys, urls: Sequence[str], timeout_s: float) -> None:
+        self.store, self.keys, self.urls = store, keys, list(urls)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.seq = 0  # updates begun on this connection (the engines count from 1 too)
+
+    def _get(self, key: str, model):
+        try:
+            return get(self.store, key, model, self.timeout)
+        except dist.DistStoreError:
+            raise SyncError(f"no answer under {key} within {self.timeout.total_seconds()}s "
+                            "(engine gone or stuck)") from None
+
+    def begin(self, req: BeginRequest) -> None:
+        self.seq += 1
+        put(self.store, self.keys.begin(self.seq), req)
+        for i, url in enumerate(self.urls):
+            answer = self._get(self.keys.accepted(self.seq, i), Accepted)
+            if not answer.ok:
+                raise SyncError(f"{url} refused update {req.version}: {answer.error}")
+
+    def finish(self, version: int) -> list[UpdateResult]:
+        results = [self._get(self.keys.result(self.seq, i), UpdateResult) for i in range(len(self.urls))]
+        return _check(self.urls, version, results)
+

@@ -1,0 +1,64 @@
+"""Trainer ranks agreeing with each other: rank 0 decides, every rank learns the decision,
+as typed JSON (never a pickle) - over the trainer's own group at connect, through the sync
+group's store during updates (bounded waits)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from shardsync.control.wire import get, put
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _broadcast_bytes(data: bytes, *, rank: int, group) -> bytes:
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, group=group, group_src=0)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == 0
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    if buf.numel():
+        dist.broadcast(buf, group=group, group_src=0)
+    return buf.cpu().numpy().tobytes()
+
+
+def share(msg: M | None, model: type[M], *, rank: int, world: int, group) -> M:
+    """Rank 0's ``msg`` on every trainer rank (collective over ``group``)."""
+    if world == 1:
+        assert msg is not None
+        return msg
+    data = msg.model_dump_json().encode() if rank == 0 else b""
+    return model.model_validate_json(_broadcast_bytes(data, rank=rank, group=group))
+
+
+def share_json(obj, *, rank: int, world: int, group):
+    """Rank 0's plain JSON value (lists, dicts, numbers, strings) on every rank."""
+    if world == 1:
+        return obj
+    data = json.dumps(obj).encode() if rank == 0 else b""
+    return json.loads(_broadcast_bytes(data, rank=rank, group=group))
+
+
+def signal(store: dist.Store, key: str, msg: M | None, model: type[M], *, rank: int,
+           timeout: datetime.timedelta) -> M:
+    """Rank 0 publishes ``msg`` under ``key``; the other ranks wait for it (bounded)."""
+    if rank == 0:
+        assert msg is not None
+        put(store, key, msg)
+        return msg
+    return get(store, key, model, timeout)
+
+
+def gather(store: dist.Store, key: str, msg: M, model: type[M], *, rank: int, world: int,
+           timeout: datetime.timedelta) -> list[M]:
+    """Every trainer rank's ``msg`` (under ``key/<rank>``), on every rank."""
+    put(store, f"{key}/{rank}", msg)
+    return [get(store, f"{key}/{r}", model, timeout) for r in range(world)]

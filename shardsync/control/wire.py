@@ -1,0 +1,238 @@
+"""The sync wire schema: every message between a trainer and an engine, and every key in
+the sync group's store, as versioned pydantic models (JSON on the wire, never a pickle).
+
+Status codes are not here: the HTTP edge (``engine/server.py``) maps ``control.session``
+errors to them.  The reference engine's serving messages live in ``engine/protocol.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Literal, TypeVar
+
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardsync.mode import Mode
+
+PROTOCOL_VERSION = 2
+MAX_ENGINES = 64
+
+
+class Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- HTTP bodies --
+
+class TrainerParallelMsg(Msg):
+    tp: int = Field(ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    pp_layers: list[int] | None = None
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    norm_names: str = "fused"
+    dtype: str | None = None
+
+
+class RendezvousMsg(Msg):
+    host: str
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    name: str = Field(min_length=1, max_length=128)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+
+
+class ConnectRequest(Msg):
+    """Plan exchange: the engine rebuilds the topology and must find the same fingerprints."""
+
+    protocol: int = PROTOCOL_VERSION
+    spec: dict
+    trainer: TrainerParallelMsg
+    engines: list[int] = Field(min_length=1, max_length=MAX_ENGINES)
+    engine_index: int = Field(ge=0)
+    fingerprints: dict[str, str]
+    bucket_bytes: int = Field(ge=1024)
+    credits: int = Field(2, ge=1, le=64)
+    relay: bool = False
+    ipc: Literal[False, "map", "slots"] = False
+    control: Literal["http", "store"] = "http"  # where begin/finish arrive
+    rendezvous: RendezvousMsg
+
+
+class BeginRequest(Msg):
+    version: int = Field(ge=0)
+    mode: Literal[Mode.P2P, Mode.BROADCAST, Mode.DELTA_P2P, Mode.DELTA_BROADCAST]
+    fingerprint: str
+    base_version: int | None = Field(None, ge=0, description="delta modes: the version the delta is against")
+
+
+class PullRequest(Msg):
+    """Apply a delta version published on disk (every TP worker reads its own parts)."""
+
+    root: str = Field(min_length=1, max_length=4096)
+    version: int = Field(ge=0)
+
+
+class FinishRequest(Msg):
+    version: int = Field(ge=0)
+
+
+class UpdateResult(BaseModel):
+    """One engine's outcome of one update: its receivers' ``Stats`` reduced over TP ranks."""
+
+    version: int
+    mode: str
+    ok: bool
+    error: str | None = None
+    pack_s: float = 0.0
+    transfer_s: float = 0.0
+    unpack_s: float = 0.0
+    total_s: float = 0.0
+    bytes_received: int = 0
+    changed: int = 0
+    buffer_bytes: int = 0
+    buckets: int = 0
+    destination: str = "params"
+
+
+class VersionResponse(BaseModel):
+    weight_version: int
+    stale: bool
+    connected: bool
+
+
+class InfoResponse(BaseModel):
+    """What the engine is: the trainer plans from these facts (never from its own config)."""
+
+    protocol: int = PROTOCOL_VERSION
+    spec: dict
+    tp: int
+    dtype: str
+    weight_version: int
+    stale: bool
+    kind: str = "reference"
+    pp: int = 1
+    quantization: str | None = None
+
+
+class ChecksumResponse(BaseModel):
+    weight_version: int
+    stale: bool
+    checksums: dict[str, str | None]
+
+
+# -- store values (trainer ranks agreeing; trainer rank 0 <-> engine control threads) --
+
+class Decision(Msg):
+    """Trainer rank 0's connect decision, shared with the other trainer ranks."""
+
+    tps: list[int] = Field(default_factory=list)
+    dtype: str = ""
+    port: int = 0
+    name: str = ""
+    facts: dict = Field(default_factory=dict)  # kind, pp, quantization
+    error: str | None = None
+
+
+class Go(Msg):
+    """Trainer rank 0's decision for one update: the path, or why there is none."""
+
+    mode: Mode | None = None
+    error: str | None = None
+
+
+class Done(Msg):
+    """The engines' results of one update, or rank 0's error."""
+
+    engines: list[UpdateResult] = Field(default_factory=list)
+    error: str | None = None
+
+
+class Note(Msg):
+    """One trainer rank's word for the others: an error or nothing."""
+
+    error: str | None = None
+
+
+class Accepted(Msg):
+    ok: bool = False
+    error: str | None = None
+
+
+class BoxSum(Msg):
+    logical: str
+    offsets: list[int]
+    sizes: list[int]
+    value: int
+
+
+class RankSums(Msg):
+    """One trainer rank's checksums of its pieces (``runtime.checksum`` keys as fields)."""
+
+    boxes: list[BoxSum]
+
+
+class Verdict(Msg):
+    mismatched: list[str]
+
+
+class Stop(Msg):
+    stop: Literal[True] = True
+
+
+# -- store keys --
+
+class Keys:
+    """Every key one sync uses in its store, under the sync's name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    # engine control (control="store"): update ``seq`` counted from 1 per connection
+    def begin(self, seq: int) -> str:
+        return f"{self.name}/ctl/{seq}/begin"
+
+    def accepted(self, seq: int, engine: int) -> str:
+        return f"{self.name}/ctl/{seq}/accepted/{engine}"
+
+    def result(self, seq: int, engine: int) -> str:
+        return f"{self.name}/ctl/{seq}/result/{engine}"
+
+    # trainer ranks: call ``n`` on this connection
+    def go(self, n: int) -> str:
+        return f"{self.name}/u{n}/begin"
+
+    def done(self, n: int) -> str:
+        return f"{self.name}/u{n}/done"
+
+    def written(self, n: int) -> str:
+        """Prefix of every trainer rank's ``Note`` (``/<rank>`` appended) after a disk write."""
+        return f"{self.name}/u{n}/written"
+
+    def closed(self, n: int) -> str:
+        return f"{self.name}/u{n}/closed"
+
+    def check(self, n: int, what: str) -> str:
+        return f"{self.name}/ck{n}/{what}"
+
+    # colocated transports: handles of ``src``'s tensors (generation) or slots for ``dst``
+    def mapped(self, src: int, dst: int, generation: int) -> str:
+        return f"{self.name}/map/{src}->{dst}/g{generation}"
+
+    def slots(self, src: int, dst: int) -> str:
+        return f"{self.name}/ipc/{src}->{dst}"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def put(store: dist.Store, key: str, msg: BaseModel) -> None:
+    store.set(key, msg.model_dump_json())
+
+
+def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta) -> M:
+    """Wait (bounded) for ``key`` and validate its value as ``model``; never unpickles."""
+    store.wait([key], timeout)
+    return model.model_validate_json(store.get(key))

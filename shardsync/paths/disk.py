@@ -1,0 +1,58 @@
+"""Delta over a directory: trainer ranks write their stage's parts, rank 0 publishes the
+version atomically; each engine rank applies what falls in its pieces (``delta/disk.py``).
+No sync group on the engine side: a pull needs only the directory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from shardsync.delta.disk import DiskPublisher, apply_version
+from shardsync.layout.piece import RankLayout
+from shardsync.paths.base import Endpoint, UpdateArgs
+from shardsync.runtime.stats import Stats
+
+
+class DiskWrite:
+    """Trainer side; collective over the trainer ranks of the sync group."""
+
+    buckets = 0
+
+    def __init__(self, ep: Endpoint) -> None:
+        if not ep.delta_dir or ep.snapshot is None:
+            raise ValueError("delta over disk needs delta_dir and a snapshot on every trainer rank")
+        Path(ep.delta_dir).mkdir(parents=True, exist_ok=True)
+        self.root = ep.delta_dir
+        self.publisher = DiskPublisher(ep.topo, ep.me, ep.delta_dir, ep.snapshot, budget=ep.bucket_bytes,
+                                       credits=ep.credits)
+        self.group = ep.group
+
+    def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
+        assert args.base_version is not None, "a disk delta is against a base version"
+        return self.publisher.write(args.version, args.base_version, self.group)
+
+    def publish(self, args: UpdateArgs) -> None:
+        """Trainer rank 0, after every rank wrote."""
+        self.publisher.publish(args.version, args.base_version)
+
+    def close(self) -> None:
+        return None
+
+
+class DiskApply:
+    """Engine side: one rank applies a published version (part targets cached across pulls)."""
+
+    buckets = 0
+
+    def __init__(self, rank: RankLayout) -> None:
+        self.rank = rank
+        self._targets: dict = {}
+
+    def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
+        assert args.root is not None and args.base_version is not None
+        return apply_version(args.root, args.version, args.base_version, tensors, self.rank, self._targets)
+
+    def close(self) -> None:
+        return None

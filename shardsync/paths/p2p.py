@@ -1,0 +1,82 @@
+"""p2p: every trainer rank sends each engine rank exactly its plan copies (and relays, if
+any), over the sync group, CUDA IPC slots, or - colocated - read in place by the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from shardsync.paths.base import Endpoint, UpdateArgs
+from shardsync.runtime.executor import BufferPool, Transport, execute
+from shardsync.runtime.schedule import p2p_steps
+from shardsync.runtime.stats import Stats
+from shardsync.runtime.steps import Step
+from shardsync.transport.ipc import IpcTransport
+from shardsync.transport.mapped import MappedTransport
+
+
+class P2pProgram:
+    """Steps of one rank through the one executor (group or IPC slots as the transport)."""
+
+    def __init__(self, ep: Endpoint, steps: list[Step], transport: Transport) -> None:
+        self.ep, self.steps, self.transport = ep, steps, transport
+        self.pool = BufferPool(ep.wire_dtype, ep.device)
+        self.buckets = len(steps)
+
+    def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
+        stats = execute(self.steps, tensors, self.transport, pool=self.pool, credits=self.ep.credits,
+                        detail=self.ep.detail)
+        stats.buckets = self.buckets
+        return stats
+
+    def close(self) -> None:
+        detach = getattr(self.transport, "detach", None)
+        if detach is not None:
+            detach()
+
+
+class MappedProgram:
+    """Colocated: the engine copies the plan's regions out of the trainer's mapped tensors."""
+
+    def __init__(self, ep: Endpoint, mapped: MappedTransport, buckets: int) -> None:
+        self.mapped, self.buckets = mapped, buckets
+
+    def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
+        stats = self.mapped.run(tensors)
+        stats.buckets = self.buckets
+        return stats
+
+    def close(self) -> None:
+        self.mapped.detach()
+
+
+def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
+    """Collective with the other end when ``ipc`` is set: trainer ranks export before engine
+    ranks map (engines wait for the handles, bounded by the group timeout)."""
+    if ep.group is None:
+        raise ValueError("the p2p path needs a sync group")
+    steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
+    if ep.ipc == "map":
+        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name)
+        if ep.is_trainer:
+            mapped.export(ep.tensors)
+        else:
+            for peer in mapped.peers:
+                mapped.attach(peer, 1, ep.tensors)
+        return MappedProgram(ep, mapped, len(steps))
+    transport: Transport = ep.group
+    if ep.ipc == "slots":
+        slots = IpcTransport(ep.group, slots=ep.credits)
+        if ep.is_trainer:
+            device = next(iter(ep.tensors.values())).device
+            for peer in sorted({s.comm[1] for s in steps if s.comm[0] == "send"}):
+                numel = max(s.numel for s in steps if s.comm == ("send", peer))
+                slots.export(peer, numel, ep.wire_dtype, device)
+        else:
+            for peer in sorted({s.comm[1] for s in steps if s.comm[0] == "recv"}):
+                slots.attach(peer)
+        transport = slots
+    elif ep.ipc:
+        raise ValueError(f"ipc must be 'map' or 'slots', got {ep.ipc!r}")
+    return P2pProgram(ep, steps, transport)

@@ -1,0 +1,85 @@
+"""A connect request, both ways: the trainer's payload from its topology, and the
+topology and plan fingerprints an engine rebuilds from it (refused with a typed error)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardsync.control.session import Conflict, Invalid
+from shardsync.control.wire import PROTOCOL_VERSION, ConnectRequest
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.mode import FULL, Mode
+from shardsync.spec import ModelSpec
+from shardsync.topology import Topology
+from shardsync.transport.group import Rendezvous
+
+
+def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
+    return dataclasses.asdict(spec)
+
+
+def spec_from_dict(d: dict[str, Any]) -> ModelSpec:
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = set(d) - fields
+    if unknown:
+        raise ValueError(f"unknown model spec fields {sorted(unknown)}")
+    return ModelSpec(**d)
+
+
+def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rdv: Rendezvous, *,
+                    bucket_bytes: int, credits: int, ipc: str | None, control: str) -> ConnectRequest:
+    """What trainer rank 0 sends engine ``index`` of ``topo``."""
+    t = topo.trainer
+    return ConnectRequest.model_validate({
+        "spec": spec_to_dict(topo.spec),
+        "trainer": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "pp_layers": list(t.pp_layers) if t.pp_layers else None,
+                    "make_vocab_size_divisible_by": t.make_vocab_size_divisible_by,
+                    "norm_names": t.norm_names, "dtype": t.dtype},
+        "engines": [e.tp for e in topo.engines], "engine_index": index, "fingerprints": fingerprints,
+        "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc or False,
+        "control": control, "rendezvous": dataclasses.asdict(rdv),
+    })
+
+
+def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
+    """The topology a connect request describes, with this engine's wire dtype."""
+    spec = spec_from_dict(req.spec).replace(dtype=dtype)
+    t = req.trainer.model_dump()
+    if t.get("pp_layers") is not None:
+        t["pp_layers"] = tuple(t["pp_layers"])
+    trainer = MegatronParallel(**t)
+    engines = tuple(EngineParallel(tp=tp, dtype=dtype) for tp in req.engines)
+    return Topology(spec, trainer, engines, relay=req.relay)
+
+
+def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str) -> dict[str, str]:
+    """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
+    differs when trainer and engine disagree (nothing is joined or changed)."""
+    if req.protocol != PROTOCOL_VERSION:
+        raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
+    try:
+        topo = topology_from_connect(req, dtype)
+    except (TypeError, ValueError) as e:
+        raise Invalid(f"cannot build the sync topology: {e}") from None
+    if topo.spec.replace(name=spec.name) != spec.replace(dtype=topo.spec.dtype):
+        raise Conflict(f"trainer model {topo.spec.name} differs from this engine's {spec.name}: sync "
+                       "needs identical architectures")
+    declared = req.engines[req.engine_index] if req.engine_index < len(req.engines) else None
+    if declared != tp:
+        raise Conflict(f"engine {req.engine_index} declared with TP {declared if declared else '?'}, "
+                       f"this engine runs TP {tp}")
+    if not req.fingerprints:
+        raise Invalid("a connect names at least one plan fingerprint (broadcast)")
+    mine = {}
+    for mode, fp in req.fingerprints.items():
+        if mode not in {m.value for m in FULL}:
+            raise Invalid(f"unknown mode {mode!r} in fingerprints")
+        try:
+            mine[mode] = topo.fingerprint(Mode(mode).value)
+        except ValueError as e:
+            raise Conflict(f"{mode} plan cannot be built here: {e}") from None
+        if mine[mode] != fp:
+            raise Conflict(f"{mode} plan fingerprint mismatch: trainer {fp}, engine {mine[mode]}; "
+                           "trainer and engine disagree on the layouts")
+    return mine

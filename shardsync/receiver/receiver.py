@@ -1,0 +1,110 @@
+"""``Receiver``: one engine rank's end of a sync, hostable by any engine process.
+
+Call sequence, on every TP rank of the engine, in the same order: ``Receiver(...)`` ->
+``join(connect)`` (collective with the trainer ranks: joins the sync group and compiles
+every path the connection may use) -> ``receive(mode, args)`` per update (collective over
+the sync) -> ``leave()``.  ``pull`` (disk deltas) and ``checksums`` need no connection.
+A failed receive leaves the sync group (it is broken after a failed collective); the host
+marks its weights stale until a full update.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardsync.control.wire import ConnectRequest
+from shardsync.layout import EngineParallel, engine_layout
+from shardsync.mode import FULL, Mode
+from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path
+from shardsync.paths.disk import DiskApply
+from shardsync.receiver.connect import topology_from_connect
+from shardsync.receiver.destination import Destination
+from shardsync.runtime.checksum import BoxKey, piece_checksums
+from shardsync.runtime.schedule import subgroups
+from shardsync.runtime.stats import Stats
+from shardsync.spec import ModelSpec
+from shardsync.transport.group import Rendezvous, SyncGroup
+
+log = logging.getLogger(__name__)
+
+
+class Receiver:
+    """Built from what the engine knows: its model spec, its TP rank and size, its weight
+    dtype and device, and where received bytes go (``Destination``)."""
+
+    def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
+        self.destination = destination
+        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        self.layout = engine_layout(spec.replace(dtype=self.dtype_name),
+                                    EngineParallel(tp=tp_size, dtype=self.dtype_name))
+        self.rank_layout = self.layout.ranks[tp_rank]
+        self.group: SyncGroup | None = None
+        self.programs: dict[Mode, Program] = {}
+        self._disk = DiskApply(self.rank_layout)
+        self.sync_rank: int | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.group is not None
+
+    def join(self, req: ConnectRequest) -> int:
+        """Join the sync group ``req`` names (blocks, bounded, until every member is in);
+        returns this rank's sync rank."""
+        self.leave()
+        topo = topology_from_connect(req, self.dtype_name)
+        me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.tp_rank
+        rdv = Rendezvous(**req.rendezvous.model_dump())
+        # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
+        self.group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
+        ep = Endpoint(topo, me, self.group, req.bucket_bytes, req.credits, self.device,
+                      ipc=req.ipc or None, tensors=self.destination.tensors(), rank_layout=self.rank_layout)
+        full = [m for m in FULL if m.value in req.fingerprints]
+        deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
+        try:
+            self.programs = {m: compile_path(m, ep) for m in full + deltas + [Mode.DELTA_BROADCAST]}
+        except Exception:
+            self.leave()
+            raise
+        self.sync_rank = me
+        return me
+
+    def receive(self, mode: Mode, args: UpdateArgs | None = None) -> Stats:
+        """One update into the destination (collective over the sync)."""
+        program = self.programs.get(Mode(mode))
+        if program is None:
+            raise RuntimeError(f"not connected for {mode} (have {sorted(m.value for m in self.programs)})")
+        try:
+            stats = program.run(self.destination.tensors(), args or UpdateArgs())
+            self.destination.commit()
+        except Exception as e:
+            log.warning("tp%d: receive (%s) failed: %s", self.tp_rank, mode, e)
+            self.leave()
+            raise
+        return stats
+
+    def pull(self, root: str, version: int, base_version: int) -> Stats:
+        """Apply a disk delta published under ``root`` (this rank's parts only)."""
+        stats = self._disk.run(self.destination.tensors(),
+                               UpdateArgs(version=version, base_version=base_version, root=root))
+        self.destination.commit()
+        return stats
+
+    def checksums(self) -> dict[BoxKey, int]:
+        """Bitwise checksums of this rank's pieces (``runtime.checksum``)."""
+        return piece_checksums(self.rank_layout, self.destination.tensors(), self.layout.logical, self.dtype)
+
+    def leave(self) -> None:
+        """Leave the sync group and release any mapped trainer memory (weights are kept)."""
+        for p in self.programs.values():
+            p.close()
+        self.programs = {}
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.sync_rank = None
+

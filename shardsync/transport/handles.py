@@ -1,0 +1,149 @@
+"""Tensor handles another process on this machine can open: CUDA IPC or CPU shared memory,
+as typed JSON fields (never a pickle).
+
+``export_tensor`` describes a tensor by its storage's IPC handle (CUDA) or shared-memory
+name (CPU, moved into shared memory first) plus size, stride and offset; ``open_tensor``
+validates such a description and rebuilds the tensor with a fixed set of torch calls, the
+dtype taken from an allow-list.  Each export holds one reference for its one reader, as
+torch's own pickling does (a description opened twice would release it twice).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+import torch.multiprocessing as tmp
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode()
+
+
+def _raw(s: str | None) -> bytes | None:
+    return None if s is None else base64.b64decode(s, validate=True)
+
+
+class TensorHandle(BaseModel):
+    """One exported tensor: where its storage lives and how the tensor views it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["cuda", "cpu"]
+    dtype: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int = Field(ge=0)  # in elements, into the storage
+    storage_bytes: int = Field(ge=0)
+    # cuda: the allocation's IPC handle, its ref counter and event (torch's _share_cuda_ fields)
+    device: int = Field(0, ge=0)
+    handle: str | None = None
+    storage_offset_bytes: int = Field(0, ge=0)
+    ref_counter_handle: str | None = None
+    ref_counter_offset: int = Field(0, ge=0)
+    event_handle: str | None = None
+    event_sync_required: bool = False
+    # cpu: the shared-memory manager socket and the storage's name
+    manager: str | None = None
+    name: str | None = None
+
+
+class HandleSet(BaseModel):
+    """Named handles of one exporter for one reader (a store value)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensors: dict[str, TensorHandle]
+
+
+def export_tensor(t: torch.Tensor) -> TensorHandle:
+    """A handle of ``t`` for one reader (CPU tensors move into shared memory, in place)."""
+    common = dict(dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape), stride=tuple(t.stride()),
+                  offset=t.storage_offset())
+    storage = t.untyped_storage()
+    if t.is_cuda:
+        (device, handle, size, offset, rc_handle, rc_offset, event, sync) = storage._share_cuda_()
+        return TensorHandle(kind="cuda", storage_bytes=size, device=device, handle=_b64(handle),
+                            storage_offset_bytes=offset, ref_counter_handle=_b64(rc_handle),
+                            ref_counter_offset=rc_offset, event_handle=_b64(event),
+                            event_sync_required=bool(sync), **common)
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")  # a name, not a file descriptor: fits in a store value
+    try:
+        storage.share_memory_()
+        manager, name, size = storage._share_filename_cpu_()
+    finally:
+        tmp.set_sharing_strategy(previous)
+    storage._shared_incref()  # the reader's reference; ``open_tensor`` takes it over
+    return TensorHandle(kind="cpu", storage_bytes=size, manager=_b64(manager), name=_b64(name), **common)
+
+
+def export_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
+    """JSON of a ``HandleSet`` for one reader."""
+    return HandleSet(tensors={k: export_tensor(t) for k, t in tensors.items()}).model_dump_json()
+
+
+def _storage(h: TensorHandle, opened: dict) -> torch.UntypedStorage:
+    if h.kind == "cuda":
+        if h.handle is None or h.ref_counter_handle is None:
+            raise ValueError("a CUDA tensor handle needs handle and ref_counter_handle")
+        key = (h.handle, h.storage_offset_bytes)
+        if key in opened:  # already mapped by this set: release the extra counter as torch does
+            torch.UntypedStorage._release_ipc_counter(_raw(h.ref_counter_handle), h.ref_counter_offset,
+                                                      device=h.device)
+            return opened[key]
+        torch.cuda._lazy_init()
+        s = torch.UntypedStorage._new_shared_cuda(h.device, _raw(h.handle), h.storage_bytes,
+                                                  h.storage_offset_bytes, _raw(h.ref_counter_handle),
+                                                  h.ref_counter_offset, _raw(h.event_handle),
+                                                  h.event_sync_required)
+    else:
+        if h.manager is None or h.name is None:
+            raise ValueError("a CPU tensor handle needs manager and name")
+        key = (h.name,)
+        if key in opened:
+            opened[key]._shared_decref()
+            return opened[key]
+        s = torch.UntypedStorage._new_shared_filename_cpu(_raw(h.manager), _raw(h.name), h.storage_bytes)
+        s._shared_decref()  # the exporter's reference for this reader, now held by the mapping
+    opened[key] = s
+    return s
+
+
+def open_tensor(h: TensorHandle, opened: dict | None = None) -> torch.Tensor:
+    """The tensor ``h`` describes, mapped into this process (bounds checked first)."""
+    if h.dtype not in DTYPES:
+        raise ValueError(f"tensor handle dtype {h.dtype!r} is not one of {sorted(DTYPES)}")
+    if len(h.size) != len(h.stride) or any(s < 0 for s in h.size) or any(s < 0 for s in h.stride):
+        raise ValueError(f"tensor handle has size {h.size} and stride {h.stride}")
+    dtype = DTYPES[h.dtype]
+    item = torch.empty((), dtype=dtype).element_size()
+    last = h.offset + sum((n - 1) * s for n, s in zip(h.size, h.stride, strict=True)) if all(h.size) else -1
+    if (last + 1) * item > h.storage_bytes:
+        raise ValueError(f"tensor handle reads past its storage ({(last + 1) * item} > {h.storage_bytes} bytes)")
+    storage = _storage(h, {} if opened is None else opened)
+    device = f"cuda:{h.device}" if h.kind == "cuda" else "cpu"
+    t = torch.empty((0,), dtype=dtype, device=device)
+    return t.set_(storage, h.offset, h.size, h.stride)
+
+
+def open_tensors(blob: str | bytes, *, where: str = "the store") -> dict[str, torch.Tensor]:
+    """Tensors of a ``HandleSet`` JSON; a ``ValueError`` naming ``where`` for anything else
+    (nothing is opened then)."""
+    try:
+        handles = HandleSet.model_validate_json(blob)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ValueError(f"{where} holds no valid tensor handle set ({first['msg']} at "
+                         f"{'.'.join(map(str, first['loc'])) or 'top level'}); refusing to map it") from None
+    opened: dict = {}
+    return {k: open_tensor(h, opened) for k, h in handles.tensors.items()}

@@ -1,0 +1,94 @@
+"""Trainer rank 0's store channel against the engine's store listener, in one process over a
+real TCPStore: accepted updates return the engine's result, refusals come back with their
+reason, and a value that is not a valid message is refused without being executed."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from shardsync.control.client import StoreChannel, SyncError
+from shardsync.control.listener import StoreListener
+from shardsync.control.session import Conflict
+from shardsync.control.wire import Accepted, BeginRequest, Keys, UpdateResult, get
+from shardsync.transport.group import Rendezvous, free_port, open_store
+
+
+class _Engine:
+    """The engine side of the listener: refuses old versions, else completes the update."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.seen: list[int] = []
+
+    def begin(self, req: BeginRequest) -> Future:
+        self.seen.append(req.version)
+        if req.version < self.version:
+            raise Conflict(f"version {req.version} is older than the engine's {self.version}")
+        fut: Future = Future()
+
+        def finish() -> None:
+            self.version = req.version
+            fut.set_result(UpdateResult(version=req.version, mode=req.mode.value, ok=req.version != 13,
+                                        error="receive failed" if req.version == 13 else None))
+
+        threading.Timer(0.05, finish).start()
+        return fut
+
+
+@pytest.fixture()
+def wired():
+    rdv = Rendezvous("127.0.0.1", free_port(), 2, "ctl-test", timeout_s=10)
+    store = open_store(rdv, is_master=True)
+    engine = _Engine()
+    listener = StoreListener(rdv, 0, engine.begin)
+    listener.start()
+    channel = StoreChannel(store, Keys(rdv.name), ["http://engine0"], timeout_s=10)
+    yield channel, engine, store
+    listener.stop()
+
+
+def _req(version: int) -> BeginRequest:
+    return BeginRequest(version=version, mode="p2p", fingerprint="f")
+
+
+def test_begin_finish_round_trip_and_a_refusal(wired) -> None:
+    channel, engine, _ = wired
+    channel.begin(_req(2))
+    assert [r.version for r in channel.finish(2)] == [2] and engine.version == 2
+    with pytest.raises(SyncError, match="refused update 1: version 1 is older"):
+        channel.begin(_req(1))
+    channel.begin(_req(3))  # the listener serves the next update after a refusal
+    assert channel.finish(3)[0].ok
+    channel.begin(_req(13))
+    with pytest.raises(SyncError, match="update 13 failed: receive failed"):
+        channel.finish(13)
+    assert engine.seen == [2, 1, 3, 13]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('unpickled')",))
+
+
+def test_a_crafted_pickle_under_the_begin_key_is_refused_unexecuted(wired) -> None:
+    channel, engine, store = wired
+    keys = channel.keys
+    store.set(keys.begin(1), pickle.dumps(_Evil()))
+    answer = get(store, keys.accepted(1, 0), Accepted, datetime.timedelta(seconds=10))
+    assert not answer.ok and "invalid begin" in answer.error and engine.seen == []
+    channel.seq = 1  # the listener moved on to update 2: so does the trainer
+    channel.begin(_req(4))
+    assert channel.finish(4)[0].version == 4
+
+
+def test_no_answer_is_a_bounded_sync_error() -> None:
+    rdv = Rendezvous("127.0.0.1", free_port(), 2, "ctl-silent", timeout_s=10)
+    store = open_store(rdv, is_master=True)
+    channel = StoreChannel(store, Keys(rdv.name), ["http://engine0"], timeout_s=0.5)
+    with pytest.raises(SyncError, match="no answer under .* within 0.5s"):
+        channel.begin(_req(1))

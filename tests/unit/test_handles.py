@@ -1,0 +1,46 @@
+"""Tensor handles as typed JSON: a CPU export opens as the same memory, and anything that is
+not a well-formed, in-bounds handle set is refused before a byte is mapped."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from shardsync.transport.handles import export_tensors, open_tensors
+
+
+def test_cpu_export_opens_the_same_memory_and_views() -> None:
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    view = base[1:, 2:5]  # a strided view with a storage offset
+    opened = open_tensors(export_tensors({"base": base, "view": view}))
+    assert torch.equal(opened["view"], view) and opened["view"].stride() == view.stride()
+    opened["base"][0, 0] = -1.0  # shared memory: the exporter sees the write
+    assert base[0, 0] == -1.0
+
+
+def _blob(**change) -> str:
+    d = json.loads(export_tensors({"t": torch.zeros(8)}))
+    d["tensors"]["t"].update(change)
+    return json.dumps(d)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('unpickled')",))
+
+
+@pytest.mark.parametrize("blob,match", [
+    (pickle.dumps(_Evil()), "no valid tensor handle set"),
+    (b'{"tensors": {"t": {"kind": "gpu"}}}', "no valid tensor handle set"),
+    (_blob(dtype="object"), "dtype 'object' is not one of"),
+    (_blob(size=[9]), "reads past its storage"),
+    (_blob(offset=4, size=[5]), "reads past its storage"),
+    (_blob(size=[2, 2], stride=[-1, 1]), "size"),
+    (_blob(extra=1), "no valid tensor handle set"),
+])
+def test_malformed_handles_are_refused(blob, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        open_tensors(blob, where="key k")
