@@ -2,7 +2,12 @@
 writing into its parameters in place (``Params``) or through its own loader (``Loader``).
 Imports no web framework and nothing of the reference engine."""
 
-from shardsync.receiver.connect import check_connect, connect_request, spec_from_dict, topology_from_connect
+from shardsync.receiver.connect import (
+    check_connect,
+    connect_request,
+    spec_from_dict,
+    topology_from_connect,
+)
 from shardsync.receiver.destination import Destination, Loader, Params, Slice
 from shardsync.receiver.receiver import Receiver
 
