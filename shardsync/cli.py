@@ -74,7 +74,8 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
 
     return serve(EngineConfig(model=args.model, tp=args.tp, host=args.host, port=args.port,
                               seed=args.seed, dtype=args.dtype, device=args.device,
-                              threads=args.threads, log_level=args.log_level, advertise=args.advertise))
+                              threads=args.threads, log_level=args.log_level, advertise=args.advertise,
+                              token_file=args.token_file, delta_root=args.delta_root))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -171,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default=None, metavar="kind=K,pp=N,quantization=Q",
                    help="test stand-in: report these engine facts at connect instead of the reference "
                         "engine's (exercises the trainer's fallbacks for engines that cannot run here)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the secret shared with the trainer (default: $SHARDSYNC_TOKEN, "
+                        "$SHARDSYNC_TOKEN_FILE); required to serve on a non-loopback host")
+    p.add_argument("--delta-root", default=None,
+                   help="directory disk deltas may be pulled from (pulls elsewhere are refused)")
     p.set_defaults(func=cmd_engine_serve)
     return parser
 

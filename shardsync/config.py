@@ -64,6 +64,10 @@ class ControlConfig:
 
     channel: str = "store"
     http_timeout_s: float = 60.0
+    # the secret shared with the engines (bearer token on state-changing calls, signature on
+    # store values); None: $SHARDSYNC_TOKEN, else the file named by $SHARDSYNC_TOKEN_FILE
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.channel not in CHANNELS:

@@ -189,8 +189,7 @@ def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: 
                      tie_word_embeddings=tied, **base)
 
 
-# Numbers from ../shared/reference/MODELS.md §1.1 (each row checked against a real
-# config.json and two project sources there).  Tiny presets: a few million
+# Numbers from each model's published HuggingFace config.json (docs/models.md, "Presets").  Tiny presets: a few million
 # parameters, GQA, vocab not a multiple of 64 (exercises engine vocab padding).
 _PRESET_LIST = [
     _preset("Qwen3-0.6B", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, max_position_embeddings=40960),

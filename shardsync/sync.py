@@ -20,6 +20,7 @@ import torch
 
 from shardsync.config import SyncConfig
 from shardsync.control import ranks
+from shardsync.control.auth import load_token
 from shardsync.control.client import Engines, HttpChannel, StoreChannel, SyncError, UpdateChannel
 from shardsync.control.wire import (
     BeginRequest,
@@ -89,7 +90,9 @@ class WeightSync:
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
         self.plan_s = 0.0
-        self._engines = Engines(self.urls, self.config.control.http_timeout_s) if rank == 0 else None
+        ctl = self.config.control
+        self._secret = load_token(ctl.token, ctl.token_file)
+        self._engines = Engines(self.urls, ctl.http_timeout_s, self._secret) if rank == 0 else None
         self._channel: UpdateChannel | None = None
         self._keys: Keys | None = None
         self._snapshot: Snapshot | None = None
@@ -106,7 +109,8 @@ class WeightSync:
         return ranks.share(msg, model, rank=self.rank, world=self.parallel.world_size, group=self.trainer_group)
 
     def _signal(self, key: str, msg, model):
-        return ranks.signal(self.group.store, key, msg, model, rank=self.rank, timeout=self._timeout)
+        return ranks.signal(self.group.store, key, msg, model, rank=self.rank, timeout=self._timeout,
+                            secret=self._secret)
 
     def _rank0(self, fn, model):
         """``fn()`` on rank 0 as ``model`` (its exception as ``model(error=...)``)."""
@@ -164,7 +168,7 @@ class WeightSync:
             self._join(topo, rdv, store)
         self._keys = Keys(rdv.name)
         if self.rank == 0:
-            self._channel = (StoreChannel(store, self._keys, self.urls, cfg.control.http_timeout_s)
+            self._channel = (StoreChannel(store, self._keys, self.urls, cfg.control.http_timeout_s, self._secret)
                              if cfg.control.channel == "store" else HttpChannel(self._engines))
         self._synced = None  # a (re)connected engine set starts with a full update
         self._calls = 0
@@ -196,7 +200,7 @@ class WeightSync:
         device = next(iter(self.params.values())).device  # buffers live where the weights do
         ep = Endpoint(topo, self.rank, self.group, cfg.transport.bucket_bytes, cfg.transport.credits, device,
                       ipc=cfg.ipc, detail=cfg.detail, tensors=self.params, snapshot=self._snapshot,
-                      delta_dir=cfg.delta.dir if cfg.delta else None)
+                      delta_dir=cfg.delta.dir if cfg.delta else None, secret=self._secret)
         self.programs = {m: compile_path(m, ep) for m in self.modes}
 
     def add_engine(self, url: str) -> None:
@@ -206,10 +210,21 @@ class WeightSync:
         self.urls.append(url.rstrip("/"))
         if self._engines is not None:
             self._engines.close()
-            self._engines = Engines(self.urls, self.config.control.http_timeout_s)
+            self._engines = Engines(self.urls, self.config.control.http_timeout_s, self._secret)
         self.connect()
 
     # -- update --
+
+    @property
+    def synced_version(self) -> int | None:
+        """The version this trainer last synced to every engine (None: the next update is full).
+        A delta is sent only when every engine reports exactly this version; setting it (e.g.
+        after restoring a checkpoint the engines never saw) makes the next update check again."""
+        return self._synced
+
+    @synced_version.setter
+    def synced_version(self, version: int | None) -> None:
+        self._synced = version
 
     def _choose(self, requested: Mode | None) -> Mode:
         """Rank 0: this update's path.  A delta needs every engine on the version synced last."""
@@ -263,7 +278,8 @@ class WeightSync:
         t2 = time.perf_counter()
         if mode is Mode.DELTA_DISK:  # files need no receive loop: engines pull once all wrote
             notes = ranks.gather(self.group.store, self._keys.written(n), Note(error=error), Note,
-                                 rank=self.rank, world=self.parallel.world_size, timeout=self._timeout)
+                                 rank=self.rank, world=self.parallel.world_size, timeout=self._timeout,
+                                 secret=self._secret)
             done = self._rank0(lambda: self._publish(version, args, notes), Done)
         else:
             done = self._rank0(lambda: Done(engines=self._channel.finish(version)), Done)
@@ -310,7 +326,8 @@ class WeightSync:
         sums = RankSums(boxes=[BoxSum(logical=k[0], offsets=list(k[1]), sizes=list(k[2]), value=v)
                                for k, v in mine.items()])
         parts = ranks.gather(self.group.store, self._keys.check(self._calls, "sums"), sums, RankSums,
-                             rank=self.rank, world=self.parallel.world_size, timeout=self._timeout)
+                             rank=self.rank, world=self.parallel.world_size, timeout=self._timeout,
+                             secret=self._secret)
 
         def judge() -> Verdict:
             expected = combine({(b.logical, tuple(b.offsets), tuple(b.sizes)): b.value for b in p.boxes}

@@ -38,9 +38,10 @@ class SyncError(RuntimeError):
 class Engines:
     """HTTP client of every engine of one trainer (used on trainer rank 0 only)."""
 
-    def __init__(self, urls: Sequence[str], timeout_s: float) -> None:
+    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None) -> None:
         self.urls = [u.rstrip("/") for u in urls]
-        self._http = httpx.Client(timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(timeout=timeout_s, headers=headers)
 
     def call(self, method: str, path: str, payloads: Sequence[BaseModel | dict | None] | None = None) -> list[dict]:
         payloads = payloads or [None] * len(self.urls)
@@ -122,21 +123,22 @@ class HttpChannel:
 class StoreChannel:
     """Keys under the sync's name in its store; each engine's listener answers (``listener``)."""
 
-    def __init__(self, store: dist.Store, keys: Keys, urls: Sequence[str], timeout_s: float) -> None:
-        self.store, self.keys, self.urls = store, keys, list(urls)
+    def __init__(self, store: dist.Store, keys: Keys, urls: Sequence[str], timeout_s: float,
+                 secret: str | None = None) -> None:
+        self.store, self.keys, self.urls, self.secret = store, keys, list(urls), secret
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.seq = 0  # updates begun on this connection (the engines count from 1 too)
 
     def _get(self, key: str, model):
         try:
-            return get(self.store, key, model, self.timeout)
+            return get(self.store, key, model, self.timeout, self.secret)
         except dist.DistStoreError:
             raise SyncError(f"no answer under {key} within {self.timeout.total_seconds()}s "
                             "(engine gone or stuck)") from None
 
     def begin(self, req: BeginRequest) -> None:
         self.seq += 1
-        put(self.store, self.keys.begin(self.seq), req)
+        put(self.store, self.keys.begin(self.seq), req, self.secret)
         for i, url in enumerate(self.urls):
             answer = self._get(self.keys.accepted(self.seq, i), Accepted)
             if not answer.ok:

@@ -22,7 +22,16 @@ from concurrent.futures import Future
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from shardsync.control.wire import Accepted, BeginRequest, Keys, Stop, UpdateResult, put
+from shardsync.control.wire import (
+    Accepted,
+    BeginRequest,
+    Keys,
+    Stop,
+    UpdateResult,
+    put,
+    seal,
+    unseal,
+)
 from shardsync.transport.group import Rendezvous, open_store
 
 log = logging.getLogger(__name__)
@@ -33,12 +42,13 @@ IDLE = datetime.timedelta(hours=1)
 
 
 class StoreListener:
-    """One thread per sync connection.  ``begin`` validates and starts an update, returning
-    the future of its ``UpdateResult`` (or raises the refusal)."""
+    """One thread per sync connection.  ``begin`` validates and queues an update, returning
+    (started, result) futures: the update is accepted once the engine is ready to receive it,
+    so the trainer's transfer timeouts start only then (or raises the refusal)."""
 
     def __init__(self, rdv: Rendezvous, engine_index: int,
-                 begin: Callable[[BeginRequest], Future]) -> None:
-        self.rdv, self.index, self._begin = rdv, engine_index, begin
+                 begin: Callable[[BeginRequest], tuple[Future, Future]], secret: str | None = None) -> None:
+        self.rdv, self.index, self._begin, self.secret = rdv, engine_index, begin, secret
         self.keys = Keys(rdv.name)
         self._stop = threading.Event()
         self._seq = 1  # the next update's number on this connection
@@ -57,7 +67,8 @@ class StoreListener:
     def _wake(self) -> None:
         try:
             store = open_store(dataclasses.replace(self.rdv, timeout_s=5.0), is_master=False)
-            store.compare_set(self.keys.begin(self._seq), "", Stop().model_dump_json())
+            key = self.keys.begin(self._seq)
+            store.compare_set(key, "", seal(key, Stop().model_dump_json(), self.secret))
         except Exception:
             pass
 
@@ -76,7 +87,12 @@ class StoreListener:
                 return
             except dist.DistStoreError:  # idle for an hour: wait again (breaks nothing)
                 continue
-            raw = store.get(key)
+            try:
+                raw = unseal(key, store.get(key), self.secret)
+            except ValueError as e:  # not from the trainer: drop it, wait for the real one
+                log.warning("store control: %s", e)
+                store.delete_key(key)
+                continue
             if _is_stop(raw):
                 return
             try:
@@ -85,27 +101,28 @@ class StoreListener:
                 log.warning("store control: update %d: %s", self._seq, e)
             self._seq += 1
 
-    def _serve(self, store: dist.Store, seq: int, raw: bytes) -> None:
+    def _serve(self, store: dist.Store, seq: int, raw: bytes | str) -> None:
         accepted = self.keys.accepted(seq, self.index)
         try:
             req = BeginRequest.model_validate_json(raw)
-            fut = self._begin(req)
+            started, fut = self._begin(req)
+            started.result(timeout=4 * self.rdv.timeout_s + 60)
         except ValidationError as e:
-            put(store, accepted, Accepted(error=f"invalid begin: {e}"))
+            put(store, accepted, Accepted(error=f"invalid begin: {e}"), self.secret)
             return
         except Exception as e:  # a session refusal: the same HTTP begin gives, weights untouched
-            put(store, accepted, Accepted(error=str(e)))
+            put(store, accepted, Accepted(error=str(e)), self.secret)
             return
-        put(store, accepted, Accepted(ok=True))
+        put(store, accepted, Accepted(ok=True), self.secret)
         try:  # the receive itself waits under the group timeout
             res: UpdateResult = fut.result(timeout=4 * self.rdv.timeout_s + 60)
         except Exception as e:
             res = UpdateResult(version=req.version, mode=req.mode.value, ok=False,
                                error=f"{type(e).__name__}: {e}")
-        put(store, self.keys.result(seq, self.index), res)
+        put(store, self.keys.result(seq, self.index), res, self.secret)
 
 
-def _is_stop(raw: bytes) -> bool:
+def _is_stop(raw: bytes | str) -> bool:
     try:
         return bool(json.loads(raw).get("stop"))
     except (ValueError, AttributeError):

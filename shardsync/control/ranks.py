@@ -48,17 +48,17 @@ def share_json(obj, *, rank: int, world: int, group):
 
 
 def signal(store: dist.Store, key: str, msg: M | None, model: type[M], *, rank: int,
-           timeout: datetime.timedelta) -> M:
+           timeout: datetime.timedelta, secret: str | None = None) -> M:
     """Rank 0 publishes ``msg`` under ``key``; the other ranks wait for it (bounded)."""
     if rank == 0:
         assert msg is not None
-        put(store, key, msg)
+        put(store, key, msg, secret)
         return msg
-    return get(store, key, model, timeout)
+    return get(store, key, model, timeout, secret)
 
 
 def gather(store: dist.Store, key: str, msg: M, model: type[M], *, rank: int, world: int,
-           timeout: datetime.timedelta) -> list[M]:
+           timeout: datetime.timedelta, secret: str | None = None) -> list[M]:
     """Every trainer rank's ``msg`` (under ``key/<rank>``), on every rank."""
-    put(store, f"{key}/{rank}", msg)
-    return [get(store, f"{key}/{r}", model, timeout) for r in range(world)]
+    put(store, f"{key}/{rank}", msg, secret)
+    return [get(store, f"{key}/{r}", model, timeout, secret) for r in range(world)]

@@ -67,13 +67,13 @@ class UpdateSession:
     current: Update | None = None
     last: UpdateResult | None = None
     counters: dict[str, float] = field(default_factory=dict)
+    _was_stale: bool = field(default=False, repr=False)  # receiving into stale weights
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def stale(self) -> bool:
+        """Not servable: stale, or receiving the full update that repairs stale weights."""
         return self.state is State.STALE or (self.state is State.RECEIVING and self._was_stale)
-
-    _was_stale: bool = False
 
     @property
     def connected(self) -> bool:

@@ -8,29 +8,34 @@ errors to them.  The reference engine's serving messages live in ``engine/protoc
 from __future__ import annotations
 
 import datetime
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardsync.control import auth
 from shardsync.mode import Mode
 
 PROTOCOL_VERSION = 2
 MAX_ENGINES = 64
+MAX_VERSION = 2**53  # exact in every JSON reader
+MAX_TIMEOUT_S = 600.0  # what a trainer may ask an engine to wait for a rendezvous
+
+Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
 
 
 class Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # -- HTTP bodies --
 
 class TrainerParallelMsg(Msg):
-    tp: int = Field(ge=1)
-    pp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
-    pp_layers: list[int] | None = None
-    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    tp: int = Field(ge=1, le=1024)
+    pp: int = Field(1, ge=1, le=1024)
+    dp: int = Field(1, ge=1, le=65536)
+    pp_layers: list[Annotated[int, Field(ge=0, le=100000)]] | None = Field(None, max_length=1024)
+    make_vocab_size_divisible_by: int = Field(128, ge=1, le=1 << 20)
     norm_names: str = "fused"
     dtype: str | None = None
 
@@ -38,22 +43,22 @@ class TrainerParallelMsg(Msg):
 class RendezvousMsg(Msg):
     host: str
     port: int = Field(ge=1, le=65535)
-    world_size: int = Field(ge=2)
-    name: str = Field(min_length=1, max_length=128)
+    world_size: int = Field(ge=2, le=65536)
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(60.0, gt=0, le=3600)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
 
 
 class ConnectRequest(Msg):
     """Plan exchange: the engine rebuilds the topology and must find the same fingerprints."""
 
     protocol: int = PROTOCOL_VERSION
-    spec: dict
+    spec: dict = Field(max_length=64)
     trainer: TrainerParallelMsg
-    engines: list[int] = Field(min_length=1, max_length=MAX_ENGINES)
-    engine_index: int = Field(ge=0)
-    fingerprints: dict[str, str]
-    bucket_bytes: int = Field(ge=1024)
+    engines: list[Annotated[int, Field(ge=1, le=1024)]] = Field(min_length=1, max_length=MAX_ENGINES)
+    engine_index: int = Field(ge=0, lt=MAX_ENGINES)
+    fingerprints: dict[str, Annotated[str, Field(max_length=64)]] = Field(max_length=4)
+    bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)
     relay: bool = False
     ipc: Literal[False, "map", "slots"] = False
@@ -62,21 +67,21 @@ class ConnectRequest(Msg):
 
 
 class BeginRequest(Msg):
-    version: int = Field(ge=0)
+    version: Version
     mode: Literal[Mode.P2P, Mode.BROADCAST, Mode.DELTA_P2P, Mode.DELTA_BROADCAST]
-    fingerprint: str
-    base_version: int | None = Field(None, ge=0, description="delta modes: the version the delta is against")
+    fingerprint: str = Field(max_length=64)
+    base_version: Version | None = Field(None, description="delta modes: the version the delta is against")
 
 
 class PullRequest(Msg):
     """Apply a delta version published on disk (every TP worker reads its own parts)."""
 
     root: str = Field(min_length=1, max_length=4096)
-    version: int = Field(ge=0)
+    version: Version
 
 
 class FinishRequest(Msg):
-    version: int = Field(ge=0)
+    version: Version
 
 
 class UpdateResult(BaseModel):
@@ -228,11 +233,39 @@ class Keys:
 M = TypeVar("M", bound=BaseModel)
 
 
-def put(store: dist.Store, key: str, msg: BaseModel) -> None:
-    store.set(key, msg.model_dump_json())
+class Signed(Msg):
+    """A store value written by a holder of the sync's secret: ``body`` is the JSON message."""
+
+    body: str
+    mac: str
 
 
-def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta) -> M:
+def seal(key: str, body: str, secret: str | None) -> str:
+    """The store value for ``body`` under ``key``: signed when there is a secret."""
+    return body if secret is None else Signed(body=body, mac=auth.mac(secret, key, body)).model_dump_json()
+
+
+def unseal(key: str, raw: bytes | str, secret: str | None) -> bytes | str:
+    """The JSON body of a store value (as stored when there is no secret); a ``ValueError`` if
+    a secret is set and the value is not signed with it (some other client of the store wrote it)."""
+    if secret is None:
+        return raw
+    try:
+        signed = Signed.model_validate_json(raw)
+    except ValueError:
+        raise ValueError(f"store value under {key} is not signed: refused (only holders of the "
+                         "sync's token write control values)") from None
+    if not auth.verify_mac(secret, key, signed.body, signed.mac):
+        raise ValueError(f"store value under {key} has a wrong signature: refused")
+    return signed.body
+
+
+def put(store: dist.Store, key: str, msg: BaseModel, secret: str | None = None) -> None:
+    store.set(key, seal(key, msg.model_dump_json(), secret))
+
+
+def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta,
+        secret: str | None = None) -> M:
     """Wait (bounded) for ``key`` and validate its value as ``model``; never unpickles."""
     store.wait([key], timeout)
-    return model.model_validate_json(store.get(key))
+    return model.model_validate_json(unseal(key, store.get(key), secret))

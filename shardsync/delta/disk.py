@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ import xxhash
 
 from shardsync.delta.encode import xor_decode, xor_encode
 from shardsync.delta.parts import Part, apply_xor, stage_parts, targets_for
-from shardsync.delta.transfer import Snapshot, move_p2p
+from shardsync.delta.transfer import Snapshot, gather_stage
 from shardsync.layout.piece import RankLayout
 from shardsync.runtime.executor import BufferPool
 from shardsync.runtime.stats import Stats
@@ -106,21 +107,14 @@ class DiskPublisher:
                 stats.elements += p.numel
             stats.encodings["xor+zstd"] += len(blobs)
             stats.pack_s += time.perf_counter() - t0
-            source = members[0]
-            links = [(r, source) for r in members if r != source]
             mine = _pack_blobs(blobs)
-            got = {}
-            if links:
-                assert group is not None, "TP > 1 needs the sync group to gather parts"
-                got = move_p2p(group, self.me, links, {source: mine} if self.me != source else {},
-                                self.budget, self.credits, self.pool)
-            if self.me != source:
+            gathered = gather_stage(group, self.me, members, mine, self.budget, self.credits, self.pool)
+            if gathered is None:
                 stats.bytes_sent += mine.numel()
                 continue
             all_blobs: list[bytes] = []
-            for r in members:
-                n = sum(1 for p in parts if p.owner == r)
-                all_blobs += _unpack_blobs(mine if r == source else got[r], n)
+            for r, payload in zip(members, gathered, strict=True):
+                all_blobs += _unpack_blobs(payload, sum(1 for p in parts if p.owner == r))
             stats.bytes_sent += sum(len(b) for b in all_blobs)
             self._write_stage(tmp, stage, parts, all_blobs)
         return stats
@@ -160,11 +154,23 @@ class DiskPublisher:
         return final
 
 
+STAGE_FILE = re.compile(r"stage\d{1,4}\.safetensors")
+
+
 def read_manifest(root: str | Path, version: int) -> dict:
+    """A published version's manifest, checked: stage files are plain names in the version's
+    own directory (a ``ValueError`` otherwise), the base version an integer."""
     path = version_dir(root, version) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"no published version {version} under {root} (missing {path})")
-    return json.loads(path.read_text())
+    manifest = json.loads(path.read_text())
+    stages = manifest.get("stages")
+    if not isinstance(stages, list) or not all(isinstance(s, str) and STAGE_FILE.fullmatch(s) for s in stages):
+        raise ValueError(f"{path}: stages must be names like stage0.safetensors, got {stages!r}")
+    if not isinstance(manifest.get("base_version"), int) or manifest.get("version") != version:
+        raise ValueError(f"{path}: version {manifest.get('version')!r} / base_version "
+                         f"{manifest.get('base_version')!r} do not describe version {version}")
+    return manifest
 
 
 def apply_version(root: str | Path, version: int, current: int, tensors: Mapping[str, torch.Tensor],

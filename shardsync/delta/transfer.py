@@ -127,6 +127,23 @@ def move_p2p(group: SyncGroup, me: int, links: list[tuple[int, int]], payloads: 
     return received
 
 
+def gather_stage(group: SyncGroup | None, me: int, members: list[int], own: torch.Tensor | None,
+                 budget: int, credits: int, pool: BufferPool) -> list[torch.Tensor] | None:
+    """Every stage member's payload at the stage source (``members[0]``), in member order; None
+    on other ranks.  Members pass their own payload; ranks outside the stage pass None."""
+    source = members[0]
+    links = [(r, source) for r in members if r != source]
+    got = {}
+    if links:
+        if group is None:
+            raise ValueError("a stage of several TP ranks gathers through the sync group")
+        sending = {source: own} if me != source and own is not None else {}
+        got = move_p2p(group, me, links, sending, budget, credits, pool)
+    if me != source:
+        return None
+    return [own] + [got[r] for r in members if r != source]
+
+
 def _move_bcast(group: SyncGroup, name: str, payload: torch.Tensor | None, budget: int,
                 credits: int, pool: BufferPool) -> torch.Tensor | None:
     """Broadcast one variable-size payload from the group's root (``payload`` given there)."""
@@ -221,21 +238,16 @@ class DeltaRunner:
         members = self.topo.stage_ranks(stage)
         source = members[0]
         parts = self._parts(("stage", stage))
-        mine = [p for p in parts if p.owner == self.me]
-        # gather the encoded parts at the stage source
-        gather_links = [(r, source) for r in members if r != source]
-        payloads = {}
         own = None
         if self.snapshot is not None and self.me in members:
-            own = self.snapshot.encode(mine, stats)
+            own = self.snapshot.encode([p for p in parts if p.owner == self.me], stats)
             if self.me != source:
-                payloads[source] = own
                 stats.bytes_sent += own.numel()
-        got = move_p2p(group, self.me, gather_links, payloads, self.budget, self.credits, self.pool)
+        gathered = gather_stage(group, self.me, members, own, self.budget, self.credits, self.pool)
         # the source broadcasts the concatenation, in member order
         total = None
-        if self.me == source:
-            total = torch.cat([own] + [got[r] for r in members if r != source])
+        if gathered is not None:
+            total = torch.cat(gathered)
             stats.bytes_sent += total.numel()
         payload = _move_bcast(group, f"stage{stage}", total, self.budget, self.credits, self.pool)
         if self.rank is not None and payload is not None:

@@ -64,8 +64,8 @@ class DemoConfig:
     def engine_config(self, tp: int, **overrides) -> EngineConfig:
         """One engine server of this demo (delta runs bf16 engines unless told otherwise)."""
         dtype = self.engine_dtype or ("bfloat16" if self.mode == "delta" else None)
-        return EngineConfig(model=self.model, tp=tp, seed=self.seed, dtype=dtype, device=self.device,
-                            **overrides)
+        fields = {"delta_root": str(Path(self.out).resolve() / "versions"), **overrides}
+        return EngineConfig(model=self.model, tp=tp, seed=self.seed, dtype=dtype, device=self.device, **fields)
 
 
 

@@ -8,6 +8,7 @@ dispatch thread, before the next command runs: every result carries the version 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -33,6 +34,10 @@ class WorkerError(RuntimeError):
 
 SERVING = ("generate", "score")
 UPDATES = {"update": None, "pull": "delta-disk"}  # commands that write weights -> mode (None: in args)
+# Weight commands go ahead of queued serving (an update is never starved by generation); a
+# request overtaken by an update runs on the new weights and says so (its version).
+PRIORITY = {"generate": 1, "score": 1, "checksum": 1}
+STOP = 9
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Command:
     kind: str
     args: dict[str, Any]
     future: Future = field(default_factory=Future)
+    started: Future = field(default_factory=Future)  # set when the workers begin running it
     deadline: float | None = None
     timeout_s: float = 300.0
 
@@ -64,22 +70,28 @@ class Dispatcher:
     def __init__(self, worker: EngineWorker, peers: list, results, session: UpdateSession, *,
                  max_queue: int = 256) -> None:
         self.worker, self.peers, self.results, self.session = worker, peers, results, session
-        self._q: queue.Queue[Command | None] = queue.Queue(maxsize=max_queue)
+        self._q: queue.PriorityQueue[tuple[int, int, Command | None]] = queue.PriorityQueue(maxsize=max_queue)
+        self._order = itertools.count()
         self._seq = 0
         self.current: str | None = None
 
     def submit(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
                timeout_s: float = 300.0) -> Future:
+        return self.command(kind, args, wait_s=wait_s, timeout_s=timeout_s).future
+
+    def command(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
+                timeout_s: float = 300.0) -> Command:
+        """Queue a command; its ``started`` and ``future`` report progress."""
         cmd = Command(kind, args, deadline=None if wait_s is None else time.monotonic() + wait_s,
                       timeout_s=timeout_s)
         try:
-            self._q.put_nowait(cmd)
+            self._q.put_nowait((PRIORITY.get(kind, 0), next(self._order), cmd))
         except queue.Full:
             raise BusyError(f"engine queue full ({self._q.maxsize} commands waiting)") from None
-        return cmd.future
+        return cmd
 
     def stop(self) -> None:
-        self._q.put(None)
+        self._q.put((STOP, next(self._order), None))
 
     def start(self) -> threading.Thread:
         t = threading.Thread(target=self._loop, name="engine-dispatch", daemon=True)
@@ -88,21 +100,21 @@ class Dispatcher:
 
     def _loop(self) -> None:
         while True:
-            cmd = self._q.get()
+            _, _, cmd = self._q.get()
             if cmd is None:
                 for q in self.peers:
                     q.put(None)
                 return
             if cmd.deadline is not None and time.monotonic() > cmd.deadline:
-                cmd.future.set_exception(BusyError(
-                    "request waited too long: a weight update was in progress; retry"))
+                self._skip(cmd, BusyError("request waited too long: a weight update was in progress; retry"))
                 continue
             if cmd.kind in SERVING and self.session.stale:
-                cmd.future.set_exception(Stale(self.session.stale_message()))
+                self._skip(cmd, Stale(self.session.stale_message()))
                 continue
             self._seq += 1
             self.current = cmd.kind
             version = self.session.version
+            cmd.started.set_result(None)
             try:
                 results = self._run(cmd)
             except BaseException as e:  # delivered to the waiting caller
@@ -118,6 +130,11 @@ class Dispatcher:
                 cmd.future.set_result((self._settle(cmd, results), self.session.version))
             else:
                 cmd.future.set_result((results, version))
+
+    @staticmethod
+    def _skip(cmd: Command, error: Exception) -> None:
+        cmd.started.set_exception(error)
+        cmd.future.set_exception(error)
 
     def _settle(self, cmd: Command, results: list[dict], error: str | None = None) -> UpdateResult:
         mode = UPDATES[cmd.kind] or cmd.args["mode"]

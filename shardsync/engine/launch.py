@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardsync.control.auth import ENV_TOKEN, is_loopback, load_token
 from shardsync.placement import rank_device
 from shardsync.transport.group import free_port
 
@@ -36,6 +38,8 @@ class EngineConfig:
     request_wait_s: float = 60.0
     log_level: str = "warning"
     advertise: str | None = None  # test stand-in: "kind=vllm,pp=2,quantization=fp8" (engine facts)
+    token_file: str | None = None  # the shared secret (else $SHARDSYNC_TOKEN / $SHARDSYNC_TOKEN_FILE)
+    delta_root: str | None = None  # disk deltas are pulled only from under this directory
 
 
 
@@ -59,8 +63,9 @@ def engine_command(cfg: EngineConfig) -> list[str]:
     cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
            "--tp", str(cfg.tp), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
            "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
-    cmd += ["--dtype", cfg.dtype] if cfg.dtype else []
-    return cmd + (["--advertise", cfg.advertise] if cfg.advertise else [])
+    optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
+                "--delta-root": cfg.delta_root}
+    return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
 
 
 def spawn_server(cfg: EngineConfig, **popen: Any) -> tuple[subprocess.Popen, str]:
@@ -86,7 +91,17 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
         time.sleep(0.3)
 
 
-def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results) -> None:
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the launcher dies (no orphaned TP workers)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        log.debug("no PR_SET_PDEATHSIG here: workers outlive a killed launcher")
+
+
+def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, commands: list, results) -> None:
     from pathlib import Path
 
     from shardsync.engine.dispatch import Dispatcher, peer_loop
@@ -95,6 +110,7 @@ def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results)
     from shardsync.models.weights import checkpoint_source, random_source
     from shardsync.spec import load_spec
 
+    _die_with_parent()
     torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=cfg.log_level.upper(), format=f"[engine tp{rank}] %(levelname)s %(name)s: %(message)s")
     group = None
@@ -109,7 +125,7 @@ def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL sync groups use the current device
     model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device)
-    worker = EngineWorker(model, rank, cfg.tp)
+    worker = EngineWorker(model, rank, cfg.tp, secret=token)
     if rank != 0:
         peer_loop(worker, commands[rank - 1], results)
         return
@@ -120,34 +136,51 @@ def _worker(rank: int, cfg: EngineConfig, tp_port: int, commands: list, results)
 
     dispatcher = Dispatcher(worker, commands, results, UpdateSession())
     dispatcher.start()
-    app = create_app(dispatcher, request_wait_s=cfg.request_wait_s, facts=parse_facts(cfg.advertise))
+    app = create_app(dispatcher, request_wait_s=cfg.request_wait_s, facts=parse_facts(cfg.advertise),
+                     token=token, delta_root=cfg.delta_root)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     dispatcher.stop()
 
 
 def serve(cfg: EngineConfig) -> int:
-    """Run the engine until interrupted; returns the exit code."""
+    """Run the engine until interrupted or until any TP worker dies (then every worker is
+    stopped: an engine missing a worker cannot serve consistently); returns the exit code."""
+    token = load_token(token_file=cfg.token_file) if cfg.token_file else load_token()
+    if token is None and not is_loopback(cfg.host):
+        log.error("refusing to serve on %s without a token: anyone who reaches the port could replace "
+                  "the weights; set $%s (or --token-file) on the engine and the trainer", cfg.host, ENV_TOKEN)
+        return 2
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(cfg.tp - 1)]
     results = ctx.Queue()
     tp_port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, tp_port, commands, results), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, cfg, token, tp_port, commands, results), daemon=False)
              for r in range(cfg.tp)]
     for p in procs:
         p.start()
+    stopping = False
 
     def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
         if procs[0].is_alive():
             os.kill(procs[0].pid, signal.SIGINT)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    procs[0].join()
+    while all(p.exitcode is None for p in procs):
+        mp_connection.wait([p.sentinel for p in procs], timeout=1.0)
+    dead = next(r for r, p in enumerate(procs) if p.exitcode is not None)
+    code = procs[dead].exitcode or 0
+    if not (stopping and dead == 0):
+        log.error("engine TP worker %d exited (code %s): stopping every worker", dead, procs[dead].exitcode)
+        code = code or 1
+    stop()
     for q in commands:
         q.put(None)
-    code = procs[0].exitcode or 0
-    for p in procs[1:]:
+    for p in procs:
         p.join(10)
         if p.is_alive():
             p.kill()
+            p.join(5)
     return code

@@ -9,13 +9,16 @@ update never touches the weights, a failed one leaves the engine stale until a f
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import Future
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from shardsync.control.auth import Forbidden, Unauthorized, check_bearer
 from shardsync.control.session import Conflict, Invalid, NotConnected, NotFound, SessionError, Stale
 from shardsync.control.wire import (
     BeginRequest,
@@ -42,9 +45,54 @@ MAX_BODY_BYTES = 8 * 2**20
 
 # typed errors -> status codes, most specific first
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
-    (Invalid, 422), (NotConnected, 409), (Conflict, 409), (NotFound, 404), (Stale, 503),
+    (Unauthorized, 401), (Forbidden, 403), (Invalid, 422), (NotConnected, 409), (Conflict, 409), (NotFound, 404), (Stale, 503),
     (SessionError, 409), (BusyError, 503), (WorkerError, 503), (ValueError, 400),
 )
+
+
+class BodyLimit:
+    """413 for a body over ``limit`` bytes, counted as it arrives (``Content-Length`` is only a
+    claim: a chunked body has none), before any handler parses it."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._refuse(send)
+        seen = 0
+        chunks = []
+        while True:  # read the whole body first: a handler never sees a partial one
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                return await self._refuse(send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        payload = json.dumps({"error": f"request body over {self.limit} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
 
 
 class ApiError(Exception):
@@ -71,8 +119,9 @@ async def wait(fut: Future):
         raise ApiError(code, message) from None
 
 
-def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: dict | None = None) -> FastAPI:
-    service = WeightService(dispatcher, facts=facts)
+def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: dict | None = None,
+               token: str | None = None, delta_root: str | None = None) -> FastAPI:
+    service = WeightService(dispatcher, facts=facts, secret=token, delta_root=delta_root)
     session = service.session
     app = FastAPI(title="shardsync reference engine")
     app.state.service = service
@@ -81,16 +130,30 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return JSONResponse({"error": str(e)}, status_code=e.status)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        """422 naming each problem; the offending input is not echoed (it may not even be
+        valid JSON to send back, e.g. NaN)."""
+        problems = [{"loc": [str(x) for x in err.get("loc", ())], "msg": str(err.get("msg", "")),
+                     "type": str(err.get("type", ""))} for err in e.errors()[:20]]
+        return JSONResponse({"error": "invalid request: " + "; ".join(
+            f"{'.'.join(p['loc'])}: {p['msg']}" for p in problems[:3]), "detail": problems}, status_code=422)
+
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, e: SessionError) -> JSONResponse:
         return JSONResponse({"error": str(e)}, status_code=status_of(e) or 409)
 
     @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and int(size) > MAX_BODY_BYTES:
-            return JSONResponse({"error": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+    async def _authenticate(request: Request, call_next):
+        """Every call that changes the engine (``POST /weights/*``) carries the shared secret."""
+        if request.method != "GET" and request.url.path.startswith("/weights/"):
+            try:
+                check_bearer(request.headers.get("authorization"), token)
+            except (Unauthorized, Forbidden) as e:
+                return JSONResponse({"error": str(e)}, status_code=401 if isinstance(e, Unauthorized) else 403)
         return await call_next(request)
+
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     def serve(kind: str, args: dict) -> Future:
         try:
@@ -142,7 +205,8 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
 
     @app.post("/weights/begin", status_code=202)
     async def begin(req: BeginRequest) -> dict:
-        service.begin(req)
+        """Accepted once the workers are ready to receive (after a running command finishes)."""
+        await wait(service.begin(req).started)
         return {"accepted": True, "version": req.version}
 
     @app.post("/weights/finish", response_model=UpdateResult)

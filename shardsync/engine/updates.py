@@ -7,11 +7,13 @@ weight is touched.
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from shardsync.control.listener import StoreListener
-from shardsync.control.session import NotFound
+from shardsync.control.session import Conflict, Invalid, NotFound
 from shardsync.control.wire import (
     BeginRequest,
     ConnectRequest,
@@ -24,9 +26,15 @@ from shardsync.engine.dispatch import Dispatcher
 from shardsync.engine.worker import spec_dict
 from shardsync.receiver import check_connect
 from shardsync.runtime.checksum import combine
-from shardsync.transport.group import Rendezvous
+from shardsync.transport.group import Rendezvous, open_store
 
 UPDATE_TIMEOUT_S = 3600.0
+REACH_S = 5.0  # how long a join may take to reach the trainer's store before it is refused
+
+
+class Begun(NamedTuple):
+    started: Future
+    result: Future
 
 
 def _then(fut: Future, fn) -> Future:
@@ -44,9 +52,12 @@ def _then(fut: Future, fn) -> Future:
 
 
 class WeightService:
-    def __init__(self, dispatcher: Dispatcher, *, facts: dict | None = None) -> None:
+    def __init__(self, dispatcher: Dispatcher, *, facts: dict | None = None, secret: str | None = None,
+                 delta_root: str | None = None) -> None:
         self.dispatcher, self.session = dispatcher, dispatcher.session
         self.facts = dict(facts or {})  # advertised engine facts (a test stand-in; see launch.py)
+        self.secret = secret
+        self.delta_root = Path(delta_root).resolve() if delta_root else None
         self.worker = dispatcher.worker
         self._results: dict[int, Future] = {}
         self._listener: StoreListener | None = None
@@ -65,8 +76,15 @@ class WeightService:
         return {"ok": True, "fingerprints": fingerprints}
 
     def join(self) -> Future:
-        """Every TP worker joins the offered sync group; then its control starts."""
+        """Every TP worker joins the offered sync group; then its control starts.  An
+        unreachable rendezvous is refused here, before the workers (and serving) wait on it."""
         req = self.session.take_offer()
+        rdv = Rendezvous(**req.rendezvous.model_dump())
+        try:
+            open_store(dataclasses.replace(rdv, timeout_s=min(REACH_S, rdv.timeout_s)), is_master=False)
+        except Exception as e:
+            raise Conflict(f"cannot reach the trainer's rendezvous {rdv.host}:{rdv.port} within "
+                           f"{min(REACH_S, rdv.timeout_s):g}s ({type(e).__name__}); connection unchanged") from None
         timeout = req.rendezvous.timeout_s + 30
         fut = self.dispatcher.submit("join", {"req": req.model_dump(mode="json")}, wait_s=timeout,
                                      timeout_s=timeout)
@@ -76,21 +94,21 @@ class WeightService:
             self.session.joined(req)
             self._stop_listener()
             if req.control == "store":
-                self._listener = StoreListener(Rendezvous(**req.rendezvous.model_dump()), req.engine_index,
-                                               self.begin)
+                self._listener = StoreListener(rdv, req.engine_index, self.begin, self.secret)
                 self._listener.start()
             return {"ok": True, "sync_ranks": [r["sync_rank"] for r in ranks]}
 
         return _then(fut, joined)
 
-    def begin(self, req: BeginRequest) -> Future:
-        """Validate and queue one update; the future's value is its ``UpdateResult``."""
+    def begin(self, req: BeginRequest) -> Begun:
+        """Validate and queue one update.  ``started`` resolves when the workers are ready to
+        receive (after any command already running); ``result`` is its ``UpdateResult``."""
         update = self.session.begin(req)
-        fut = self.dispatcher.submit("update", {"version": update.version, "mode": update.mode.value},
-                                     timeout_s=UPDATE_TIMEOUT_S)
-        result = _then(fut, lambda out: out[0])
+        cmd = self.dispatcher.command("update", {"version": update.version, "mode": update.mode.value},
+                                      timeout_s=UPDATE_TIMEOUT_S)
+        result = _then(cmd.future, lambda out: out[0])
         self._results = {update.version: result}
-        return result
+        return Begun(cmd.started, result)
 
     def finish(self, version: int) -> Future:
         self.session.in_progress(version)
@@ -100,14 +118,25 @@ class WeightService:
         return result
 
     def pull(self, req: PullRequest) -> Future:
+        """A disk delta: only from under ``delta_root``, only a newer version, only a manifest
+        whose stage files are plain names in its own directory."""
         from shardsync.delta.disk import read_manifest
 
+        if self.delta_root is None:
+            raise Conflict("this engine was started without --delta-root: it pulls from no directory")
+        root = Path(req.root).resolve()
+        if not root.is_relative_to(self.delta_root):
+            raise Conflict(f"{req.root} is outside this engine's delta root {self.delta_root}")
+        if req.version <= self.session.version:
+            raise Conflict(f"version {req.version} is not newer than the engine's {self.session.version}")
         try:
-            manifest = read_manifest(req.root, req.version)
+            manifest = read_manifest(root, req.version)
         except FileNotFoundError as e:
             raise NotFound(str(e)) from None
+        except ValueError as e:
+            raise Invalid(str(e)) from None
         update = self.session.begin_pull(req.version, manifest["base_version"])
-        fut = self.dispatcher.submit("pull", {"root": req.root, "version": update.version,
+        fut = self.dispatcher.submit("pull", {"root": str(root), "version": update.version,
                                               "current": update.base_version}, timeout_s=UPDATE_TIMEOUT_S)
         return _then(fut, lambda out: out[0])
 

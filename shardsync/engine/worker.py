@@ -31,12 +31,12 @@ def _result(stats: Stats, t0: float, destination: str) -> dict[str, Any]:
 
 
 class EngineWorker:
-    def __init__(self, model: EngineModel, rank: int, tp: int) -> None:
+    def __init__(self, model: EngineModel, rank: int, tp: int, *, secret: str | None = None) -> None:
         self.model, self.rank, self.tp = model, rank, tp
         for p in model.parameters():
             p.requires_grad_(False)
         self.receiver = Receiver(model.spec, rank, tp, Params(dict(model.named_parameters())),
-                                 dtype=model.dtype, device=model.device)
+                                 dtype=model.dtype, device=model.device, secret=secret)
 
     @property
     def spec(self) -> ModelSpec:

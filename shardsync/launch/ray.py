@@ -26,6 +26,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -39,6 +40,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from shardsync.control.auth import ENV_TOKEN, load_token
 from shardsync.demo import DemoConfig, report
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.launch.loop import RankSite, StepResult, trainer_rank
@@ -203,13 +205,18 @@ def _use_gpus(cfg: DemoConfig, rc: RayConfig) -> bool:
     return have >= need
 
 
-def _actors(cfg: DemoConfig, pgs: list[PlacementGroup], gpus: bool) -> tuple[list, list]:
-    """(engine actors, trainer actors), each pinned to its bundle."""
+def _actors(cfg: DemoConfig, pgs: list[PlacementGroup], gpus: bool, delta_root: str) -> tuple[list, list]:
+    """(engine actors, trainer actors), each pinned to its bundle.  Engines listen on their
+    node's address: every actor gets one run's shared secret (the user's, or a fresh one)."""
+    token = load_token() or secrets.token_hex(32)
+    env = {"runtime_env": {"env_vars": {ENV_TOKEN: token}}}
     engine_actor, trainer_actor = ray.remote(EngineServer), ray.remote(TrainerRank)
-    engines = [engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0, scheduling_strategy=_in(pgs[1], i))
-               .remote(cfg.engine_config(tp))
+    engines = [engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0, scheduling_strategy=_in(pgs[1], i),
+                                    **env)
+               .remote(cfg.engine_config(tp, delta_root=delta_root))
                for i, tp in enumerate(cfg.engine_tp)]
-    trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=_in(pgs[0], r))
+    trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=_in(pgs[0], r),
+                                      **env)
                 .remote(r) for r in range(cfg.trainer_tp * cfg.trainer_pp)]
     return engines, trainers
 
@@ -241,13 +248,13 @@ def _run(cfg: DemoConfig, rc: RayConfig) -> int:
     modes: list[str] = cfg.modes
     try:
         pgs.append(_reserve(engine_b, "shardsync-engines", rc.ready_timeout_s))
-        engines, trainers = _actors(cfg, pgs, gpus)
+        delta_dir = rc.delta_dir or str(out.resolve() / "versions")
+        engines, trainers = _actors(cfg, pgs, gpus, delta_dir)
         urls = ray.get([e.start.remote(cfg.timeout_s) for e in engines], timeout=cfg.timeout_s + 60)
         ip, port = ray.get(trainers[0].address.remote(), timeout=cfg.timeout_s)
         print(f"shardsync demo on Ray ({'GPU' if gpus else 'CPU'} bundles): {cfg.model}, trainer "
               f"TP{cfg.trainer_tp} PP{cfg.trainer_pp} (rank 0 at {ip}) -> engines {urls}, "
               f"{cfg.steps} GRPO steps, modes {cfg.modes}", flush=True)
-        delta_dir = rc.delta_dir or str(out.resolve() / "versions")
         gens = [t.run.remote(cfg, RankSite(rank=r, init_method=f"tcp://{ip}:{port}", sync_host=ip,
                                            engines=tuple(urls), delta_dir=delta_dir), rc.verify)
                 for r, t in enumerate(trainers)]

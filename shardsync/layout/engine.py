@@ -4,7 +4,7 @@ Fused ``qkv_proj`` = ``[q (my heads) | k | v (my kv heads)]`` with KV heads repl
 over consecutive ranks when TP exceeds the KV heads; ``gate_up_proj`` = ``[gate_r; up_r]``;
 row-parallel ``o_proj``/``down_proj``; vocab padded to 64 (``64*tp`` when that does not
 split evenly, SGLang's rule) and split evenly, the tail past the real vocab zero.
-See ../shared/reference/LAYOUTS.md §6.2-7.
+See docs/layouts.md section 2.
 """
 
 from __future__ import annotations

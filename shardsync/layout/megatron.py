@@ -1,6 +1,6 @@
 """The Megatron-core trainer layout (GPTModel, dense Qwen2/Qwen3/Llama).
 
-Names, shapes and fused orders follow ../shared/reference/LAYOUTS.md §2-6: interleaved
+Names, shapes and fused orders follow docs/layouts.md section 1: interleaved
 QKV per query group, ``[gate_r; up_r]`` fc1 per shard, vocab padded to
 ``make_vocab_size_divisible_by * tp``, local layer indices per pipeline stage.
 Rank order is Megatron's default (TP fastest, then DP, then PP).

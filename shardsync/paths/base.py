@@ -8,7 +8,7 @@ both sides derive the same compiled steps from the same code.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -36,6 +36,7 @@ class Endpoint:
     rank_layout: RankLayout | None = None  # engine ranks: the pieces this rank holds
     snapshot: Snapshot | None = None  # trainer ranks with delta: the last synced values
     delta_dir: str | None = None  # trainer ranks with delta over disk
+    secret: str | None = field(default=None, repr=False)  # signs and checks store values (handles)
 
     @property
     def is_trainer(self) -> bool:

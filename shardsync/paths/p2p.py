@@ -19,8 +19,9 @@ from shardsync.transport.mapped import MappedTransport
 class P2pProgram:
     """Steps of one rank through the one executor (group or IPC slots as the transport)."""
 
-    def __init__(self, ep: Endpoint, steps: list[Step], transport: Transport) -> None:
-        self.ep, self.steps, self.transport = ep, steps, transport
+    def __init__(self, ep: Endpoint, steps: list[Step], transport: Transport,
+                 slots: IpcTransport | None = None) -> None:
+        self.ep, self.steps, self.transport, self.slots = ep, steps, transport, slots
         self.pool = BufferPool(ep.wire_dtype, ep.device)
         self.buckets = len(steps)
 
@@ -31,9 +32,8 @@ class P2pProgram:
         return stats
 
     def close(self) -> None:
-        detach = getattr(self.transport, "detach", None)
-        if detach is not None:
-            detach()
+        if self.slots is not None:
+            self.slots.detach()  # unmap the trainer's slots
 
 
 class MappedProgram:
@@ -58,16 +58,15 @@ def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
         raise ValueError("the p2p path needs a sync group")
     steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
     if ep.ipc == "map":
-        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name)
+        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret)
         if ep.is_trainer:
             mapped.export(ep.tensors)
         else:
             for peer in mapped.peers:
                 mapped.attach(peer, 1, ep.tensors)
         return MappedProgram(ep, mapped, len(steps))
-    transport: Transport = ep.group
     if ep.ipc == "slots":
-        slots = IpcTransport(ep.group, slots=ep.credits)
+        slots = IpcTransport(ep.group, slots=ep.credits, secret=ep.secret)
         if ep.is_trainer:
             device = next(iter(ep.tensors.values())).device
             for peer in sorted({s.comm[1] for s in steps if s.comm[0] == "send"}):
@@ -76,7 +75,7 @@ def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
         else:
             for peer in sorted({s.comm[1] for s in steps if s.comm[0] == "recv"}):
                 slots.attach(peer)
-        transport = slots
-    elif ep.ipc:
+        return P2pProgram(ep, steps, slots, slots)
+    if ep.ipc:
         raise ValueError(f"ipc must be 'map' or 'slots', got {ep.ipc!r}")
-    return P2pProgram(ep, steps, transport)
+    return P2pProgram(ep, steps, ep.group)

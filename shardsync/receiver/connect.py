@@ -58,13 +58,17 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str) -> 
     differs when trainer and engine disagree (nothing is joined or changed)."""
     if req.protocol != PROTOCOL_VERSION:
         raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
+    try:  # the architecture first (cheap): nothing is planned for a model this engine is not
+        theirs = spec_from_dict(req.spec)
+    except (TypeError, ValueError) as e:
+        raise Invalid(f"cannot read the trainer's model spec: {e}") from None
+    if theirs.replace(name=spec.name, dtype=dtype) != spec.replace(dtype=dtype):
+        raise Conflict(f"trainer model {theirs.name} differs from this engine's {spec.name}: sync "
+                       "needs identical architectures")
     try:
         topo = topology_from_connect(req, dtype)
     except (TypeError, ValueError) as e:
         raise Invalid(f"cannot build the sync topology: {e}") from None
-    if topo.spec.replace(name=spec.name) != spec.replace(dtype=topo.spec.dtype):
-        raise Conflict(f"trainer model {topo.spec.name} differs from this engine's {spec.name}: sync "
-                       "needs identical architectures")
     declared = req.engines[req.engine_index] if req.engine_index < len(req.engines) else None
     if declared != tp:
         raise Conflict(f"engine {req.engine_index} declared with TP {declared if declared else '?'}, "

@@ -35,9 +35,10 @@ class Receiver:
     dtype and device, and where received bytes go (``Destination``)."""
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", secret: str | None = None) -> None:
         self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
         self.destination = destination
+        self._secret = secret  # the trainer signs the store values this rank acts on
         self.dtype, self.device = dtype, torch.device(device)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.layout = engine_layout(spec.replace(dtype=self.dtype_name),
@@ -54,23 +55,28 @@ class Receiver:
 
     def join(self, req: ConnectRequest) -> int:
         """Join the sync group ``req`` names (blocks, bounded, until every member is in);
-        returns this rank's sync rank."""
-        self.leave()
+        returns this rank's sync rank.  A join that fails leaves the current connection as
+        it was and releases what it built."""
         topo = topology_from_connect(req, self.dtype_name)
         me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.tp_rank
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
-        self.group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
-        ep = Endpoint(topo, me, self.group, req.bucket_bytes, req.credits, self.device,
-                      ipc=req.ipc or None, tensors=self.destination.tensors(), rank_layout=self.rank_layout)
+        group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
+        ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc or None,
+                      tensors=self.destination.tensors(), rank_layout=self.rank_layout, secret=self._secret)
         full = [m for m in FULL if m.value in req.fingerprints]
         deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
+        programs: dict[Mode, Program] = {}
         try:
-            self.programs = {m: compile_path(m, ep) for m in full + deltas + [Mode.DELTA_BROADCAST]}
+            for m in full + deltas + [Mode.DELTA_BROADCAST]:
+                programs[m] = compile_path(m, ep)
         except Exception:
-            self.leave()
+            for p in programs.values():
+                p.close()
+            group.close()
             raise
-        self.sync_rank = me
+        self.leave()
+        self.group, self.programs, self.sync_rank = group, programs, me
         return me
 
     def receive(self, mode: Mode, args: UpdateArgs | None = None) -> Stats:

@@ -46,8 +46,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def open_store(rdv: Rendezvous, *, is_master: bool) -> dist.TCPStore:
-    return dist.TCPStore(rdv.host, rdv.port, rdv.world_size if is_master else None,
-                         is_master, timeout=rdv.timeout, wait_for_workers=False)
+    """The sync's TCPStore: hosted by the master on ``rdv.host`` only (torch's own server
+    would listen on every interface), joined by everybody else."""
+    if not is_master:
+        return dist.TCPStore(rdv.host, rdv.port, None, False, timeout=rdv.timeout, wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in rdv.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((rdv.host, rdv.port))
+        sock.listen(1024)
+        store = dist.TCPStore(rdv.host, rdv.port, rdv.world_size, True, timeout=rdv.timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except Exception:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store
 
 
 def _make_pg(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from shardsync.control.wire import Keys
+from shardsync.control.wire import Keys, seal, unseal
 from shardsync.runtime.executor import Pooled
 from shardsync.transport.group import SyncGroup
 from shardsync.transport.handles import export_tensors, open_tensors
@@ -38,8 +38,8 @@ class IpcTransport(Pooled):
     receivers call ``attach(peer)``; both sides then run the same steps in the same order.
     """
 
-    def __init__(self, group: SyncGroup, *, slots: int = 2) -> None:
-        self.group, self.nslots = group, slots
+    def __init__(self, group: SyncGroup, *, slots: int = 2, secret: str | None = None) -> None:
+        self.group, self.nslots, self.secret = group, slots, secret
         self.rank = group.rank
         self._out: dict[int, list[torch.Tensor]] = {}
         self._in: dict[int, list[torch.Tensor]] = {}
@@ -54,14 +54,14 @@ class IpcTransport(Pooled):
         bufs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.nslots)]
         self._out[peer] = bufs
         self._next[peer] = 0
-        blob = export_tensors({str(i): b for i, b in enumerate(bufs)})
-        self.group.store.set(Keys(self.group.rdv.name).slots(self.rank, peer), blob)
+        key = Keys(self.group.rdv.name).slots(self.rank, peer)
+        self.group.store.set(key, seal(key, export_tensors({str(i): b for i, b in enumerate(bufs)}), self.secret))
 
     def attach(self, peer: int) -> None:
         """Map the slots ``peer`` exported for us (same GPU)."""
         key = Keys(self.group.rdv.name).slots(peer, self.rank)
         self.group.store.wait([key], self.group.rdv.timeout)
-        slots = open_tensors(self.group.store.get(key), where=f"store key {key}")
+        slots = open_tensors(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
         self._in[peer] = [slots[str(i)] for i in range(len(slots))]
         self._next[peer] = 0
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from shardsync.control.wire import Keys
+from shardsync.control.wire import Keys, seal, unseal
 from shardsync.plan.plan import Copy
 from shardsync.plan.runs import SIDE_STREAMS, Copies, Run, coalesce, compile_runs
 from shardsync.runtime.stats import Stats, StepTiming
@@ -68,11 +68,11 @@ class MappedTransport:
 
     def __init__(self, group: SyncGroup, copies: Sequence[Copy], *, sender: bool, peers: Sequence[int],
                  prefix: str, itemsize: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 trainers: int = 0) -> None:
+                 trainers: int = 0, secret: str | None = None) -> None:
         """``copies``: this rank's copies of the p2p plan (as source or as destination);
         ``peers``: sync ranks of the other ends, in the order both sides walk them;
         ``shapes``: the sender's tensor shapes the plan was built for (checked at export)."""
-        self.group, self.sender, self.prefix = group, sender, prefix
+        self.group, self.sender, self.prefix, self.secret = group, sender, prefix, secret
         self.shapes = dict(shapes or {})
         self._trainers = trainers  # sync ranks below this are trainer ranks
         self.copies = list(copies)
@@ -94,7 +94,7 @@ class MappedTransport:
         return self._trainers + c.dst if self.sender else c.src
 
     @classmethod
-    def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str) -> MappedTransport:
+    def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None = None) -> MappedTransport:
         """Sync rank ``group.rank``'s end of ``topo``'s p2p plan (trainer ranks send)."""
         me, trainers = group.rank, topo.trainer.world_size
         plan = topo.p2p_plan
@@ -106,7 +106,7 @@ class MappedTransport:
             peers = sorted({c.src for c in copies})
         shapes = {t.name: tuple(t.shape) for t in plan.src.ranks[me].tensors} if me < trainers else None
         return cls(group, copies, sender=me < trainers, peers=peers, prefix=prefix,
-                   itemsize=plan.itemsize, shapes=shapes, trainers=trainers)
+                   itemsize=plan.itemsize, shapes=shapes, trainers=trainers, secret=secret)
 
     def _key(self, src: int, dst: int, generation: int) -> str:
         return Keys(self.prefix).mapped(src, dst, generation)
@@ -124,7 +124,8 @@ class MappedTransport:
                              "restore the shapes or reconnect with the new model")
         self.generation += 1
         for peer in self.peers:  # one handle set per reader: each holds one reference
-            self.group.store.set(self._key(self.group.rank, peer, self.generation), export_tensors(tensors))
+            key = self._key(self.group.rank, peer, self.generation)
+            self.group.store.set(key, seal(key, export_tensors(tensors), self.secret))
         self._exported = {n: identity(t) for n, t in tensors.items()}
         # shared-memory names (CPU): torch removes them when the last process unmaps
         self.shm_names.update(i[1].decode() for i in self._exported.values() if len(i) == 2 and i[1])
@@ -140,7 +141,7 @@ class MappedTransport:
         self.group.store.wait([key], self.group.rdv.timeout)
         self._copies.pop(peer, None)
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
-        mapped = open_tensors(self.group.store.get(key), where=f"store key {key}")
+        mapped = open_tensors(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
         if peer not in self._runs:
             self._runs[peer] = coalesce([c for c in self.copies if c.src == peer])
         self._mapped[peer] = (generation, mapped)

@@ -45,7 +45,7 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
             adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
             model.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, advantages=adv, mask=mask))
         if version == 4:
-            sync._synced = 2  # a missed step: the engine holds 3, so this update must be full
+            sync.synced_version = 2  # a missed step: the engine holds 3, so this update must be full
         rec = sync.update(version)
         res["modes"].append(rec.mode)
         if rec.delta:
@@ -64,8 +64,8 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
 
 @pytest.mark.parametrize("transport", ["p2p", "broadcast", "disk"])
 def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, tmp_path) -> None:
-    proc, url = start_engine("tiny-qwen3", 2, dtype="bfloat16")
     delta_dir = str(tmp_path / "versions") if transport == "disk" else None
+    proc, url = start_engine("tiny-qwen3", 2, dtype="bfloat16", delta_root=str(tmp_path))
     try:
         res = run_world(_trainer, 2, args=(2, free_port(), url, transport, delta_dir), timeout=240)
         r0 = res[0]
@@ -78,7 +78,7 @@ def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, tmp_pa
             published = sorted(p.name for p in (tmp_path / "versions").iterdir())
             assert published == ["v000002", "v000003"], published
             r = httpx.post(url + "/weights/pull", timeout=10, json={"root": delta_dir, "version": 3})
-            assert r.status_code == 409 and "send a full update" in r.text  # base 2, engine holds 4
+            assert r.status_code == 409 and "not newer than the engine's 4" in r.text  # an old version
         else:
             status, text, version = r0["wrong_base"]
             assert status == 409 and "send a full update" in text and version == 4

@@ -25,7 +25,8 @@ class _Engine:
         self.version = 0
         self.seen: list[int] = []
 
-    def begin(self, req: BeginRequest) -> Future:
+    def begin(self, req: BeginRequest) -> tuple[Future, Future]:
+        """(started, result), as the engine's update service returns them."""
         self.seen.append(req.version)
         if req.version < self.version:
             raise Conflict(f"version {req.version} is older than the engine's {self.version}")
@@ -36,8 +37,10 @@ class _Engine:
             fut.set_result(UpdateResult(version=req.version, mode=req.mode.value, ok=req.version != 13,
                                         error="receive failed" if req.version == 13 else None))
 
+        started: Future = Future()
+        threading.Timer(0.02, lambda: started.set_result(None)).start()
         threading.Timer(0.05, finish).start()
-        return fut
+        return started, fut
 
 
 @pytest.fixture()
@@ -92,3 +95,46 @@ def test_no_answer_is_a_bounded_sync_error() -> None:
     channel = StoreChannel(store, Keys(rdv.name), ["http://engine0"], timeout_s=0.5)
     with pytest.raises(SyncError, match="no answer under .* within 0.5s"):
         channel.begin(_req(1))
+
+
+def test_with_a_secret_only_signed_values_are_served() -> None:
+    rdv = Rendezvous("127.0.0.1", free_port(), 2, "ctl-signed", timeout_s=10)
+    store = open_store(rdv, is_master=True)
+    engine = _Engine()
+    listener = StoreListener(rdv, 0, engine.begin, secret="a-secret-of-the-sync-0123")
+    listener.start()
+    try:
+        keys = Keys(rdv.name)
+        store.set(keys.begin(1), _req(7).model_dump_json())  # a stranger's unsigned begin
+        forged = StoreChannel(store, keys, ["http://engine0"], timeout_s=1, secret="another-secret-000000")
+        with pytest.raises(SyncError, match="no answer"):
+            forged.begin(_req(8))  # signed with the wrong secret: dropped too
+        assert engine.seen == []
+        channel = StoreChannel(store, keys, ["http://engine0"], timeout_s=10, secret="a-secret-of-the-sync-0123")
+        channel.begin(_req(9))
+        assert channel.finish(9)[0].version == 9 and engine.seen == [9]
+    finally:
+        listener.stop()
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.rsplit(":", 1)
+            if state == "0A" and int(p, 16) == port:
+                out.append(addr)
+    return out
+
+
+def test_the_sync_store_listens_only_on_its_host() -> None:
+    rdv = Rendezvous("127.0.0.1", free_port(), 2, "bound", timeout_s=10)
+    store = open_store(rdv, is_master=True)
+    assert _listening(rdv.port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::
+    del store
