@@ -65,7 +65,8 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
     params = load_rank(Topology(spec, par).trainer_layout, rank, random_source(spec, 0), device=device)
     sync = WeightSync(spec, par, rank, params, urls,
                       SyncConfig(transport=TransportConfig(bucket_mb=args.bucket_mb, credits=args.credits,
-                                                           timeout_s=600, backend=args.backend)),
+                                                           timeout_s=600, backend=args.backend,
+                                                           verify_buckets=args.verify_buckets)),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     rows = []
@@ -136,6 +137,7 @@ def main() -> None:
                     help="cuda: trainer rank r on GPU r, the engine on the GPUs after them")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="sync group backend")
     ap.add_argument("--dtype", default=None, help="weights dtype (default: fp32 trainer, the model's engine)")
+    ap.add_argument("--verify-buckets", action="store_true", help="a digest after every message, checked")
     ap.add_argument("--out", default="sync_modes.json")
     args = ap.parse_args()
     models = args.model or ["tiny-qwen3", "Qwen2.5-0.5B"]

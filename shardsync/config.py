@@ -24,6 +24,9 @@ class TransportConfig:
     timeout_s: float = 60.0  # every collective and receive
     bucket_mb: float = 64.0
     credits: int = 2  # buffers in flight per rank
+    # every message through the sync group is followed by a digest the receiver checks before
+    # unpacking: a corrupted bucket fails the update instead of landing silently
+    verify_buckets: bool = False
 
     @property
     def bucket_bytes(self) -> int:

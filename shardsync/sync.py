@@ -147,7 +147,8 @@ class WeightSync:
             self._engines.connect([connect_request(topo, i, fingerprints, rdv,
                                                    bucket_bytes=cfg.transport.bucket_bytes,
                                                    credits=cfg.transport.credits, ipc=cfg.ipc,
-                                                   control=cfg.control.channel)
+                                                   control=cfg.control.channel,
+                                                   verify=cfg.transport.verify_buckets)
                                    for i in range(len(self.urls))])
             return Note()
 
@@ -200,7 +201,8 @@ class WeightSync:
         device = next(iter(self.params.values())).device  # buffers live where the weights do
         ep = Endpoint(topo, self.rank, self.group, cfg.transport.bucket_bytes, cfg.transport.credits, device,
                       ipc=cfg.ipc, detail=cfg.detail, tensors=self.params, snapshot=self._snapshot,
-                      delta_dir=cfg.delta.dir if cfg.delta else None, secret=self._secret)
+                      delta_dir=cfg.delta.dir if cfg.delta else None, verify=cfg.transport.verify_buckets,
+                      secret=self._secret)
         self.programs = {m: compile_path(m, ep) for m in self.modes}
 
     def add_engine(self, url: str) -> None:

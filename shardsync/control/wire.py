@@ -62,6 +62,7 @@ class ConnectRequest(Msg):
     credits: int = Field(2, ge=1, le=64)
     relay: bool = False
     ipc: Literal[False, "map", "slots"] = False
+    verify: bool = False  # every sync-group message followed by its digest (both sides must agree)
     control: Literal["http", "store"] = "http"  # where begin/finish arrive
     rendezvous: RendezvousMsg
 

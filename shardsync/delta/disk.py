@@ -81,6 +81,7 @@ class DiskPublisher:
     snapshot: Snapshot
     budget: int = 64 * 2**20
     credits: int = 2
+    verify: bool = False
 
     def __post_init__(self) -> None:
         self.pool = BufferPool(torch.uint8)
@@ -108,7 +109,8 @@ class DiskPublisher:
             stats.encodings["xor+zstd"] += len(blobs)
             stats.pack_s += time.perf_counter() - t0
             mine = _pack_blobs(blobs)
-            gathered = gather_stage(group, self.me, members, mine, self.budget, self.credits, self.pool)
+            gathered = gather_stage(group, self.me, members, mine, self.budget, self.credits, self.pool,
+                                    self.verify)
             if gathered is None:
                 stats.bytes_sent += mine.numel()
                 continue

@@ -94,7 +94,7 @@ def _bind(key: str, n: int) -> tuple[Binding, ...]:
 
 
 def move_p2p(group: SyncGroup, me: int, links: list[tuple[int, int]], payloads: dict[int, torch.Tensor],
-              budget: int, credits: int, pool: BufferPool) -> dict[int, torch.Tensor]:
+              budget: int, credits: int, pool: BufferPool, verify: bool = False) -> dict[int, torch.Tensor]:
     """One variable-size payload per link (src, dst): sizes first, then uint8 chunks in one
     global order (link, chunk).  Returns what this rank received, by source."""
     sizes, works = {}, []
@@ -123,12 +123,12 @@ def move_p2p(group: SyncGroup, me: int, links: list[tuple[int, int]], payloads: 
                 steps.append(Step(key, b - a, ("send", d), pack=_bind(key, b - a)))
             else:
                 steps.append(Step(key, b - a, ("recv", s), drain=_bind(key, b - a)))
-    execute(steps, local, group, pool=pool, credits=credits)
+    execute(steps, local, group, pool=pool, credits=credits, verify=verify)
     return received
 
 
 def gather_stage(group: SyncGroup | None, me: int, members: list[int], own: torch.Tensor | None,
-                 budget: int, credits: int, pool: BufferPool) -> list[torch.Tensor] | None:
+                 budget: int, credits: int, pool: BufferPool, verify: bool = False) -> list[torch.Tensor] | None:
     """Every stage member's payload at the stage source (``members[0]``), in member order; None
     on other ranks.  Members pass their own payload; ranks outside the stage pass None."""
     source = members[0]
@@ -138,14 +138,14 @@ def gather_stage(group: SyncGroup | None, me: int, members: list[int], own: torc
         if group is None:
             raise ValueError("a stage of several TP ranks gathers through the sync group")
         sending = {source: own} if me != source and own is not None else {}
-        got = move_p2p(group, me, links, sending, budget, credits, pool)
+        got = move_p2p(group, me, links, sending, budget, credits, pool, verify)
     if me != source:
         return None
     return [own] + [got[r] for r in members if r != source]
 
 
 def _move_bcast(group: SyncGroup, name: str, payload: torch.Tensor | None, budget: int,
-                credits: int, pool: BufferPool) -> torch.Tensor | None:
+                credits: int, pool: BufferPool, verify: bool = False) -> torch.Tensor | None:
     """Broadcast one variable-size payload from the group's root (``payload`` given there)."""
     if name not in group.groups:
         return None
@@ -160,7 +160,7 @@ def _move_bcast(group: SyncGroup, name: str, payload: torch.Tensor | None, budge
         bind = _bind(key, b - a)
         steps.append(Step(key, b - a, ("bcast", name, 0, root), pack=bind if root else (),
                           drain=() if root else bind))
-    execute(steps, local, group, pool=pool, credits=credits)
+    execute(steps, local, group, pool=pool, credits=credits, verify=verify)
     return data
 
 
@@ -174,6 +174,7 @@ class DeltaRunner:
     credits: int = 2
     snapshot: Snapshot | None = None
     rank: RankLayout | None = None
+    verify: bool = False  # payload chunks checked against their digest
 
     def __post_init__(self) -> None:
         self.ranks = SyncRanks(self.topo)
@@ -225,7 +226,7 @@ class DeltaRunner:
                 if s == self.me:
                     payloads[d] = self.snapshot.encode(self._parts(("p2p", s, d - engine)), stats)
                     stats.bytes_sent += payloads[d].numel()
-        got = move_p2p(group, self.me, links, payloads, self.budget, self.credits, self.pool)
+        got = move_p2p(group, self.me, links, payloads, self.budget, self.credits, self.pool, self.verify)
         if self.rank is not None:
             for s, payload in sorted(got.items()):
                 parts = self._parts(("p2p", s, self.me - engine))
@@ -243,13 +244,13 @@ class DeltaRunner:
             own = self.snapshot.encode([p for p in parts if p.owner == self.me], stats)
             if self.me != source:
                 stats.bytes_sent += own.numel()
-        gathered = gather_stage(group, self.me, members, own, self.budget, self.credits, self.pool)
+        gathered = gather_stage(group, self.me, members, own, self.budget, self.credits, self.pool, self.verify)
         # the source broadcasts the concatenation, in member order
         total = None
         if gathered is not None:
             total = torch.cat(gathered)
             stats.bytes_sent += total.numel()
-        payload = _move_bcast(group, f"stage{stage}", total, self.budget, self.credits, self.pool)
+        payload = _move_bcast(group, f"stage{stage}", total, self.budget, self.credits, self.pool, self.verify)
         if self.rank is not None and payload is not None:
             stats.bytes_received += payload.numel()
             _apply(parts, _split(payload, parts, self.dtype), tensors, self._targets_of(parts),

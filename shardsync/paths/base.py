@@ -36,6 +36,7 @@ class Endpoint:
     rank_layout: RankLayout | None = None  # engine ranks: the pieces this rank holds
     snapshot: Snapshot | None = None  # trainer ranks with delta: the last synced values
     delta_dir: str | None = None  # trainer ranks with delta over disk
+    verify: bool = False  # every message of the sync group checked against its digest
     secret: str | None = field(default=None, repr=False)  # signs and checks store values (handles)
 
     @property

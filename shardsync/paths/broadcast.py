@@ -30,7 +30,7 @@ class BroadcastProgram:
         total = Stats()
         for steps in self.stages:
             total.merge(execute(steps, tensors, self.group, pool=self.pool, credits=self.ep.credits,
-                                detail=self.ep.detail))
+                                detail=self.ep.detail, verify=self.ep.verify))
             self.group.barrier()
         total.peak_buffer_bytes = self.pool.allocated_bytes
         total.buckets = self.buckets

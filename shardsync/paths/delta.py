@@ -26,7 +26,7 @@ class DeltaProgram:
         self.mode, self.group = mode, ep.group
         self.runner = DeltaRunner(ep.topo, ep.me, ep.bucket_bytes, credits=ep.credits,
                                   snapshot=ep.snapshot if ep.is_trainer else None,
-                                  rank=None if ep.is_trainer else ep.rank_layout)
+                                  rank=None if ep.is_trainer else ep.rank_layout, verify=ep.verify)
 
     def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
         stats = self.runner.run(self.mode.plan.value, tensors, self.group)

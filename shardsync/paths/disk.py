@@ -26,7 +26,7 @@ class DiskWrite:
         Path(ep.delta_dir).mkdir(parents=True, exist_ok=True)
         self.root = ep.delta_dir
         self.publisher = DiskPublisher(ep.topo, ep.me, ep.delta_dir, ep.snapshot, budget=ep.bucket_bytes,
-                                       credits=ep.credits)
+                                       credits=ep.credits, verify=ep.verify)
         self.group = ep.group
 
     def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:

@@ -28,7 +28,8 @@ def spec_from_dict(d: dict[str, Any]) -> ModelSpec:
 
 
 def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rdv: Rendezvous, *,
-                    bucket_bytes: int, credits: int, ipc: str | None, control: str) -> ConnectRequest:
+                    bucket_bytes: int, credits: int, ipc: str | None, control: str,
+                    verify: bool = False) -> ConnectRequest:
     """What trainer rank 0 sends engine ``index`` of ``topo``."""
     t = topo.trainer
     return ConnectRequest.model_validate({
@@ -38,7 +39,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
                     "norm_names": t.norm_names, "dtype": t.dtype},
         "engines": [e.tp for e in topo.engines], "engine_index": index, "fingerprints": fingerprints,
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc or False,
-        "control": control, "rendezvous": dataclasses.asdict(rdv),
+        "control": control, "verify": verify, "rendezvous": dataclasses.asdict(rdv),
     })
 
 

@@ -63,7 +63,8 @@ class Receiver:
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc or None,
-                      tensors=self.destination.tensors(), rank_layout=self.rank_layout, secret=self._secret)
+                      tensors=self.destination.tensors(), rank_layout=self.rank_layout, verify=req.verify,
+                      secret=self._secret)
         full = [m for m in FULL if m.value in req.fingerprints]
         deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
         programs: dict[Mode, Program] = {}

@@ -132,20 +132,50 @@ def _zero_copy(bindings: tuple[Binding, ...], local: Mapping[str, torch.Tensor],
     return t.view(-1)
 
 
+class CorruptBucket(RuntimeError):
+    """A message arrived with other bytes than were sent (its checksum differs)."""
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def digest(buf: torch.Tensor) -> torch.Tensor:
+    """``int64[1]``: the wrapping sum of a flat buffer's bytes read as the widest words that
+    divide it.  Any corrupted word changes it; it is one read of the buffer (no copy)."""
+    raw = buf.reshape(-1).view(torch.uint8)
+    width, dtype = next((w, d) for w, d in _WORDS if raw.numel() % w == 0)
+    return raw.view(dtype).sum(dtype=torch.int64).reshape(1)
+
+
+def _check(step: Step, buf: torch.Tensor, sent: torch.Tensor, peer: object) -> None:
+    got = int(digest(buf).item())
+    if got != int(sent.item()):
+        raise CorruptBucket(f"bucket {step.label} ({step.link}) from sync rank {peer} arrived corrupted "
+                            f"(checksum {got}, sent {int(sent.item())}); the update fails and the engine "
+                            "stays stale until a full update")
+
+
 @torch.no_grad()
 def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Transport, *,
-            pool: BufferPool, credits: int = 2, detail: bool = False) -> Stats:
-    """Run ``steps`` in order, at most ``credits`` buffers in flight; oldest completes first."""
+            pool: BufferPool, credits: int = 2, detail: bool = False, verify: bool = False) -> Stats:
+    """Run ``steps`` in order, at most ``credits`` buffers in flight; oldest completes first.
+
+    ``verify``: every message is followed by its ``digest`` (one more small message on the same
+    link) and receivers check it before unpacking; senders and receivers must agree on it."""
     stats = Stats()
     inflight: deque = deque()
     size = max((max([s.numel] + [f.numel for f in s.fill]) for s in steps), default=0)
     itemsize = torch.empty((), dtype=pool.dtype).element_size()
 
     def complete_oldest() -> None:
-        step, buf, base, work, pooled, lent, timing, posted = inflight.popleft()
+        step, buf, base, work, pooled, lent, timing, posted, check = inflight.popleft()
         t0 = time.perf_counter()
         if work is not None:
             work.wait()
+        if check is not None:
+            check[0].wait()
+            if check[2]:  # this rank received: compare before a byte is unpacked
+                _check(step, buf, check[1], step.comm[1])
         t1 = time.perf_counter()
         timing.transfer_s += t1 - posted
         stats.transfer_s += t1 - t0
@@ -181,6 +211,10 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
                 sbase = pool.get(sub.numel, size)
                 sbuf = sbase[:sub.numel]
                 transport.recv(sbuf, sub.peer).wait()
+                if verify:
+                    sent = torch.zeros(1, dtype=torch.int64, device=sbuf.device)
+                    transport.recv(sent, sub.peer).wait()
+                    _check(step, sbuf, sent, sub.peer)
                 for b in sub.bindings:
                     _resolve(b, local, main).copy_(_buf_view(sbuf, b))
                 stats.bytes_received += sub.numel * itemsize
@@ -189,20 +223,30 @@ def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Tra
         timing.pack_s += t1 - t0
         stats.pack_s += t1 - t0
         work: Work | None = None
+        check = None  # (work, digest tensor, whether this rank checks it)
         if kind == "send":
             work = transport.send(buf, step.comm[1])
             stats.bytes_sent += step.numel * itemsize
+            if verify:
+                d = digest(buf)
+                check = (transport.send(d, step.comm[1]), d, False)
         elif kind == "recv":
             work = transport.recv(buf, step.comm[1])
             stats.bytes_received += step.numel * itemsize
+            if verify:
+                d = torch.zeros(1, dtype=torch.int64, device=buf.device)
+                check = (transport.recv(d, step.comm[1]), d, True)
         elif kind == "bcast":
             work = transport.broadcast(buf, step.comm[1], step.comm[2])
             if step.comm[3]:
                 stats.bytes_sent += step.numel * itemsize
             else:
                 stats.bytes_received += step.numel * itemsize
+            if verify:
+                d = digest(buf) if step.comm[3] else torch.zeros(1, dtype=torch.int64, device=buf.device)
+                check = (transport.broadcast(d, step.comm[1], step.comm[2]), d, not step.comm[3])
         inflight.append((step, buf, base, work, direct is None and lent is None, lent is not None,
-                         timing, time.perf_counter()))
+                         timing, time.perf_counter(), check))
         if detail:
             stats.steps.append(timing)
             log.debug("step %s link=%s bytes=%d pack=%.4fs", step.label, step.link, timing.bytes,

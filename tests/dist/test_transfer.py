@@ -50,7 +50,8 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
                                   random_source(spec, seed=999))
         if mode not in programs:
             ep = Endpoint(topo, rank, group, case.get("bucket", 64 * 1024), case.get("credits", 2),
-                          ipc=case.get("ipc") if mode == "p2p" else None, tensors=local)
+                          ipc=case.get("ipc") if mode == "p2p" else None, tensors=local,
+                          verify=case.get("verify", False))
             programs[mode] = compile_path(Mode(mode), ep)
         stats = programs[mode].run(local, UpdateArgs(version=step))
         if rank >= T:
@@ -96,9 +97,14 @@ MAPPED = ["tp2-tp1", "tp2-tp4-kvrep", "tp4-tp2", "tp1pp2", "dp2-2engines", "tp2p
           "tp1pp3-uneven-2engines"]
 
 
-@pytest.mark.parametrize("name,ipc", [(n, None) for n in CASES] + [(n, "map") for n in MAPPED])
-def test_transfer_bitwise(name: str, ipc: str | None) -> None:
-    case = dict(CASES[name], ipc=ipc)
+# every message followed by its digest (gathers, broadcasts, relays and p2p alike)
+VERIFIED = ["tp2-tp4-kvrep", "relay-3engines", "tp2pp2-tp4-bf16"]
+
+
+@pytest.mark.parametrize("name,ipc,verify", [(n, None, False) for n in CASES] + [(n, "map", False) for n in MAPPED]
+                         + [(n, None, True) for n in VERIFIED])
+def test_transfer_bitwise(name: str, ipc: str | None, verify: bool) -> None:
+    case = dict(CASES[name], ipc=ipc, verify=verify)
     t = MegatronParallel(**case["trainer"]).world_size
     world = t + sum(case["engines"])
     results = run_world(_worker, world, args=(world, free_port(), case), timeout=120)
