@@ -287,7 +287,7 @@ class WeightSync:
             done = self._rank0(lambda: Done(engines=self._channel.finish(version)), Done)
         done = self._signal(self._keys.done(n), done, Done)
         t3 = time.perf_counter()
-        error = error or done.error
+        error = "; ".join(e for e in (error, done.error) if e) or None  # ours, and what the engines saw
         record = make_record(version, mode, error, stats, done.engines,
                              {"plan": self.plan_s, "control": (t1 - t0) + (t3 - t2), "total": t3 - t0},
                              rank=self.rank, topo=self.topo, detail=self.config.detail,

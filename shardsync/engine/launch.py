@@ -138,7 +138,8 @@ def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, comma
     dispatcher.start()
     app = create_app(dispatcher, request_wait_s=cfg.request_wait_s, facts=parse_facts(cfg.advertise),
                      token=token, delta_root=cfg.delta_root)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    # keep-alive clients must not hold a stop open: in-flight requests get a few seconds
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     dispatcher.stop()
 
 
@@ -175,11 +176,13 @@ def serve(cfg: EngineConfig) -> int:
     if not (stopping and dead == 0):
         log.error("engine TP worker %d exited (code %s): stopping every worker", dead, procs[dead].exitcode)
         code = code or 1
+    grace = 10.0 if stopping else 1.0  # a broken engine is not drained: it stops now
     stop()
     for q in commands:
         q.put(None)
+    deadline = time.monotonic() + grace
     for p in procs:
-        p.join(10)
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join(5)
