@@ -43,6 +43,7 @@ from shardsync.paths import (
     choose_full,
     compile_path,
     connection_modes,
+    release,
 )
 from shardsync.receiver.connect import connect_request
 from shardsync.runtime.checksum import combine, compare, piece_checksums
@@ -344,12 +345,8 @@ class WeightSync:
         return self._signal(self._keys.check(self._calls, "verdict"), verdict, Verdict).mismatched
 
     def _drop_group(self) -> None:
-        for p in self.programs.values():
-            p.close()
-        self.programs = {}
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        release(self.programs, self.group)
+        self.group = None
 
     def close(self) -> None:
         """Engines leave the sync group (and unmap this trainer's memory) before any trainer

@@ -29,6 +29,16 @@ def compile_path(mode: Mode, ep: Endpoint) -> Program:
     return PATHS[mode](ep)
 
 
+def release(programs: dict[Mode, Program], group) -> None:
+    """End a connection on this rank: every program first (colocated transports unmap), then
+    the sync group.  Both ends call it when they leave, or after a failed collective."""
+    for p in programs.values():
+        p.close()
+    programs.clear()
+    if group is not None:
+        group.close()
+
+
 def connection_modes(full: Mode, delta: str | None) -> tuple[Mode, ...]:
     """The paths one connection compiles: both full paths when p2p can run (an update may
     pick either), else broadcast; plus the delta path over ``delta`` when delta is on.  A
@@ -40,4 +50,4 @@ def connection_modes(full: Mode, delta: str | None) -> tuple[Mode, ...]:
 
 
 __all__ = ["FALLBACK_ORDER", "PATHS", "Endpoint", "Mode", "Program", "UpdateArgs", "choose_full",
-           "compile_path", "connection_modes"]
+           "compile_path", "connection_modes", "release"]

@@ -17,7 +17,7 @@ import torch
 from shardsync.control.wire import ConnectRequest
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.mode import FULL, Mode
-from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path
+from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path, release
 from shardsync.paths.disk import DiskApply
 from shardsync.receiver.connect import topology_from_connect
 from shardsync.receiver.destination import Destination
@@ -72,9 +72,7 @@ class Receiver:
             for m in full + deltas + [Mode.DELTA_BROADCAST]:
                 programs[m] = compile_path(m, ep)
         except Exception:
-            for p in programs.values():
-                p.close()
-            group.close()
+            release(programs, group)
             raise
         self.leave()
         self.group, self.programs, self.sync_rank = group, programs, me
@@ -107,11 +105,6 @@ class Receiver:
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""
-        for p in self.programs.values():
-            p.close()
-        self.programs = {}
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        self.sync_rank = None
+        release(self.programs, self.group)
+        self.group, self.sync_rank = None, None
 
