@@ -357,15 +357,15 @@ class Soak:
         for i in range(n):
             self.update(t, mode=(None, "p2p", "broadcast")[i % 3])
 
-    def recover(self, t: Trainers | None, restart_engine: bool) -> tuple[Trainers, bool]:
+    def recover(self, t: Trainers | None, restart_engine: bool, ipc: bool = False) -> tuple[Trainers, bool]:
         if t is not None:
             t.stop()
         if restart_engine:
             self.engine.stop()
             self.engine.start()
             self.clients.engine = self.engine
-        t = self.trainers()
-        res = self.update(t, mode="p2p")
+        t = self.trainers(ipc=ipc)
+        res = self.update(t, mode="p2p", label="ipc map" if ipc else None)
         ok = bool(res and res["ok"] and res["verify"] == [])
         return t, ok
 
@@ -397,6 +397,10 @@ class Soak:
         elif name == "corrupted bucket on the wire":
             res = self.update(t, fault="corrupt", mode="p2p")
             detected = res is not None and not res["ok"] and "corrupted" in res.get("error", "")
+        elif name == "colocated trainer rank killed":  # its exported tensors are still mapped
+            os.kill(t.procs[-1].pid, signal.SIGKILL)
+            res = self.update(t, mode="p2p")
+            detected = res is not None and not res["ok"]
         elif name == "delta against the wrong base":
             before = self.engine.health()
             r = httpx.post(self.engine.url + "/weights/begin", timeout=10,
@@ -411,7 +415,7 @@ class Soak:
         if name == "delta against the wrong base":
             recovered = state == "serving"
         else:
-            t, recovered = self.recover(t, restart)
+            t, recovered = self.recover(t, restart, ipc=name.startswith("colocated"))
         self.rows.append({"fault": name, "detected": detected, "detect_s": round(detect_s, 2), "state_after": state,
                           "recovered": recovered, "error": (res or {}).get("error", "")[:400] if res else ""})
         print(f"  {name:<34} detected={'yes' if detected else 'NO'} in {detect_s:5.1f}s, engine {state}, "
@@ -435,6 +439,9 @@ class Soak:
                     self.normal(t, self.args.between)
             t.stop()  # colocated: engines read the trainer's tensors in place (shared memory here)
             t = self.trainers(ipc=True)
+            for _ in range(self.args.ipc_updates):
+                self.update(t, label="ipc map")
+            t = self.fault(t, "colocated trainer rank killed")
             for _ in range(self.args.ipc_updates):
                 self.update(t, label="ipc map")
         finally:
@@ -479,8 +486,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.between = 1, 3
     print(f"soak: {MODEL} trainer TP2 -> engine TP2 (token, digests on, delta over p2p), {args.clients} clients, "
-          f"{args.rounds} round(s) of 6 faults, {args.between} updates between, then {args.ipc_updates} "
-          "colocated (ipc map) updates", flush=True)
+          f"{args.rounds} round(s) of 6 faults, {args.between} updates between, then colocated (ipc map) "
+          f"updates around a killed colocated trainer rank", flush=True)
     res = Soak(args).run()
     print("\n| fault | detected | seconds to detect | engine after | recovered |\n|---|---|---|---|---|")
     for r in res["faults"]:
