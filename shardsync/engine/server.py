@@ -9,7 +9,6 @@ update never touches the weights, a failed one leaves the engine stale until a f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from concurrent.futures import Future
@@ -50,51 +49,6 @@ STATUS: tuple[tuple[type[BaseException], int], ...] = (
 )
 
 
-class BodyLimit:
-    """413 for a body over ``limit`` bytes, counted as it arrives (``Content-Length`` is only a
-    claim: a chunked body has none), before any handler parses it."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await self._refuse(send)
-        seen = 0
-        chunks = []
-        while True:  # read the whole body first: a handler never sees a partial one
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                return await self._refuse(send)
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-    async def _refuse(self, send) -> None:
-        payload = json.dumps({"error": f"request body over {self.limit} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
-
-
 class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -123,7 +77,8 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
                token: str | None = None, delta_root: str | None = None) -> FastAPI:
     service = WeightService(dispatcher, facts=facts, secret=token, delta_root=delta_root)
     session = service.session
-    app = FastAPI(title="shardsync reference engine")
+    # FastAPI counts the body as it streams in (a chunked body has no Content-Length) -> 413
+    app = FastAPI(title="shardsync reference engine", max_body_size=MAX_BODY_BYTES)
     app.state.service = service
 
     @app.exception_handler(ApiError)
@@ -153,7 +108,6 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
                 return JSONResponse({"error": str(e)}, status_code=401 if isinstance(e, Unauthorized) else 403)
         return await call_next(request)
 
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     def serve(kind: str, args: dict) -> Future:
         try:

@@ -23,8 +23,8 @@ from shardsync.control.wire import (
     VersionResponse,
 )
 from shardsync.engine.dispatch import Dispatcher
-from shardsync.engine.worker import spec_dict
 from shardsync.receiver import check_connect
+from shardsync.receiver.connect import spec_to_dict
 from shardsync.runtime.checksum import combine
 from shardsync.transport.group import Rendezvous, open_store
 
@@ -63,7 +63,7 @@ class WeightService:
         self._listener: StoreListener | None = None
 
     def info(self) -> InfoResponse:
-        return InfoResponse(spec=spec_dict(self.worker.spec), tp=self.worker.tp, dtype=self.worker.dtype,
+        return InfoResponse(spec=spec_to_dict(self.worker.spec), tp=self.worker.tp, dtype=self.worker.dtype,
                             weight_version=self.session.version, stale=self.session.stale, **self.facts)
 
     def version(self) -> VersionResponse:

@@ -7,7 +7,6 @@ engine's TP group or the sync group.  The update session lives on worker 0.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -94,6 +93,3 @@ COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.score, E
                                      EngineWorker.update, EngineWorker.pull, EngineWorker.checksum,
                                      EngineWorker.disconnect)}
 
-
-def spec_dict(spec: ModelSpec) -> dict[str, Any]:
-    return dataclasses.asdict(spec)
