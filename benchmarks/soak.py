@@ -35,51 +35,17 @@ import httpx
 import torch
 import torch.multiprocessing as mp
 
+from shardsync.launch.procs import alive, children, listening
+
 TIMEOUT_S = 10.0  # sync group timeout: every detection must come within this (plus slack)
 SLACK_S = 30.0
 PROBE = [[1, 5, 9, 13, 17, 21, 25, 29]]
 MODEL = "tiny-qwen3"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in cmd:
-            out.append(int(stat.parent.name))
-    return sorted(out)
-
-
 def _shm() -> set[str]:
     """Shared-memory names of torch tensors and of multiprocessing semaphores."""
     return {p.name for pattern in ("torch_*", "sem.mp-*") for p in Path("/dev/shm").glob(pattern)}
-
-
-def _listening(ports: set[int]) -> list[int]:
-    """Which of ``ports`` something still listens on (from /proc/net/tcp and tcp6)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            port = int(fields[1].rsplit(":", 1)[1], 16)
-            if fields[3] == "0A" and port in ports:
-                found.add(port)
-    return sorted(found)
 
 
 # -- the engine --
@@ -103,7 +69,7 @@ class Engine:
         self.ports.add(cfg.port)
 
     def workers(self) -> list[int]:
-        return _children(self.proc.pid) if self.proc is not None else []
+        return children(self.proc.pid) if self.proc is not None else []
 
     def health(self) -> dict | None:
         try:
@@ -387,9 +353,9 @@ class Soak:
             workers = self.engine.workers()
             self.engine.proc.send_signal(signal.SIGKILL)
             deadline = time.monotonic() + TIMEOUT_S + SLACK_S
-            while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            while any(alive(w) for w in workers) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            detected = not any(_alive(w) for w in workers)
+            detected = not any(alive(w) for w in workers)
             restart = True
         elif name == "sender stalled past the timeout":
             res = self.update(t, fault="stall", mode="p2p")
@@ -451,7 +417,7 @@ class Soak:
         del t
         gc.collect()
         deadline = time.monotonic() + 10  # resource trackers unlink a dead process's names shortly after
-        while (_shm() - shm0 or any(_alive(p) for p in self.engine.pids | self.trainer_pids)) and \
+        while (_shm() - shm0 or any(alive(p) for p in self.engine.pids | self.trainer_pids)) and \
                 time.monotonic() < deadline:
             time.sleep(0.5)
         by_version: dict[int, dict[str, int]] = {}
@@ -460,9 +426,9 @@ class Soak:
             by_version[v][h] += 1
         mixed = sum(sum(c.values()) - max(c.values()) for c in by_version.values())
         mixed += sum(sum(c.values()) for v, c in by_version.items() if v not in self.committed)
-        leaked = [p for p in self.engine.pids | self.trainer_pids if _alive(p)]
+        leaked = [p for p in self.engine.pids | self.trainer_pids if alive(p)]
         shm_left = sorted(_shm() - shm0)
-        ports_left = _listening(self.engine.ports)
+        ports_left = sorted(listening(self.engine.ports))
         return {"seconds": time.monotonic() - t0, "faults": self.rows, "updates": self.updates,
                 "client_answers": len(self.clients.answers), "versions_answered": len(by_version),
                 "totals": {"hangs beyond timeout": self.hangs, "responses served from mixed weights": mixed,

@@ -10,28 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from shardsync.launch.procs import alive, children
 from tests.dist._engine import start_engine, stop_engine
-
-
-def _children(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid`` that run a TP worker (not the resource tracker)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in cmdline:
-            out.append(int(stat.parent.name))
-    return sorted(out)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _until(cond, timeout_s: float) -> bool:
@@ -46,12 +26,12 @@ def _until(cond, timeout_s: float) -> bool:
 def test_a_dead_tp_worker_stops_the_engine() -> None:
     proc, url = start_engine("tiny-qwen3", 2)
     try:
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)  # TP worker 1 (spawned second)
         assert _until(lambda: proc.poll() is not None, 30), "the engine kept running without a worker"
         assert proc.returncode != 0
-        assert not any(_alive(w) for w in workers)
+        assert not any(alive(w) for w in workers)
         try:
             httpx.get(url + "/health", timeout=2)
             answered = True
@@ -65,10 +45,10 @@ def test_a_dead_tp_worker_stops_the_engine() -> None:
 def test_workers_die_with_a_killed_launcher() -> None:
     proc, _ = start_engine("tiny-qwen3", 2)
     try:
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 2, workers
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        assert _until(lambda: not any(_alive(w) for w in workers), 15), "orphaned TP workers kept running"
+        assert _until(lambda: not any(alive(w) for w in workers), 15), "orphaned TP workers kept running"
     finally:
         stop_engine(proc)

@@ -15,6 +15,7 @@ from shardsync.control.client import StoreChannel, SyncError
 from shardsync.control.listener import StoreListener
 from shardsync.control.session import Conflict
 from shardsync.control.wire import Accepted, BeginRequest, Keys, UpdateResult, get
+from shardsync.launch.procs import listening
 from shardsync.transport.group import Rendezvous, free_port, open_store
 
 
@@ -117,24 +118,8 @@ def test_with_a_secret_only_signed_values_are_served() -> None:
         listener.stop()
 
 
-def _listening(port: int) -> list[str]:
-    """Local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            addr, p = local.rsplit(":", 1)
-            if state == "0A" and int(p, 16) == port:
-                out.append(addr)
-    return out
-
-
 def test_the_sync_store_listens_only_on_its_host() -> None:
     rdv = Rendezvous("127.0.0.1", free_port(), 2, "bound", timeout_s=10)
     store = open_store(rdv, is_master=True)
-    assert _listening(rdv.port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::
+    assert listening([rdv.port]) == {rdv.port: ["0100007F"]}  # 127.0.0.1, not 0.0.0.0 or ::
     del store

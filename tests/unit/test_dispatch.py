@@ -5,7 +5,6 @@ calls ``handle``."""
 from __future__ import annotations
 
 import threading
-import time
 
 from shardsync.control.session import UpdateSession
 from shardsync.engine.dispatch import Dispatcher
@@ -17,9 +16,11 @@ class _FakeWorker:
     def __init__(self) -> None:
         self.order: list[str] = []
         self.gate = threading.Event()
+        self.running = threading.Event()
 
     def handle(self, kind: str, args: dict):
         if kind == "generate":
+            self.running.set()
             self.gate.wait(10)
             self.order.append(f"generate{args['i']}")
             return [([1], [0.0])]
@@ -34,7 +35,7 @@ def test_an_update_goes_ahead_of_queued_generation_and_results_say_their_version
     d = Dispatcher(worker, [], None, session)
     d.start()
     futures = [d.submit("generate", {"i": i}) for i in range(3)]
-    time.sleep(0.2)  # generate0 is running (blocked on the gate); 1 and 2 wait in the queue
+    assert worker.running.wait(10)  # generate0 is running (blocked on the gate); 1 and 2 wait queued
     from shardsync.control.wire import BeginRequest
 
     session.begin(BeginRequest(version=5, mode="p2p", fingerprint="f"))
