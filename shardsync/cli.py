@@ -81,11 +81,14 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from shardsync.demo import DemoConfig, run_demo
 
-    tps = _engine_tps(args.engine_tp, args.engines)
+    tps = _engine_tps(args.engine_tp or ("1" if args.engine == "vllm" else "2"), args.engines)
     cfg = DemoConfig(model=args.model, trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp,
                      engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
-                     engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc)
+                     engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine)
+    if args.launcher == "ray" and args.engine == "vllm":
+        print("error: --engine vllm runs with the local launcher only", file=sys.stderr)
+        return 2
     if args.launcher == "ray":  # trainer ranks and engines as Ray actors (docs/ray.md)
         from shardsync.launch import run_on_ray
 
@@ -128,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-qwen3")
     p.add_argument("--trainer-tp", type=int, default=2)
     p.add_argument("--trainer-pp", type=int, default=1)
-    p.add_argument("--engine-tp", default="2", help="engine TP, or a comma list (one per engine)")
+    p.add_argument("--engine-tp", default=None,
+                   help="engine TP, or a comma list (one per engine); default 2 (vLLM: 1)")
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--mode", default="both", choices=["both", "auto", "p2p", "broadcast", "delta"])
@@ -144,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ipc", action=argparse.BooleanOptionalAction, default=None,
                    help="engines read the trainer's tensors in place (CUDA IPC / shared memory); "
                         "default: on with --device cuda")
+    p.add_argument("--engine", default="reference", choices=["reference", "vllm"],
+                   help="reference: shardsync's engine server; vllm: real vLLM servers with the shardsync "
+                        "backend (bash scripts/setup_vllm.sh; docs/vllm.md)")
     p.add_argument("--launcher", default="local", choices=["local", "ray"],
                    help="local: processes on this machine; ray: actors placed by Ray (docs/ray.md)")
     p.add_argument("--ray-address", default=None,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 MODES = ("auto", "p2p", "broadcast")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
 IPC_KINDS = ("map", "slots")
-CHANNELS = ("store", "http")
+CHANNELS = ("store", "http", "vllm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +63,9 @@ class ColocatedConfig:
 @dataclass(frozen=True, kw_only=True)
 class ControlConfig:
     """Where each update's begin/finish go: ``store`` (keys in the sync group's store, ~0.2 ms)
-    or ``http`` (two POSTs per engine, ~1.5 ms each).  Connect and verify use HTTP."""
+    or ``http`` (two POSTs per engine, ~1.5 ms each).  Connect and verify use HTTP.
+    ``vllm``: the engines are vLLM servers, driven through vLLM's own weight-transfer
+    endpoints (``control.vllm``)."""
 
     channel: str = "store"
     http_timeout_s: float = 60.0

@@ -128,6 +128,11 @@ class ModelSpec:
         return cfg
 
 
+def spec_from_config(cfg: dict[str, Any], name: str) -> ModelSpec:
+    """The spec of a HuggingFace ``config.json`` dict (an engine reads its own model's)."""
+    return _from_config_dict(cfg, name)
+
+
 def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)

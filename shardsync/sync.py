@@ -22,9 +22,9 @@ from shardsync.config import SyncConfig
 from shardsync.control import ranks
 from shardsync.control.auth import load_token
 from shardsync.control.client import Engines, HttpChannel, StoreChannel, SyncError, UpdateChannel
+from shardsync.control.vllm import LAYOUT_MISMATCH, VllmEngines
 from shardsync.control.wire import (
     BeginRequest,
-    BoxSum,
     Decision,
     Done,
     Go,
@@ -93,7 +93,7 @@ class WeightSync:
         self.plan_s = 0.0
         ctl = self.config.control
         self._secret = load_token(ctl.token, ctl.token_file)
-        self._engines = Engines(self.urls, ctl.http_timeout_s, self._secret) if rank == 0 else None
+        self._engines = self._client() if rank == 0 else None
         self._channel: UpdateChannel | None = None
         self._keys: Keys | None = None
         self._snapshot: Snapshot | None = None
@@ -101,6 +101,13 @@ class WeightSync:
         self._calls = 0  # store keys are per call: a version may be sent twice (resync)
 
     # -- helpers --
+
+    def _client(self) -> Engines | VllmEngines:
+        ctl = self.config.control
+        if ctl.channel == "vllm":
+            return VllmEngines(self.urls, ctl.http_timeout_s, self._secret,
+                               update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s)
+        return Engines(self.urls, ctl.http_timeout_s, self._secret)
 
     @property
     def _timeout(self) -> datetime.timedelta:
@@ -132,30 +139,39 @@ class WeightSync:
         if decision.error:
             raise SyncError(f"connect failed on trainer rank 0: {decision.error}")
         dtype = decision.dtype
-        topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
-                        tuple(EngineParallel(tp=t, dtype=dtype) for t in decision.tps),
-                        engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
-                        quantization=decision.facts["quantization"], relay=cfg.relay)
-        self.mode, self.fallback_reason = choose_full(topo, cfg.mode)
-        if cfg.ipc and self.mode is not Mode.P2P:
-            raise SyncError(f"colocated IPC needs the p2p path, but {self.fallback_reason}")
-        self.modes = connection_modes(self.mode, cfg.delta.transport if cfg.delta else None)
-        fingerprints = {m.value: topo.fingerprint(m.value) for m in self.modes if not m.is_delta}
-        rdv = Rendezvous(cfg.transport.host, decision.port, topo.trainer.world_size + topo.num_engine_ranks,
-                         decision.name, cfg.transport.backend, cfg.transport.timeout_s)
+        layout_reason = None
+        for whole in (False, True):  # whole: the engines' own loaders shard whole tensors
+            topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
+                            tuple(EngineParallel(tp=t, dtype=dtype, whole=whole) for t in decision.tps),
+                            engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
+                            quantization=decision.facts["quantization"], relay=cfg.relay)
+            if whole:
+                self.mode, self.fallback_reason = Mode.BROADCAST, f"{LAYOUT_MISMATCH}: {layout_reason}"
+            else:
+                self.mode, self.fallback_reason = choose_full(topo, cfg.mode)
+            if cfg.ipc and self.mode is not Mode.P2P:
+                raise SyncError(f"colocated IPC needs the p2p path, but {self.fallback_reason}")
+            self.modes = connection_modes(self.mode, cfg.delta.transport if cfg.delta else None)
+            fingerprints = {m.value: topo.fingerprint(m.value) for m in self.modes if not m.is_delta}
+            rdv = Rendezvous(cfg.transport.host, decision.port, topo.trainer.world_size + topo.num_engine_ranks,
+                             decision.name, cfg.transport.backend, cfg.transport.timeout_s)
 
-        def offer() -> Note:
-            self._engines.connect([connect_request(topo, i, fingerprints, rdv,
-                                                   bucket_bytes=cfg.transport.bucket_bytes,
-                                                   credits=cfg.transport.credits, ipc=cfg.ipc,
-                                                   control=cfg.control.channel,
-                                                   verify=cfg.transport.verify_buckets)
-                                   for i in range(len(self.urls))])
-            return Note()
+            def offer(topo=topo, fingerprints=fingerprints, rdv=rdv) -> Note:
+                self._engines.connect([connect_request(topo, i, fingerprints, rdv,
+                                                       bucket_bytes=cfg.transport.bucket_bytes,
+                                                       credits=cfg.transport.credits, ipc=cfg.ipc,
+                                                       control=cfg.control.channel,
+                                                       verify=cfg.transport.verify_buckets)
+                                       for i in range(len(self.urls))])
+                return Note()
 
-        offered = self._share(self._rank0(offer, Note), Note)
-        if offered.error:
-            raise SyncError(f"engines refused the connect: {offered.error}")
+            offered = self._share(self._rank0(offer, Note), Note)
+            if not offered.error:
+                break
+            # an engine whose parameters are not shardsync's layout takes whole tensors by broadcast
+            if whole or LAYOUT_MISMATCH not in offered.error or cfg.mode == "p2p" or cfg.ipc:
+                raise SyncError(f"engines refused the connect: {offered.error}")
+            layout_reason = offered.error.split(LAYOUT_MISMATCH + ": ", 1)[1][:300]
         self.plan_s = time.perf_counter() - t0
         self.topo = topo
         if cfg.delta is not None and self._snapshot is None:
@@ -170,8 +186,13 @@ class WeightSync:
             self._join(topo, rdv, store)
         self._keys = Keys(rdv.name)
         if self.rank == 0:
-            self._channel = (StoreChannel(store, self._keys, self.urls, cfg.control.http_timeout_s, self._secret)
-                             if cfg.control.channel == "store" else HttpChannel(self._engines))
+            if cfg.control.channel == "vllm":
+                self._engines.bind(store, self._keys)
+                self._channel = self._engines.channel()
+            elif cfg.control.channel == "store":
+                self._channel = StoreChannel(store, self._keys, self.urls, cfg.control.http_timeout_s, self._secret)
+            else:
+                self._channel = HttpChannel(self._engines)
         self._synced = None  # a (re)connected engine set starts with a full update
         self._calls = 0
         if self.rank == 0:
@@ -213,7 +234,7 @@ class WeightSync:
         self.urls.append(url.rstrip("/"))
         if self._engines is not None:
             self._engines.close()
-            self._engines = Engines(self.urls, self.config.control.http_timeout_s, self._secret)
+            self._engines = self._client()
         self.connect()
 
     # -- update --
@@ -326,15 +347,13 @@ class WeightSync:
         lay = self.topo.trainer_layout
         mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, getattr(torch, self.topo.wire_dtype))
         self._calls += 1
-        sums = RankSums(boxes=[BoxSum(logical=k[0], offsets=list(k[1]), sizes=list(k[2]), value=v)
-                               for k, v in mine.items()])
+        sums = RankSums.of(mine)
         parts = ranks.gather(self.group.store, self._keys.check(self._calls, "sums"), sums, RankSums,
                              rank=self.rank, world=self.parallel.world_size, timeout=self._timeout,
                              secret=self._secret)
 
         def judge() -> Verdict:
-            expected = combine({(b.logical, tuple(b.offsets), tuple(b.sizes)): b.value for b in p.boxes}
-                               for p in parts)
+            expected = combine(p.keyed() for p in parts)
             bad = []
             for url, res in zip(self.urls, self._engines.checksums(), strict=True):
                 got = {k: (None if v is None else int(v)) for k, v in res.checksums.items()}

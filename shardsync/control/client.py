@@ -43,18 +43,22 @@ class Engines:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(timeout=timeout_s, headers=headers)
 
-    def call(self, method: str, path: str, payloads: Sequence[BaseModel | dict | None] | None = None) -> list[dict]:
+    def call(self, method: str, path: str, payloads: Sequence[BaseModel | dict | None] | None = None, *,
+             timeout_s: float | None = None) -> list[dict]:
+        """``method path`` on every engine (``payloads[i]`` to engine ``i``); ``SyncError`` on a
+        status >= 400 naming the engine and its answer."""
         payloads = payloads or [None] * len(self.urls)
+        extra = {} if timeout_s is None else {"timeout": timeout_s}
 
         def one(i: int) -> dict:
             url = self.urls[i] + path
             body = payloads[i]
             if isinstance(body, BaseModel):
                 body = body.model_dump(mode="json")
-            r = self._http.request(method, url, json=body)
+            r = self._http.request(method, url, json=body, **extra)
             if r.status_code >= 400:
                 raise SyncError(f"{method} {url} -> {r.status_code}: {r.text[:500]}")
-            return r.json()
+            return r.json() if r.content else {}
 
         if len(self.urls) == 1:  # the common colocated case: no thread hop on the hot path
             return [one(0)]

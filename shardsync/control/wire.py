@@ -57,13 +57,14 @@ class ConnectRequest(Msg):
     trainer: TrainerParallelMsg
     engines: list[Annotated[int, Field(ge=1, le=1024)]] = Field(min_length=1, max_length=MAX_ENGINES)
     engine_index: int = Field(ge=0, lt=MAX_ENGINES)
+    whole: list[bool] = Field(default_factory=list, max_length=MAX_ENGINES)  # per engine; [] = none
     fingerprints: dict[str, Annotated[str, Field(max_length=64)]] = Field(max_length=4)
     bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)
     relay: bool = False
     ipc: Literal[False, "map", "slots"] = False
     verify: bool = False  # every sync-group message followed by its digest (both sides must agree)
-    control: Literal["http", "store"] = "http"  # where begin/finish arrive
+    control: Literal["http", "store", "vllm"] = "http"  # where begin/finish arrive (vllm: its own endpoints)
     rendezvous: RendezvousMsg
 
 
@@ -85,12 +86,10 @@ class FinishRequest(Msg):
     version: Version
 
 
-class UpdateResult(BaseModel):
-    """One engine's outcome of one update: its receivers' ``Stats`` reduced over TP ranks."""
+class Received(BaseModel):
+    """What a receive cost and moved (one engine rank's, or reduced over an engine's)."""
 
-    version: int
-    mode: str
-    ok: bool
+    ok: bool = True
     error: str | None = None
     pack_s: float = 0.0
     transfer_s: float = 0.0
@@ -101,6 +100,14 @@ class UpdateResult(BaseModel):
     buffer_bytes: int = 0
     buckets: int = 0
     destination: str = "params"
+
+
+class UpdateResult(Received):
+    """One engine's outcome of one update: its receivers' ``Stats`` reduced over TP ranks."""
+
+    version: int
+    mode: str
+    ok: bool
 
 
 class VersionResponse(BaseModel):
@@ -175,9 +182,17 @@ class BoxSum(Msg):
 
 
 class RankSums(Msg):
-    """One trainer rank's checksums of its pieces (``runtime.checksum`` keys as fields)."""
+    """One rank's checksums of its pieces (``runtime.checksum`` keys as fields)."""
 
     boxes: list[BoxSum]
+
+    @classmethod
+    def of(cls, sums: dict) -> RankSums:
+        return cls(boxes=[BoxSum(logical=k[0], offsets=list(k[1]), sizes=list(k[2]), value=v)
+                          for k, v in sums.items()])
+
+    def keyed(self) -> dict:
+        return {(b.logical, tuple(b.offsets), tuple(b.sizes)): b.value for b in self.boxes}
 
 
 class Verdict(Msg):
@@ -186,6 +201,12 @@ class Verdict(Msg):
 
 class Stop(Msg):
     stop: Literal[True] = True
+
+
+class RankReport(Received):
+    """One engine rank's share of an ``UpdateResult`` (engines reduce them over TP ranks)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # -- store keys --
@@ -205,6 +226,13 @@ class Keys:
 
     def result(self, seq: int, engine: int) -> str:
         return f"{self.name}/ctl/{seq}/result/{engine}"
+
+    # engines whose ranks answer for themselves (vLLM workers): one value per engine rank
+    def rank_result(self, seq: int, engine: int, rank: int) -> str:
+        return f"{self.name}/ctl/{seq}/result/{engine}/{rank}"
+
+    def rank_checksums(self, seq: int, engine: int, rank: int) -> str:
+        return f"{self.name}/ck/{seq}/{engine}/{rank}"
 
     # trainer ranks: call ``n`` on this connection
     def go(self, n: int) -> str:

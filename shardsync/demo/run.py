@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 
 from shardsync.demo import report
@@ -46,6 +47,13 @@ class DemoConfig:
     engine_dtype: str | None = None  # None: the model's; delta defaults to bfloat16
     device: str = "cpu"  # "cuda": trainer ranks and engines on the GPU(s), sharing them
     ipc: bool | None = None  # engines read the trainer's tensors in place; None: on with cuda
+    engine: str = "reference"  # or "vllm": real vLLM servers (docs/vllm.md)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("reference", "vllm"):
+            raise ValueError(f"engine must be reference or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and (self.device != "cpu" or self.ipc):
+            raise ValueError("--engine vllm runs vLLM's CPU build here: no --device cuda or --ipc")
 
     @property
     def uses_ipc(self) -> bool:
@@ -71,10 +79,34 @@ class DemoConfig:
 
 
 def start_engines(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
+    if cfg.engine == "vllm":
+        return _start_vllm(cfg)
     engines = [spawn_server(cfg.engine_config(tp, port=free_port())) for tp in cfg.engine_tp]
     deadline = time.monotonic() + cfg.timeout_s
     for proc, url in engines:
         wait_healthy(url, proc, max(0.0, deadline - time.monotonic()))
+    return engines
+
+
+def _start_vllm(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
+    """vLLM servers started from a checkpoint of the trainer's initial weights."""
+    from shardsync.engines.vllm import serve
+    from shardsync.launch.loop import initial_weights
+    from shardsync.models.checkpoint import write_checkpoint
+
+    out = Path(cfg.out).resolve()
+    spec, source = initial_weights(cfg)
+    dtype = cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else spec.dtype)
+    ckpt = str(write_checkpoint(spec, source, out / "checkpoint", dtype=getattr(torch, dtype)))
+    engines = []
+    try:
+        for i, tp in enumerate(cfg.engine_tp):  # one at a time: two starting together crowd 2 cores
+            engines.append(serve.start(serve.VllmServer(ckpt, tp=tp, dtype=dtype), log_path=str(out / f"vllm{i}.log"),
+                                       timeout_s=max(cfg.timeout_s, 300)))
+    except Exception:
+        for proc, _ in engines:
+            serve.stop(proc)
+        raise
     return engines
 
 
@@ -96,6 +128,22 @@ def _trainer(rank: int, cfg: DemoConfig, port: int, urls: list[str], results) ->
         results.put(("done", None, list(modes)))
 
 
+def _stop(cfg: DemoConfig, engines: list[tuple[subprocess.Popen, str]]) -> None:
+    if cfg.engine == "vllm":
+        from shardsync.engines.vllm import serve
+
+        for proc, _ in engines:
+            serve.stop(proc)
+        return
+    for proc, _ in engines:
+        proc.terminate()
+    for proc, _ in engines:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def run_demo(cfg: DemoConfig) -> int:
     """Parent process: engines as subprocesses, trainer ranks as spawned processes."""
     out = Path(cfg.out)
@@ -115,7 +163,7 @@ def run_demo(cfg: DemoConfig) -> int:
         for p in procs:
             p.start()
         print(f"shardsync demo: {cfg.model}, trainer TP{cfg.trainer_tp} PP{cfg.trainer_pp} -> "
-              f"engines TP {list(cfg.engine_tp)}, {cfg.steps} GRPO steps, modes {cfg.modes}")
+              f"{'vLLM' if cfg.engine == 'vllm' else 'engines'} TP {list(cfg.engine_tp)}, {cfg.steps} GRPO steps, modes {cfg.modes}")
         modes: list[str] = cfg.modes
         printed = False
         deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 2)
@@ -150,11 +198,5 @@ def run_demo(cfg: DemoConfig) -> int:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        for proc, _ in engines:
-            proc.terminate()
-        for proc, _ in engines:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(cfg, engines)
     return code

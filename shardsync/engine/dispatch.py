@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardsync.control.report import reduce_reports
 from shardsync.control.session import Stale, UpdateSession
 from shardsync.control.wire import UpdateResult
 from shardsync.engine.worker import EngineWorker
@@ -48,22 +49,6 @@ class Command:
     started: Future = field(default_factory=Future)  # set when the workers begin running it
     deadline: float | None = None
     timeout_s: float = 300.0
-
-
-def reduce_results(version: int, mode: str, results: list[dict], error: str | None = None) -> UpdateResult:
-    """One engine's ``UpdateResult`` from its TP workers' results (times: the slowest rank)."""
-    error = error or next((r["error"] for r in results if not r["ok"]), None)
-    ok = [r for r in results if r.get("ok")] if error is None else []
-
-    def top(k: str) -> float:
-        return max((r[k] for r in ok), default=0.0)
-
-    return UpdateResult(version=version, mode=mode, ok=error is None, error=error,
-                        pack_s=top("pack_s"), transfer_s=top("transfer_s"), unpack_s=top("unpack_s"),
-                        total_s=top("total_s"), bytes_received=sum(r["bytes_received"] for r in ok),
-                        changed=sum(r["changed"] for r in ok), buffer_bytes=int(top("buffer_bytes")),
-                        buckets=sum(r["buckets"] for r in ok),
-                        destination=ok[0]["destination"] if ok else "params")
 
 
 class Dispatcher:
@@ -138,7 +123,7 @@ class Dispatcher:
 
     def _settle(self, cmd: Command, results: list[dict], error: str | None = None) -> UpdateResult:
         mode = UPDATES[cmd.kind] or cmd.args["mode"]
-        res = self.session.settle(reduce_results(cmd.args["version"], mode, results, error))
+        res = self.session.settle(reduce_reports(cmd.args["version"], mode, results, error))
         if not res.ok:
             log.warning("engine stale: %s", self.session.stale_reason)
         return res

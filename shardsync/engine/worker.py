@@ -12,21 +12,13 @@ from typing import Any
 
 import torch
 
+from shardsync.control.report import rank_report
 from shardsync.control.wire import ConnectRequest
 from shardsync.mode import Mode
 from shardsync.models.engine import EngineModel
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Params, Receiver
-from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
-
-
-def _result(stats: Stats, t0: float, destination: str) -> dict[str, Any]:
-    """A worker's share of an ``UpdateResult`` (reduced over TP ranks by the dispatcher)."""
-    return {"ok": True, "pack_s": stats.pack_s, "transfer_s": stats.transfer_s, "unpack_s": stats.unpack_s,
-            "total_s": time.perf_counter() - t0, "bytes_received": stats.bytes_received,
-            "changed": stats.changed, "buffer_bytes": stats.peak_buffer_bytes, "buckets": stats.buckets,
-            "destination": destination}
 
 
 class EngineWorker:
@@ -64,7 +56,7 @@ class EngineWorker:
             stats = self.receiver.receive(Mode(mode), UpdateArgs(version=version))
         except Exception as e:  # the receiver left the broken group; the dispatcher marks stale
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        return _result(stats, t0, self.receiver.destination.name)
+        return rank_report(stats, t0, self.receiver.destination.name).model_dump()
 
     def pull(self, root: str, version: int, current: int) -> dict[str, Any]:
         """Apply delta ``version`` from ``root`` (a shared directory) to this rank's weights."""
@@ -73,7 +65,7 @@ class EngineWorker:
             stats = self.receiver.pull(root, version, current)
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        return _result(stats, t0, self.receiver.destination.name)
+        return rank_report(stats, t0, self.receiver.destination.name).model_dump()
 
     def checksum(self) -> dict:
         return self.receiver.checksums()

@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 import torch.distributed as dist
 
 from shardsync.demo import DemoConfig, task
+from shardsync.launch.serving import SERVING
 from shardsync.placement import rank_device
 from shardsync.runtime.record import UpdateRecord
 
@@ -60,7 +60,7 @@ class StepResult:
     records: tuple[UpdateRecord, ...]
 
 
-def _weights(cfg: DemoConfig):
+def initial_weights(cfg: DemoConfig):
     """Initial trainer weights: the checkpoint when ``cfg.model`` is a directory, else the
     preset's random weights (the same ones an engine started with that seed holds)."""
     from shardsync.models.weights import checkpoint_source, random_source
@@ -75,38 +75,33 @@ def _weights(cfg: DemoConfig):
 def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, version: int) -> dict:
     """Rank 0: ``cfg.prompts`` prompts spread round-robin over the engines (all engines
     asked at once), ``cfg.group`` samples each, scored by ``task.reward``."""
+    serving = SERVING[cfg.engine]()
     prompts = task.make_prompts(step, cfg.prompts, cfg.prompt_len, vocab, cfg.seed)
     batches = [[p for i, p in enumerate(prompts) if i % len(engines) == e for _ in range(cfg.group)]
                for e in range(len(engines))]
 
-    def generate(e: int) -> list[dict]:
+    def generate(e: int) -> list:
         if not batches[e]:
             return []
-        r = httpx.post(engines[e] + "/generate", timeout=cfg.timeout_s, json={
-            "prompts": batches[e], "max_new_tokens": cfg.max_new_tokens, "temperature": 1.0,
-            "seed": cfg.seed * 7919 + step})
-        r.raise_for_status()
-        body = r.json()
-        if body["weight_version"] != version:
-            raise RuntimeError(f"{engines[e]} answered with weight version "
-                               f"{body['weight_version']}, expected {version}")
-        return body["outputs"]
+        samples, got = serving.generate(engines[e], batches[e], max_new_tokens=cfg.max_new_tokens,
+                                        temperature=1.0, seed=cfg.seed * 7919 + step, timeout_s=cfg.timeout_s)
+        if got != version:
+            raise RuntimeError(f"{engines[e]} answered with weight version {got}, expected {version}")
+        return samples
 
     with ThreadPoolExecutor(len(engines)) as pool:
         outputs = list(pool.map(generate, range(len(engines))))
     ids, logprobs, rewards = [], [], []
     for batch, outs in zip(batches, outputs, strict=True):
         for prompt, out in zip(batch, outs, strict=True):
-            ids.append(prompt + out["tokens"])
-            logprobs.append(out["logprobs"])
-            rewards.append(task.reward(out["tokens"], vocab))
+            ids.append(prompt + out.tokens)
+            logprobs.append(out.logprobs)
+            rewards.append(task.reward(out.tokens, vocab))
     return {"ids": ids, "engine_logprobs": logprobs, "rewards": rewards}
 
 
 def engine_logprobs(url: str, seqs: list[list[int]], cfg: DemoConfig) -> torch.Tensor:
-    r = httpx.post(url + "/logprobs", json={"sequences": seqs}, timeout=cfg.timeout_s)
-    r.raise_for_status()
-    return torch.tensor(r.json()["logprobs"])
+    return SERVING[cfg.engine]().score(url, seqs, timeout_s=cfg.timeout_s)
 
 
 def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> Iterator[StepResult]:
@@ -117,7 +112,13 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     and tears both down when the generator finishes or is closed.  ``verify=False`` skips
     the bitwise checksum after each update (``checksum_ok`` is then None).
     """
-    from shardsync.config import ColocatedConfig, DeltaConfig, SyncConfig, TransportConfig
+    from shardsync.config import (
+        ColocatedConfig,
+        ControlConfig,
+        DeltaConfig,
+        SyncConfig,
+        TransportConfig,
+    )
     from shardsync.control.ranks import share_json
     from shardsync.layout import MegatronParallel
     from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
@@ -131,7 +132,7 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
     sync = None
     try:
-        spec, source = _weights(cfg)
+        spec, source = initial_weights(cfg)
         groups = megatron_groups(par, timeout_s=cfg.timeout_s)
         device = torch.device(rank_device(cfg.device, rank))
         model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
@@ -146,6 +147,7 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
                                      delta=DeltaConfig(transport=cfg.delta_transport, dir=where.delta_dir)
                                      if cfg.mode == "delta" else None,
                                      colocated=ColocatedConfig() if cfg.uses_ipc else None,
+                                     control=ControlConfig(channel="vllm" if cfg.engine == "vllm" else "store"),
                                      records_path=where.records_path if rank == 0 else None),
                           trainer_group=dist.group.WORLD)
         sync.connect()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsync.layout.full import full_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
@@ -25,6 +26,9 @@ class EngineParallel:
     tp: int = 1
     vocab_pad: int = 64
     dtype: str | None = None
+    # every rank holds every logical tensor whole and the engine's own loader shards it: for
+    # engines whose parameters are not shardsync's engine layout (the always-working layout)
+    whole: bool = False
 
     def padded_vocab(self, vocab: int) -> int:
         pad = self.vocab_pad
@@ -105,8 +109,10 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
 
 def engine_layout(spec: ModelSpec, par: EngineParallel) -> Layout:
     """One engine's layout over its ``par.tp`` ranks (tied models have no ``lm_head`` param)."""
+    dtype = par.dtype or spec.dtype
+    if par.whole:
+        return full_layout(spec, replicas=par.tp, dtype=dtype)
     check_engine(spec, par)
     logical = logical_tensors(spec)
-    dtype = par.dtype or spec.dtype
     ranks = tuple(_engine_rank(spec, par, r, logical, dtype) for r in range(par.tp))
     return Layout("engine", spec, logical, ranks, (("tp", par.tp),))

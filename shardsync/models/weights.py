@@ -35,6 +35,19 @@ def random_source(spec: ModelSpec, seed: int = 0, *, std: float = 0.02) -> Tenso
     return get
 
 
+def sparse_change(source: TensorSource, tag: int, *, density: float = 0.01, scale: float = 0.05) -> TensorSource:
+    """``source`` with about ``density`` of every tensor's elements moved (what an RL step
+    with a small learning rate changes, and what a delta update carries), seeded by ``tag``."""
+    def get(name: str) -> torch.Tensor:
+        t = source(name).clone()
+        digest = hashlib.sha256(f"change:{tag}:{name}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        mask = torch.rand(t.shape, generator=g) < density
+        t[mask] += scale * torch.randn(int(mask.sum()), generator=g)
+        return t
+    return get
+
+
 def logical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     from shardsync.layout.logical import logical_tensors
     return logical_tensors(spec)[name]

@@ -38,6 +38,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
                     "make_vocab_size_divisible_by": t.make_vocab_size_divisible_by,
                     "norm_names": t.norm_names, "dtype": t.dtype},
         "engines": [e.tp for e in topo.engines], "engine_index": index, "fingerprints": fingerprints,
+        "whole": [e.whole for e in topo.engines] if any(e.whole for e in topo.engines) else [],
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc or False,
         "control": control, "verify": verify, "rendezvous": dataclasses.asdict(rdv),
     })
@@ -50,7 +51,10 @@ def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
     if t.get("pp_layers") is not None:
         t["pp_layers"] = tuple(t["pp_layers"])
     trainer = MegatronParallel(**t)
-    engines = tuple(EngineParallel(tp=tp, dtype=dtype) for tp in req.engines)
+    whole = req.whole or [False] * len(req.engines)
+    if len(whole) != len(req.engines):
+        raise ValueError(f"whole names {len(whole)} engines, engines {len(req.engines)}")
+    engines = tuple(EngineParallel(tp=tp, dtype=dtype, whole=w) for tp, w in zip(req.engines, whole, strict=True))
     return Topology(spec, trainer, engines, relay=req.relay)
 
 

@@ -35,14 +35,15 @@ class Receiver:
     dtype and device, and where received bytes go (``Destination``)."""
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", secret: str | None = None) -> None:
-        self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
+                 dtype: torch.dtype, device: torch.device | str = "cpu", secret: str | None = None,
+                 whole: bool = False) -> None:
+        self.spec, self.tp_rank, self.tp_size, self.whole = spec, tp_rank, tp_size, whole
         self.destination = destination
         self._secret = secret  # the trainer signs the store values this rank acts on
         self.dtype, self.device = dtype, torch.device(device)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.layout = engine_layout(spec.replace(dtype=self.dtype_name),
-                                    EngineParallel(tp=tp_size, dtype=self.dtype_name))
+                                    EngineParallel(tp=tp_size, dtype=self.dtype_name, whole=whole))
         self.rank_layout = self.layout.ranks[tp_rank]
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
@@ -58,6 +59,9 @@ class Receiver:
         returns this rank's sync rank.  A join that fails leaves the current connection as
         it was and releases what it built."""
         topo = topology_from_connect(req, self.dtype_name)
+        if topo.engines[req.engine_index].whole != self.whole:
+            raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
+                             f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")
         me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.tp_rank
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.

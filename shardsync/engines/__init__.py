@@ -1,0 +1,1 @@
+"""Receivers hosted inside real rollout engines, one package per engine (``vllm``)."""
