@@ -177,6 +177,9 @@ class WeightSync:
         if cfg.delta is not None and self._snapshot is None:
             self._snapshot = Snapshot(self.params, getattr(torch, topo.wire_dtype), pin=cfg.delta.pin_memory)
         store = open_store(rdv, is_master=self.rank == 0)
+        self._keys = Keys(rdv.name)
+        if self.rank == 0 and cfg.control.channel == "vllm":
+            self._engines.bind(store, self._keys)  # vLLM's workers answer through the store
         if self.rank == 0:
             with ThreadPoolExecutor(1) as pool:
                 joined = pool.submit(self._engines.join)
@@ -184,10 +187,8 @@ class WeightSync:
                 joined.result()
         else:
             self._join(topo, rdv, store)
-        self._keys = Keys(rdv.name)
         if self.rank == 0:
             if cfg.control.channel == "vllm":
-                self._engines.bind(store, self._keys)
                 self._channel = self._engines.channel()
             elif cfg.control.channel == "store":
                 self._channel = StoreChannel(store, self._keys, self.urls, cfg.control.http_timeout_s, self._secret)

@@ -38,10 +38,12 @@ class SyncError(RuntimeError):
 class Engines:
     """HTTP client of every engine of one trainer (used on trainer rank 0 only)."""
 
-    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None) -> None:
+    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
+                 keepalive: bool = True) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(timeout=timeout_s, headers=headers)
+        limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
+        self._http = httpx.Client(timeout=timeout_s, headers=headers, limits=limits)
 
     def call(self, method: str, path: str, payloads: Sequence[BaseModel | dict | None] | None = None, *,
              timeout_s: float | None = None) -> list[dict]:

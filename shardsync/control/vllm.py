@@ -6,18 +6,17 @@ carry no results, so each worker writes its report into the sync group's store
 (``engines.vllm.backend``).  Per update, O(1) calls per engine whatever the bucket count:
 ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` (runs while the
 trainer sends) -> ``/finish_weight_update`` (the weight version) -> ``/resume``; a failed
-update is never resumed: vLLM stays paused until the next full update succeeds.
+update ends the session without a version and is never resumed: vLLM stays paused until
+the next full update succeeds.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import httpx
 import torch.distributed as dist
 
 from shardsync.control import auth
@@ -28,6 +27,7 @@ from shardsync.control.wire import (
     ChecksumResponse,
     ConnectRequest,
     InfoResponse,
+    Joined,
     Keys,
     RankReport,
     RankSums,
@@ -64,7 +64,9 @@ class VllmEngines:
 
     def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
                  update_timeout_s: float = 600.0, pause_mode: str = "wait") -> None:
-        self.http = Engines(urls, timeout_s)  # vLLM's own routes take no shardsync bearer
+        # vLLM's own routes take no shardsync bearer; a fresh connection per call: after a 500
+        # vLLM's server drops the kept-alive one (seen: the next call reads a reset)
+        self.http = Engines(urls, timeout_s, keepalive=False)
         self.urls, self.secret = self.http.urls, token
         self.update_timeout_s, self.pause_mode = update_timeout_s, pause_mode
         self.requests: list[ConnectRequest] = []
@@ -96,20 +98,8 @@ class VllmEngines:
             mac = auth.mac(self.secret, MAC_KEY, connect_body(connect)) if self.secret else None
             return {"init_info": {"connect": connect, "join": join, "mac": mac}}
 
-        payloads = [body(r) for r in self.requests]
-        for attempt in range(3):
-            try:
-                self.http.call("POST", "/init_weight_transfer_engine", payloads, timeout_s=self.update_timeout_s)
-                return
-            except (SyncError, httpx.TransportError) as e:
-                # Seen with vLLM TP > 1: when an update failed on one worker first, vLLM's
-                # executor hands another worker's late error of that update to the next call
-                # (and the server then drops the connection).  The check phase changes
-                # nothing, so it is asked again.
-                stale = UPDATE_FAILED in str(e) or isinstance(e, httpx.TransportError)
-                if join or not stale or attempt == 2:
-                    raise
-                time.sleep(0.5)
+        self.http.call("POST", "/init_weight_transfer_engine", [body(r) for r in self.requests],
+                       timeout_s=self.update_timeout_s)
 
     def connect(self, requests: Sequence[ConnectRequest]) -> None:
         """Every worker checks the plans and its own layout; nothing is joined."""
@@ -117,7 +107,14 @@ class VllmEngines:
         self._init(join=False)
 
     def join(self) -> None:
+        """Every worker joins the sync group; an update session a gone trainer left open
+        (its workers report it) is closed, without a version, before this trainer's first."""
         self._init(join=True)
+        timeout = datetime.timedelta(seconds=self.update_timeout_s)
+        left_open = [get(self.store, self.keys.rank_joined(i, r), Joined, timeout, self.secret).session_open
+                     for i, req in enumerate(self.requests) for r in range(req.engines[i])]
+        if any(left_open):
+            self.close_session()
 
     def bind(self, store: dist.Store, keys: Keys) -> None:
         self.store, self.keys, self.seq = store, keys, 0
@@ -143,10 +140,36 @@ class VllmEngines:
             out.append(reduce_reports(version, mode.value, reports))
         return out
 
-    def end(self, version: int | None) -> None:
-        self.http.call("POST", "/finish_weight_update",
-                       [{"weight_version": None if version is None else str(version)}] * len(self.urls))
+    def end(self, version: int) -> None:
+        """The update succeeded everywhere: vLLM takes the version and generates again."""
+        self.http.call("POST", "/finish_weight_update", [{"weight_version": str(version)}] * len(self.urls))
         self.http.call("POST", "/resume")
+
+    def close_session(self) -> None:
+        """End vLLM's update session, keeping its version and leaving it paused."""
+        self.http.call("POST", "/finish_weight_update", [{"weight_version": None}] * len(self.urls))
+
+    def settle(self, version: int, mode: Mode) -> list[UpdateResult]:
+        """Every worker's report; on success vLLM moves to ``version`` and resumes, on any
+        failure it stays paused on its previous weights (``SyncError`` says which rank)."""
+        try:
+            results = self.results(version, mode)
+        except Exception as err:
+            self._close_quietly()
+            raise SyncError(f"vLLM update {version}: no report from every worker ({err}); vLLM stays "
+                            "paused until a full update succeeds") from None
+        bad = next((r for r in results if not r.ok), None)
+        if bad is not None:
+            self._close_quietly()
+            raise SyncError(f"{bad.error}; vLLM stays paused until a full update succeeds")
+        self.end(version)
+        return results
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close_session()
+        except Exception:  # the engine may be gone too; the next connect closes what is left
+            pass
 
     def channel(self) -> VllmChannel:
         return VllmChannel(self)
@@ -162,9 +185,7 @@ class VllmEngines:
         self.seq += 1
         self.start()
         self.send(self._update_info(version, Mode.DELTA_DISK, root=root, base_version=None))
-        results = self.results(version, Mode.DELTA_DISK)
-        self.end(version)
-        return results
+        return self.settle(version, Mode.DELTA_DISK)
 
     def checksums(self) -> list[ChecksumResponse]:
         """Each worker's checksums of what it holds (a round that changes no weight)."""
@@ -172,7 +193,7 @@ class VllmEngines:
         version = self.versions()[0].weight_version
         self.http.call("POST", "/start_weight_update")
         self.send(self._update_info(version, Mode.BROADCAST, op="checksum"))
-        self.http.call("POST", "/finish_weight_update", [{"weight_version": None}] * len(self.urls))
+        self.close_session()
         timeout = datetime.timedelta(seconds=self.update_timeout_s)
         out = []
         for i, req in enumerate(self.requests):
@@ -210,8 +231,7 @@ class VllmChannel:
         try:
             self._sending.result(timeout=self.engines.update_timeout_s + 30)
         except Exception as err:
+            self.engines._close_quietly()
             raise SyncError(f"vLLM update {version} failed: {err}; vLLM stays paused on its previous "
                             "weights until a full update succeeds") from None
-        results = self.engines.results(version, self._mode)
-        self.engines.end(version)
-        return results
+        return self.engines.settle(version, self._mode)

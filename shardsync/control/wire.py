@@ -203,6 +203,12 @@ class Stop(Msg):
     stop: Literal[True] = True
 
 
+class Joined(Msg):
+    """An engine rank that joined: whether an update session of a previous trainer is open."""
+
+    session_open: bool = False
+
+
 class RankReport(Received):
     """One engine rank's share of an ``UpdateResult`` (engines reduce them over TP ranks)."""
 
@@ -230,6 +236,9 @@ class Keys:
     # engines whose ranks answer for themselves (vLLM workers): one value per engine rank
     def rank_result(self, seq: int, engine: int, rank: int) -> str:
         return f"{self.name}/ctl/{seq}/result/{engine}/{rank}"
+
+    def rank_joined(self, engine: int, rank: int) -> str:
+        return f"{self.name}/joined/{engine}/{rank}"
 
     def rank_checksums(self, seq: int, engine: int, rank: int) -> str:
         return f"{self.name}/ck/{seq}/{engine}/{rank}"

@@ -73,10 +73,20 @@ class VllmServing:
 
     def generate(self, url, prompts, *, max_new_tokens, temperature, seed, timeout_s):
         version = self._version(url, timeout_s)  # generation never runs across an update: vLLM is paused
-        choices = self._complete(url, timeout_s, prompt=prompts, max_tokens=max_new_tokens,
-                                 temperature=temperature, seed=seed, logprobs=1)
-        samples = [Sample([int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]],
-                          [float(x) for x in c["logprobs"]["token_logprobs"]]) for c in choices]
+        # a seed is per request and repeats a prompt's sample: each run of equal prompts is one
+        # request for n samples
+        runs: list[tuple[list[int], int]] = []
+        for p in prompts:
+            if runs and runs[-1][0] == p:
+                runs[-1] = (p, runs[-1][1] + 1)
+            else:
+                runs.append((p, 1))
+        samples = []
+        for i, (prompt, n) in enumerate(runs):
+            for c in self._complete(url, timeout_s, prompt=prompt, n=n, max_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed + i, logprobs=1):
+                samples.append(Sample([int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]],
+                                      [float(x) for x in c["logprobs"]["token_logprobs"]]))
         return samples, version
 
     def score(self, url, seqs, *, timeout_s):

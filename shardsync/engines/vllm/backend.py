@@ -29,14 +29,18 @@ from vllm.distributed.weight_transfer.base import (
 from shardsync.control import auth
 from shardsync.control.report import rank_report
 from shardsync.control.vllm import ENV_LAYOUT, LAYOUT_MISMATCH, MAC_KEY, UPDATE_FAILED, connect_body
-from shardsync.control.wire import ConnectRequest, Keys, RankSums, put
+from shardsync.control.wire import ConnectRequest, Joined, Keys, RankReport, RankSums, put
 from shardsync.engines.vllm import params
 from shardsync.mode import Mode
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Loader, Params, Receiver, Slice, check_connect
+from shardsync.runtime.stats import Stats
 from shardsync.spec import spec_from_config
 
 log = logging.getLogger(__name__)
+
+
+ERROR_BYTES = 1024  # what a worker's error message may take when TP workers agree on it
 
 
 @dataclass
@@ -128,6 +132,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.engine_index = 0
         self.version: int | None = None  # last version applied through shardsync
         self.stale = False  # staging no longer holds ``version`` (a delta cannot apply)
+        self.session_open = False  # mirrors vLLM's "weight update active" flag of this worker
         try:
             self._build()
         except Exception as e:  # never break vLLM's start: refuse at connect instead
@@ -165,7 +170,36 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
     # -- connect --
 
+    def _agree(self, fn, *args) -> None:
+        """Run ``fn`` here, then tell every TP worker whether any failed; only the last TP rank
+        raises.  vLLM's executor reads worker answers in rank order and stops at the first
+        failure: an exception on an earlier rank leaves the later ranks' answers queued, and
+        every later call of vLLM's then gets the answer of the call before it (seen)."""
+        try:
+            fn(*args)
+            error = ""
+        except Exception as e:
+            error = str(e) or type(e).__name__
+        if self.tp_size == 1:
+            if error:
+                raise RuntimeError(error)
+            return
+        from vllm.distributed import get_tp_group
+
+        mine = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
+        raw = error.encode()[:ERROR_BYTES]
+        mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        every = [torch.zeros_like(mine) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(every, mine, group=get_tp_group().cpu_group)
+        errors = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
+        first = next((e for e in errors if e), None)
+        if first and self.tp_rank == self.tp_size - 1:
+            raise RuntimeError(first)
+
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
+        self._agree(self._init, init_info)
+
+    def _init(self, init_info: ShardsyncInitInfo) -> None:
         if self.problem:
             raise ValueError(f"shardsync: {self.problem}")
         if self.secret is not None:
@@ -189,42 +223,61 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.receiver, self.fingerprints = rx, fingerprints
         self.keys, self.engine_index = Keys(req.rendezvous.name), req.engine_index
         self.stale = True  # the first update of a connection is a full one
+        # a session a gone trainer left open: the new one closes it before its first update
+        put(rx.group.store, self.keys.rank_joined(self.engine_index, self.tp_rank),
+            Joined(session_open=self.session_open), self.secret)
 
     # -- update --
 
+    # The update lifecycle never raises into vLLM: vLLM keeps a per-worker "update active"
+    # flag that an exception resets on that worker alone, and an exception on one worker
+    # desynchronizes the answers of every later call (``_agree``).  Failures travel as
+    # ``RankReport(ok=False)`` through the sync group's store instead.
+
     def start_weight_update(self) -> None:
-        if self.receiver is None or not self.receiver.connected:
-            raise RuntimeError("shardsync: not connected; init_weight_transfer_engine first")
+        self.session_open = True
 
     def receive_weights(self, update: ShardsyncUpdateInfo) -> None:
         t0 = time.perf_counter()
-        rx, store = self.receiver, self.receiver.group.store
+        rx = self.receiver
+        if rx is None or not rx.connected or self.keys is None:
+            log.warning("shardsync: tp%d: update %d without a connection; ignored (the trainer times out "
+                        "waiting for this rank's report)", self.tp_rank, update.version)
+            return
+        store = rx.group.store
         if update.op == "checksum":
             put(store, self.keys.rank_checksums(update.seq, self.engine_index, self.tp_rank),
                 RankSums.of(rx.checksums()), self.secret)
             return
+        key = self.keys.rank_result(update.seq, self.engine_index, self.tp_rank)
+        try:
+            report = rank_report(self._receive(rx, update), t0, rx.destination.name)
+        except Exception as e:
+            log.warning("shardsync: tp%d: update %d (%s) failed: %s", self.tp_rank, update.version, update.mode, e)
+            report = RankReport(ok=False, error=f"{UPDATE_FAILED}: version {update.version} on tp{self.tp_rank}: "
+                                                f"{e}; vLLM keeps its previous weights; reconnect and send a full update")
+        try:
+            put(store, key, report, self.secret)
+        except Exception as e:  # the trainer is gone: nobody to tell
+            log.warning("shardsync: tp%d: cannot report update %d: %s", self.tp_rank, update.version, e)
+
+    def _receive(self, rx: Receiver, update: ShardsyncUpdateInfo) -> Stats:
         mode = Mode(update.mode)
         if mode.is_delta and (self.stale or update.base_version != self.version):
-            raise ValueError(f"shardsync: delta against version {update.base_version}, but this worker "
+            raise ValueError(f"delta against version {update.base_version}, but this worker "
                              f"{'is stale' if self.stale else f'holds {self.version}'}: send a full update")
         if mode is not Mode.DELTA_DISK and self.fingerprints.get(mode.plan.value) != update.fingerprint:
-            raise ValueError(f"shardsync: {mode} plan fingerprint differs from the connected one")
+            raise ValueError(f"{mode} plan fingerprint differs from the connected one")
         self.stale = True
-        try:
-            if mode is Mode.DELTA_DISK:
-                stats = rx.pull(update.root, update.version, update.base_version)
-            else:
-                stats = rx.receive(mode, UpdateArgs(version=update.version, base_version=update.base_version))
-        except Exception as e:
-            log.warning("shardsync: tp%d: update %d (%s) failed: %s", self.tp_rank, update.version, mode, e)
-            raise RuntimeError(f"{UPDATE_FAILED}: version {update.version} on tp{self.tp_rank}: {e}; "
-                               "vLLM keeps its previous weights; reconnect and send a full update") from e
+        if mode is Mode.DELTA_DISK:
+            stats = rx.pull(update.root, update.version, update.base_version)
+        else:
+            stats = rx.receive(mode, UpdateArgs(version=update.version, base_version=update.base_version))
         self.version, self.stale = update.version, False
-        put(store, self.keys.rank_result(update.seq, self.engine_index, self.tp_rank),
-            rank_report(stats, t0, rx.destination.name), self.secret)
+        return stats
 
     def finish_weight_update(self) -> None:
-        return None
+        self.session_open = False
 
     def shutdown(self) -> None:
         if self.receiver is not None:
