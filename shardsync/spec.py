@@ -19,6 +19,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 # Per-family architecture flags (not present as config keys in HF configs).
@@ -26,7 +27,9 @@ FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
     "llama": {"qkv_bias": False, "qk_norm": False},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
 }
+MOE_FAMILIES = ("qwen3_moe",)
 
 FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,7 +37,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape-defining numbers of a dense Qwen2/Qwen3/Llama decoder (HF naming)."""
+    """Shape-defining numbers of a Qwen2/Qwen3/Llama decoder, dense or Qwen3-MoE (HF naming)."""
 
     name: str
     family: str
@@ -51,8 +54,16 @@ class ModelSpec:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=True)
     max_position_embeddings: int = 32768
     dtype: str = "bfloat16"
+    # mixture of experts (Qwen3-MoE naming); num_experts == 0: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1  # every step-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which stay dense
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
         if self.family not in FAMILY_FLAGS:
             raise ValueError(
                 f"unknown model family {self.family!r}; supported: {sorted(FAMILY_FLAGS)}"
@@ -63,6 +74,14 @@ class ModelSpec:
                     "intermediate_size", "vocab_size"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{self.name}: {key} must be positive, got {getattr(self, key)}")
+        moe = self.family in MOE_FAMILIES
+        if moe != (self.num_experts > 0):
+            raise ValueError(f"{self.name}: family {self.family} {'needs' if moe else 'takes no'} experts "
+                             f"(num_experts={self.num_experts})")
+        if moe and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+                        and self.decoder_sparse_step > 0):
+            raise ValueError(f"{self.name}: experts need 0 < num_experts_per_tok <= num_experts, a positive "
+                             "moe_intermediate_size and decoder_sparse_step")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
@@ -80,6 +99,15 @@ class ModelSpec:
     @property
     def architecture(self) -> str:
         return FAMILY_ARCHITECTURE[self.family]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has experts (the HF Qwen3-MoE rule)."""
+        return (self.is_moe and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def heads_per_group(self) -> int:
@@ -125,6 +153,11 @@ class ModelSpec:
         }
         if self.family == "llama":
             cfg["mlp_bias"] = False
+        if self.is_moe:
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                       norm_topk_prob=self.norm_topk_prob)
         return cfg
 
 
@@ -170,7 +203,16 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
+        **(_moe_fields(cfg) if family in MOE_FAMILIES else {}),
     )
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
+            "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}
 
 
 def _llama3_rope(factor: float) -> dict[str, Any]:
@@ -221,6 +263,14 @@ _PRESET_LIST = [
             max_position_embeddings=2048, dtype="float32"),
     _preset("tiny-llama", "llama", 256, 4, 8, 4, 32, 512, 1200, False,
             rope_scaling=_llama3_rope(8.0), max_position_embeddings=16384, dtype="float32"),
+    # mixture of experts: specs and plans' metadata only, layouts refuse them for now
+    _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
+            max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    _preset("Qwen3-235B-A22B", "qwen3_moe", 4096, 94, 64, 4, 128, 12288, 151936, False,
+            max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536),
+    # tiny: a dense first layer (mlp_only_layers) and a sparse step of 1, vocab not a multiple of 64
+    _preset("tiny-qwen3-moe", "qwen3_moe", 256, 4, 8, 2, 64, 512, 1100, True, max_position_embeddings=2048,
+            dtype="float32", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, mlp_only_layers=(0,)),
 ]
 PRESETS: dict[str, ModelSpec] = {s.name: s for s in _PRESET_LIST}
 

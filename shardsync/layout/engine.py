@@ -47,6 +47,7 @@ class EngineParallel:
 def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
     t, ng = par.tp, spec.num_kv_heads
     rules = [
+        (not spec.is_moe, "mixture-of-experts layouts (expert parallel) are not built yet"),
         (t >= 1, "tp must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),

@@ -25,6 +25,14 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.k_norm.weight"] = (d,)
     out[p + "self_attn.o_proj.weight"] = (H, q)
     out[p + "post_attention_layernorm.weight"] = (H,)
+    if spec.sparse_layer(layer):  # the router, then every expert's gate, up and down
+        E, Fe = spec.num_experts, spec.moe_intermediate_size
+        out[p + "mlp.gate.weight"] = (E, H)
+        for e in range(E):
+            out[p + f"mlp.experts.{e}.gate_proj.weight"] = (Fe, H)
+            out[p + f"mlp.experts.{e}.up_proj.weight"] = (Fe, H)
+            out[p + f"mlp.experts.{e}.down_proj.weight"] = (H, Fe)
+        return out
     out[p + "mlp.gate_proj.weight"] = (F, H)
     out[p + "mlp.up_proj.weight"] = (F, H)
     out[p + "mlp.down_proj.weight"] = (H, F)

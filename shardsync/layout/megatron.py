@@ -80,6 +80,7 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
     """Refuse configs Megatron itself refuses, naming the constraint."""
     t, ng = par.tp, spec.num_kv_heads
     rules = [
+        (not spec.is_moe, "mixture-of-experts layouts (expert parallel) are not built yet"),
         (min(par.tp, par.pp, par.dp) >= 1, "tp, pp and dp must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),

@@ -524,18 +524,25 @@ if pytest is not None:
             pytest.skip("needs a CUDA device (run through the device tool)")
         return torch.device("cuda")
 
+    def _not_passed(rows: list[Row]) -> list[Row]:
+        """Check rows that did not pass; ``info`` rows (two other implementations compared, the
+        bf16 noise floor) are reports, not checks: requiring them "ok" failed every run."""
+        return [r for r in rows if r.status not in ("ok", "info")]
+
     @pytest.mark.gpu
     def test_engine_and_trainer_match_transformers_bf16() -> None:
         rows = transformers_checks([*TINY, *LARGE], _cuda(), fp32_control=True)
         print(table(rows))
-        assert all(r.status == "ok" for r in rows), table(rows)
+        assert not _not_passed(rows) and any(r.status == "ok" for r in rows), table(rows)
 
     @pytest.mark.gpu
     def test_trainer_matches_megatron_core() -> None:
         pytest.importorskip("megatron.core")
         rows = megatron_checks(list(TINY), _cuda())
         print(table(rows))
-        assert all(r.status == "ok" for r in rows), table(rows)
+        checks = [r for r in rows if r.status != "info"]
+        assert len(checks) == 2 * len(TINY), table(rows)  # every preset in fp32 and bf16
+        assert not _not_passed(rows), table(rows)
 
 
 if __name__ == "__main__":
