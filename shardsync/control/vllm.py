@@ -49,7 +49,7 @@ def connect_body(connect: dict) -> str:
     return json.dumps(connect, sort_keys=True, separators=(",", ":"))
 
 
-def _version(raw: object) -> int:
+def weight_version(raw: object) -> int:
     """vLLM's weight version is a string (``"default"`` before any update)."""
     try:
         return int(str(raw))
@@ -89,7 +89,7 @@ class VllmEngines:
             out.append(InfoResponse(spec={}, tp=par["tensor_parallel_size"], pp=par["pipeline_parallel_size"],
                                     dtype=str(model["dtype"]).removeprefix("torch."), kind="vllm",
                                     quantization=model.get("quantization"),
-                                    weight_version=_version(ver.get("weight_version")), stale=False))
+                                    weight_version=weight_version(ver.get("weight_version")), stale=False))
         return out
 
     def _init(self, join: bool) -> None:
@@ -155,17 +155,18 @@ class VllmEngines:
         try:
             results = self.results(version, mode)
         except Exception as err:
-            self._close_quietly()
+            self.close_session_quietly()
             raise SyncError(f"vLLM update {version}: no report from every worker ({err}); vLLM stays "
                             "paused until a full update succeeds") from None
         bad = next((r for r in results if not r.ok), None)
         if bad is not None:
-            self._close_quietly()
+            self.close_session_quietly()
             raise SyncError(f"{bad.error}; vLLM stays paused until a full update succeeds")
         self.end(version)
         return results
 
-    def _close_quietly(self) -> None:
+    def close_session_quietly(self) -> None:
+        """``close_session``, when a failure is already being reported."""
         try:
             self.close_session()
         except Exception:  # the engine may be gone too; the next connect closes what is left
@@ -177,7 +178,7 @@ class VllmEngines:
     # -- occasional --
 
     def versions(self) -> list[VersionResponse]:
-        return [VersionResponse(weight_version=_version(r.get("weight_version")), stale=False, connected=True)
+        return [VersionResponse(weight_version=weight_version(r.get("weight_version")), stale=False, connected=True)
                 for r in self.http.call("GET", "/weight_info")]
 
     def pull(self, root: str, version: int) -> list[UpdateResult]:
@@ -231,7 +232,7 @@ class VllmChannel:
         try:
             self._sending.result(timeout=self.engines.update_timeout_s + 30)
         except Exception as err:
-            self.engines._close_quietly()
+            self.engines.close_session_quietly()
             raise SyncError(f"vLLM update {version} failed: {err}; vLLM stays paused on its previous "
                             "weights until a full update succeeds") from None
         return self.engines.settle(version, self._mode)

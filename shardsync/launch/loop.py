@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardsync.demo import DemoConfig, task
-from shardsync.launch.serving import SERVING
+from shardsync.launch.serving import serving
 from shardsync.placement import rank_device
 from shardsync.runtime.record import UpdateRecord
 
@@ -75,7 +75,7 @@ def initial_weights(cfg: DemoConfig):
 def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, version: int) -> dict:
     """Rank 0: ``cfg.prompts`` prompts spread round-robin over the engines (all engines
     asked at once), ``cfg.group`` samples each, scored by ``task.reward``."""
-    serving = SERVING[cfg.engine]()
+    client = serving(cfg.engine)
     prompts = task.make_prompts(step, cfg.prompts, cfg.prompt_len, vocab, cfg.seed)
     batches = [[p for i, p in enumerate(prompts) if i % len(engines) == e for _ in range(cfg.group)]
                for e in range(len(engines))]
@@ -83,7 +83,7 @@ def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, ver
     def generate(e: int) -> list:
         if not batches[e]:
             return []
-        samples, got = serving.generate(engines[e], batches[e], max_new_tokens=cfg.max_new_tokens,
+        samples, got = client.generate(engines[e], batches[e], max_new_tokens=cfg.max_new_tokens,
                                         temperature=1.0, seed=cfg.seed * 7919 + step, timeout_s=cfg.timeout_s)
         if got != version:
             raise RuntimeError(f"{engines[e]} answered with weight version {got}, expected {version}")
@@ -101,7 +101,7 @@ def rollouts(cfg: DemoConfig, engines: Sequence[str], step: int, vocab: int, ver
 
 
 def engine_logprobs(url: str, seqs: list[list[int]], cfg: DemoConfig) -> torch.Tensor:
-    return SERVING[cfg.engine]().score(url, seqs, timeout_s=cfg.timeout_s)
+    return serving(cfg.engine).score(url, seqs, timeout_s=cfg.timeout_s)
 
 
 def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> Iterator[StepResult]:

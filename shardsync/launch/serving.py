@@ -8,11 +8,14 @@ scoring) and ``/weight_info`` for the version.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
 import torch
+
+from shardsync.control.vllm import weight_version
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,7 @@ class VllmServing:
     def _version(self, url: str, timeout_s: float) -> int:
         r = httpx.get(url + "/weight_info", timeout=timeout_s)
         r.raise_for_status()
-        raw = str(r.json()["weight_version"])
-        return int(raw) if raw.isdigit() else 0
+        return weight_version(r.json()["weight_version"])
 
     def _complete(self, url: str, timeout_s: float, **body) -> list[dict]:
         out = _post(url + "/v1/completions", {"model": self._model(url, timeout_s), "return_tokens_as_token_ids": True,
@@ -96,3 +98,9 @@ class VllmServing:
 
 
 SERVING: dict[str, type] = {"reference": ReferenceServing, "vllm": VllmServing}
+
+
+@functools.cache
+def serving(kind: str) -> Serving:
+    """The process's client for engines of ``kind`` (a key of ``SERVING``)."""
+    return SERVING[kind]()

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from shardsync.layout.piece import RankLayout
+from shardsync.plan.local import region
 
 
 class Destination(Protocol):
@@ -76,9 +77,8 @@ class Loader:
 
     def slices(self) -> Iterator[Slice]:
         for p in self.rank.pieces:
-            region = tuple(slice(o, o + s) for o, s in zip(p.local_offsets, p.sizes, strict=True))
             yield Slice(p.logical, tuple(p.offsets), tuple(self.logical[p.logical]),
-                        self._staging[p.local][region])
+                        self._staging[p.local][region(tuple(p.local_offsets), tuple(p.sizes))])
 
     def commit(self) -> None:
         self.load(self.slices())

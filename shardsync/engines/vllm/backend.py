@@ -33,6 +33,7 @@ from shardsync.control.wire import ConnectRequest, Joined, Keys, RankReport, Ran
 from shardsync.engines.vllm import params
 from shardsync.mode import Mode
 from shardsync.paths import UpdateArgs
+from shardsync.plan.local import region
 from shardsync.receiver import Loader, Params, Receiver, Slice, check_connect
 from shardsync.runtime.stats import Stats
 from shardsync.spec import spec_from_config
@@ -80,7 +81,8 @@ def reprocess_tied(model: torch.nn.Module) -> None:
 
 def loader_for(model: torch.nn.Module, model_config, dtype: torch.dtype):
     """vLLM's own loader under its layerwise reload, fed one checkpoint tensor at a time: this
-    rank's boxes in a zero tensor of the full HF shape (vLLM keeps only its TP rank's part)."""
+    rank's boxes in a zero tensor of the full HF shape (vLLM keeps only its TP rank's part), or
+    the staged tensor itself when this rank holds it whole (TP 1, whole-tensor layouts)."""
 
     def load(slices: Iterator[Slice]) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -93,9 +95,12 @@ def loader_for(model: torch.nn.Module, model_config, dtype: torch.dtype):
             boxes.setdefault(s.name, []).append(s)
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, parts in boxes.items():
+                if len(parts) == 1 and tuple(parts[0].tensor.shape) == parts[0].full_shape:
+                    yield name, parts[0].tensor  # the staged tensor is the whole one: no copy
+                    continue
                 full = torch.zeros(parts[0].full_shape, dtype=dtype, device=parts[0].tensor.device)
                 for s in parts:
-                    full[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.tensor.shape, strict=True))] = s.tensor
+                    full[region(s.offsets, tuple(s.tensor.shape))] = s.tensor
                 yield name, full
 
         initialize_layerwise_reload(model)
