@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.spec import load_spec
@@ -28,6 +29,10 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _ints(value: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in value.split(",")) if value else None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardsync.plan.summary import summarize
 
@@ -37,21 +42,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(render_markdown(), end="")
         return 0
     spec = load_spec(args.model, dtype=args.dtype)
-    trainer = MegatronParallel(tp=args.trainer_tp, pp=args.trainer_pp, dp=args.trainer_dp,
-                               make_vocab_size_divisible_by=args.vocab_divisible_by)
-    engines = tuple(EngineParallel(tp=t) for t in _engine_tps(args.engine_tp, args.engines))
-    topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind)
     try:
+        trainer = MegatronParallel(tp=args.trainer_tp, pp=args.trainer_pp, dp=args.trainer_dp, ep=args.trainer_ep,
+                                   etp=args.trainer_etp, pp_layers=_ints(args.trainer_pp_layers),
+                                   expert_names=args.expert_names, make_vocab_size_divisible_by=args.vocab_divisible_by)
+        engines = tuple(EngineParallel(tp=t, ep=args.engine_ep) for t in _engine_tps(args.engine_tp, args.engines))
+        topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind)
+        t0 = time.perf_counter()
         report = summarize(topo, int(args.bucket_mb * 2**20))
+        report["plan_s"] = round(time.perf_counter() - t0, 3)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    experts = f" EP{trainer.ep} ETP{trainer.expert_tp}" if spec.is_moe else ""
+    engine_ep = f" EP{args.engine_ep}" if spec.is_moe else ""
     print(f"model {spec.name} ({spec.num_parameters() / 1e9:.3f} B params, {spec.dtype}); trainer "
-          f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp} -> engines TP {list(report['engines'])}; "
-          f"buckets of {args.bucket_mb:g} MiB")
+          f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}{experts} -> engines TP {list(report['engines'])}{engine_ep}; "
+          f"buckets of {args.bucket_mb:g} MiB; planned in {report['plan_s']:.2f} s")
     head = f"{'path':<10} {'total':>12} {'per receiver':>13} {'busiest link':>13} {'buckets':>8} {'copies':>8}  busiest"
     print(head)
     for p in report["paths"]:
@@ -72,7 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_engine_serve(args: argparse.Namespace) -> int:
     from shardsync.engine.launch import EngineConfig, serve
 
-    return serve(EngineConfig(model=args.model, tp=args.tp, host=args.host, port=args.port,
+    return serve(EngineConfig(model=args.model, tp=args.tp, ep=args.ep, host=args.host, port=args.port,
                               seed=args.seed, dtype=args.dtype, device=args.device,
                               threads=args.threads, log_level=args.log_level, advertise=args.advertise,
                               token_file=args.token_file, delta_root=args.delta_root))
@@ -83,7 +93,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     tps = _engine_tps(args.engine_tp or ("1" if args.engine == "vllm" else "2"), args.engines)
     cfg = DemoConfig(model=args.model, trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp,
-                     engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
+                     trainer_dp=args.trainer_dp, trainer_ep=args.trainer_ep, trainer_etp=args.trainer_etp,
+                     engine_ep=args.engine_ep, engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
                      engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine)
     if args.launcher == "ray" and args.engine == "vllm":
@@ -116,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-tp", type=int, default=1)
     p.add_argument("--trainer-pp", type=int, default=1)
     p.add_argument("--trainer-dp", type=int, default=1)
+    p.add_argument("--trainer-pp-layers", default=None, help="uneven stages: layers per stage, comma list")
+    p.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE)")
+    p.add_argument("--trainer-etp", type=int, default=None, help="expert tensor parallel (default: trainer TP)")
+    p.add_argument("--expert-names", default="sequential", choices=["sequential", "grouped"],
+                   help="Megatron expert spelling: SequentialMLP local_experts.{j} or TE grouped weight{j}")
     p.add_argument("--engine-tp", default="1", help="engine TP, or a comma list (one per engine)")
+    p.add_argument("--engine-ep", type=int, default=1, help="engine expert parallel within its TP group (MoE)")
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--engine-kind", default="reference", help="reference, sglang or vllm")
     p.add_argument("--bucket-mb", type=float, default=512)
@@ -131,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-qwen3")
     p.add_argument("--trainer-tp", type=int, default=2)
     p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--trainer-dp", type=int, default=1)
+    p.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE models)")
+    p.add_argument("--trainer-etp", type=int, default=None, help="expert tensor parallel (default: trainer TP)")
+    p.add_argument("--engine-ep", type=int, default=1, help="engine expert parallel within its TP group (MoE)")
     p.add_argument("--engine-tp", default=None,
                    help="engine TP, or a comma list (one per engine); default 2 (vLLM: 1)")
     p.add_argument("--engines", type=int, default=1)
@@ -168,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = esub.add_parser("serve", help="start TP workers and the HTTP server on the first")
     p.add_argument("--model", required=True, help="preset, config.json or HF checkpoint directory")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel within the TP group (MoE models)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0, help="random weights seed (presets/configs)")

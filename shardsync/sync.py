@@ -142,7 +142,8 @@ class WeightSync:
         layout_reason = None
         for whole in (False, True):  # whole: the engines' own loaders shard whole tensors
             topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
-                            tuple(EngineParallel(tp=t, dtype=dtype, whole=whole) for t in decision.tps),
+                            tuple(EngineParallel(tp=t, ep=ep, dtype=dtype, whole=whole)
+                                  for t, ep in zip(decision.tps, decision.eps or [1] * len(decision.tps), strict=True)),
                             engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
                             quantization=decision.facts["quantization"], relay=cfg.relay)
             if whole:
@@ -211,7 +212,7 @@ class WeightSync:
         if len(facts) != 1:
             raise SyncError(f"engines differ in (kind, pp, quantization): {sorted(facts, key=str)}")
         kind, pp, quantization = facts.pop()
-        return Decision(tps=[i.tp for i in infos], dtype=dtypes.pop(),
+        return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos], dtype=dtypes.pop(),
                         port=self.config.transport.port or free_port(self.config.transport.host),
                         name=f"shardsync-{uuid.uuid4().hex[:8]}",
                         facts={"kind": kind, "pp": pp, "quantization": quantization})

@@ -21,6 +21,7 @@ from shardsync.layout import (
     megatron_layout,
     stage_sources,
 )
+from shardsync.layout.logical import is_expert
 from shardsync.plan import Plan, build_plan
 from shardsync.spec import ModelSpec
 
@@ -62,9 +63,15 @@ class Topology:
     def num_engine_ranks(self) -> int:
         return sum(e.tp for e in self.engines)
 
-    def stage_ranks(self, stage: int, dp_rank: int = 0) -> list[int]:
+    def stage_ranks(self, stage: int) -> list[int]:
+        """A stage's broadcast members, its source first: the ranks that together hold each of
+        the stage's tensors, DP replica 0's TP ranks and, for experts, expert-DP replica 0's."""
         t = self.trainer
-        return [t.rank(tp_rank=r, dp_rank=dp_rank, pp_rank=stage) for r in range(t.tp)]
+        ranks = [t.rank(tp_rank=r, dp_rank=0, pp_rank=stage) for r in range(t.tp)]
+        if self.spec.is_moe:
+            base = stage * t.tp * t.dp
+            ranks += [base + i for i in range(t.expert_tp * t.ep) if base + i not in ranks]
+        return ranks
 
     @cached_property
     def p2p_plan(self) -> Plan:
@@ -104,11 +111,19 @@ class Topology:
     @cached_property
     def gather_plan(self) -> Plan:
         """Broadcast step 1: each stage's TP shards -> that stage's source (DP replica 0)."""
-        # Only DP replica 0 takes part; other replicas keep their rank index but hold nothing.
-        dp0 = {r for s in range(self.trainer.pp) for r in self.stage_ranks(s)}
-        lay = self.trainer_layout
-        ranks = tuple(rl if i in dp0 else RankLayout(rl.label, rl.tensors, ())
-                      for i, rl in enumerate(lay.ranks))
+        # Only the members take part (other ranks keep their index but hold nothing); members
+        # outside DP replica 0 are there for their experts only.
+        t, lay = self.trainer, self.trainer_layout
+        members = {r for s in range(t.pp) for r in self.stage_ranks(s)}
+
+        def kept(i: int, rl: RankLayout) -> RankLayout:
+            if i not in members:
+                return RankLayout(rl.label, rl.tensors, ())
+            if t.coords(i)[1] == 0:
+                return rl
+            return RankLayout(rl.label, rl.tensors, tuple(p for p in rl.pieces if is_expert(p.logical)))
+
+        ranks = tuple(kept(i, rl) for i, rl in enumerate(lay.ranks))
         restricted = Layout(lay.kind, self.spec, lay.logical, ranks, lay.params)
         return build_plan(restricted, self.source_layout, wire_dtype=self.wire_dtype)
 

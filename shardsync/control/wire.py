@@ -38,6 +38,9 @@ class TrainerParallelMsg(Msg):
     make_vocab_size_divisible_by: int = Field(128, ge=1, le=1 << 20)
     norm_names: str = "fused"
     dtype: str | None = None
+    ep: int = Field(1, ge=1, le=65536)
+    etp: int | None = Field(None, ge=1, le=1024)
+    expert_names: Literal["sequential", "grouped"] = "sequential"
 
 
 class RendezvousMsg(Msg):
@@ -58,6 +61,7 @@ class ConnectRequest(Msg):
     engines: list[Annotated[int, Field(ge=1, le=1024)]] = Field(min_length=1, max_length=MAX_ENGINES)
     engine_index: int = Field(ge=0, lt=MAX_ENGINES)
     whole: list[bool] = Field(default_factory=list, max_length=MAX_ENGINES)  # per engine; [] = none
+    engine_ep: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)  # [] = 1
     fingerprints: dict[str, Annotated[str, Field(max_length=64)]] = Field(max_length=4)
     bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)
@@ -122,6 +126,7 @@ class InfoResponse(BaseModel):
     protocol: int = PROTOCOL_VERSION
     spec: dict
     tp: int
+    ep: int = 1  # expert parallel within the TP group (MoE)
     dtype: str
     weight_version: int
     stale: bool
@@ -142,6 +147,7 @@ class Decision(Msg):
     """Trainer rank 0's connect decision, shared with the other trainer ranks."""
 
     tps: list[int] = Field(default_factory=list)
+    eps: list[int] = Field(default_factory=list)
     dtype: str = ""
     port: int = 0
     name: str = ""

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from shardsync.demo import report
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.layout import MegatronParallel
 from shardsync.transport.group import free_port
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,11 @@ class DemoConfig:
     model: str = "tiny-qwen3"
     trainer_tp: int = 2
     trainer_pp: int = 1
+    trainer_dp: int = 1
+    trainer_ep: int = 1  # mixture-of-experts models: expert parallel ...
+    trainer_etp: int | None = None  # ... and expert tensor parallel (None: trainer_tp)
     engine_tp: tuple[int, ...] = (2,)
+    engine_ep: int = 1
     steps: int = 5
     mode: str = "both"
     bucket_mb: float = 1.0
@@ -56,6 +61,11 @@ class DemoConfig:
             raise ValueError("--engine vllm runs vLLM's CPU build here: no --device cuda or --ipc")
 
     @property
+    def trainer(self) -> MegatronParallel:
+        return MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp, dp=self.trainer_dp, ep=self.trainer_ep,
+                                etp=self.trainer_etp, dtype="float32")
+
+    @property
     def uses_ipc(self) -> bool:
         return self.device != "cpu" if self.ipc is None else self.ipc
 
@@ -73,7 +83,8 @@ class DemoConfig:
         """One engine server of this demo (delta runs bf16 engines unless told otherwise)."""
         dtype = self.engine_dtype or ("bfloat16" if self.mode == "delta" else None)
         fields = {"delta_root": str(Path(self.out).resolve() / "versions"), **overrides}
-        return EngineConfig(model=self.model, tp=tp, seed=self.seed, dtype=dtype, device=self.device, **fields)
+        return EngineConfig(model=self.model, tp=tp, ep=self.engine_ep, seed=self.seed, dtype=dtype,
+                            device=self.device, **fields)
 
 
 
@@ -151,7 +162,7 @@ def run_demo(cfg: DemoConfig) -> int:
     (out / "records.jsonl").unlink(missing_ok=True)
     engines = start_engines(cfg)
     urls = [u for _, u in engines]
-    world = cfg.trainer_tp * cfg.trainer_pp
+    world = cfg.trainer.world_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -162,8 +173,11 @@ def run_demo(cfg: DemoConfig) -> int:
     try:
         for p in procs:
             p.start()
-        print(f"shardsync demo: {cfg.model}, trainer TP{cfg.trainer_tp} PP{cfg.trainer_pp} -> "
-              f"{'vLLM' if cfg.engine == 'vllm' else 'engines'} TP {list(cfg.engine_tp)}, {cfg.steps} GRPO steps, modes {cfg.modes}")
+        t = cfg.trainer
+        experts = f" EP{t.ep} ETP{t.expert_tp}" if cfg.trainer_ep > 1 or cfg.trainer_etp else ""
+        print(f"shardsync demo: {cfg.model}, trainer TP{t.tp} PP{t.pp} DP{t.dp}{experts} -> "
+              f"{'vLLM' if cfg.engine == 'vllm' else 'engines'} TP {list(cfg.engine_tp)}"
+              f"{f' EP{cfg.engine_ep}' if cfg.engine_ep > 1 else ''}, {cfg.steps} GRPO steps, modes {cfg.modes}")
         modes: list[str] = cfg.modes
         printed = False
         deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 2)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     model: str
     tp: int = 1
+    ep: int = 1  # expert parallel within the TP group (mixture-of-experts models)
     host: str = "127.0.0.1"
     port: int = 8000
     seed: int = 0
@@ -61,7 +62,7 @@ def parse_facts(text: str | None) -> dict:
 def engine_command(cfg: EngineConfig) -> list[str]:
     """``shardsync engine serve`` for ``cfg`` (the CLI front of ``serve``)."""
     cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
-           "--tp", str(cfg.tp), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
+           "--tp", str(cfg.tp), "--ep", str(cfg.ep), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
            "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
                 "--delta-root": cfg.delta_root}
@@ -124,7 +125,7 @@ def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, comma
     device = rank_device(cfg.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL sync groups use the current device
-    model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device)
+    model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device, ep=cfg.ep)
     worker = EngineWorker(model, rank, cfg.tp, secret=token)
     if rank != 0:
         peer_loop(worker, commands[rank - 1], results)

@@ -63,7 +63,8 @@ class WeightService:
         self._listener: StoreListener | None = None
 
     def info(self) -> InfoResponse:
-        return InfoResponse(spec=spec_to_dict(self.worker.spec), tp=self.worker.tp, dtype=self.worker.dtype,
+        return InfoResponse(spec=spec_to_dict(self.worker.spec), tp=self.worker.tp, ep=self.worker.ep,
+                            dtype=self.worker.dtype,
                             weight_version=self.session.version, stale=self.session.stale, **self.facts)
 
     def version(self) -> VersionResponse:
@@ -71,7 +72,7 @@ class WeightService:
                                connected=self.session.connected)
 
     def connect(self, req: ConnectRequest) -> dict[str, Any]:
-        fingerprints = check_connect(req, self.worker.spec, self.worker.tp, self.worker.dtype)
+        fingerprints = check_connect(req, self.worker.spec, self.worker.tp, self.worker.dtype, self.worker.ep)
         self.session.offer(req, fingerprints)
         return {"ok": True, "fingerprints": fingerprints}
 

@@ -26,8 +26,9 @@ class EngineWorker:
         self.model, self.rank, self.tp = model, rank, tp
         for p in model.parameters():
             p.requires_grad_(False)
+        self.ep = model.ep
         self.receiver = Receiver(model.spec, rank, tp, Params(dict(model.named_parameters())),
-                                 dtype=model.dtype, device=model.device, secret=secret)
+                                 dtype=model.dtype, device=model.device, secret=secret, ep=model.ep)
 
     @property
     def spec(self) -> ModelSpec:

@@ -104,6 +104,12 @@ def engine_logprobs(url: str, seqs: list[list[int]], cfg: DemoConfig) -> torch.T
     return serving(cfg.engine).score(url, seqs, timeout_s=cfg.timeout_s)
 
 
+def _dp_rows(n: int, par, rank: int) -> slice:
+    """The rollouts DP replica ``rank``'s belongs to trains on (contiguous, near-equal)."""
+    d = par.coords(rank)[1]
+    return slice(d * n // par.dp, (d + 1) * n // par.dp)
+
+
 def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> Iterator[StepResult]:
     """Run one trainer rank for ``cfg.steps`` steps, yielding after each step's updates.
 
@@ -120,23 +126,22 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         TransportConfig,
     )
     from shardsync.control.ranks import share_json
-    from shardsync.layout import MegatronParallel
     from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
     from shardsync.sync import WeightSync
 
     torch.set_num_threads(1)
     rank = where.rank
-    par = MegatronParallel(tp=cfg.trainer_tp, pp=cfg.trainer_pp, dtype="float32")
+    par = cfg.trainer
     dist.init_process_group("gloo", init_method=where.init_method, rank=rank,
                             world_size=par.world_size,
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
     sync = None
     try:
         spec, source = initial_weights(cfg)
-        groups = megatron_groups(par, timeout_s=cfg.timeout_s)
+        groups = megatron_groups(par, timeout_s=cfg.timeout_s, moe=spec.is_moe)
         device = torch.device(rank_device(cfg.device, rank))
-        model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp,
-                             source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s,
+        model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
+                             expert_dp_group=groups.expert_dp, source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s,
                              device=device)
         # detached views: the same storage, read in place, never part of an autograd graph
         params = {n: p.detach() for n, p in model.named_parameters()}
@@ -158,17 +163,19 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         for step in range(1, cfg.steps + 1):
             batch = share_json(rollouts(cfg, where.engines, step, spec.vocab_size, step - 1) if rank == 0
                                else None, rank=rank, world=par.world_size, group=dist.group.WORLD)
-            ids = torch.tensor(batch["ids"], dtype=torch.long, device=device)
+            every = torch.tensor(batch["ids"], dtype=torch.long, device=device)
+            rows = _dp_rows(len(every), par, rank)  # this DP replica's share of the rollouts
+            ids = every[rows]
             start = cfg.prompt_len - 1  # first position whose next token was sampled
             mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=device)
             mask[:, start:] = 1.0
-            old = model.policy_logprobs(ids)
+            old = model.policy_logprobs(every)  # every replica scores every rollout (the log line)
             rewards = torch.tensor(batch["rewards"])
-            loss = functools.partial(grpo_loss, old_logprobs=old, mask=mask,
-                                     advantages=task.group_advantages(rewards, cfg.group).to(device))
+            loss = functools.partial(grpo_loss, old_logprobs=old[rows], mask=mask,
+                                     advantages=task.group_advantages(rewards, cfg.group)[rows].to(device))
             stats = model.train_step(ids, loss)
             old = old.cpu()
-            new = model.policy_logprobs(ids)[:, start:].cpu()  # the weights about to be synced
+            new = model.policy_logprobs(every)[:, start:].cpu()  # the weights about to be synced
             records, updates = [], {}
             for mode in modes:
                 rec = sync.update(step, mode=None if mode == "delta" else mode)

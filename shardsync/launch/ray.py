@@ -82,7 +82,7 @@ def free_port(host: str) -> int:
 
 def bundles(cfg: DemoConfig, *, gpus: bool) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """(trainer bundles, engine bundles): one per trainer rank, one per engine."""
-    world = cfg.trainer_tp * cfg.trainer_pp
+    world = cfg.trainer.world_size
     trainer = [{"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0} for _ in range(world)]
     engines = [{"CPU": float(tp), "GPU": float(tp)} if gpus else {"CPU": float(tp)}
                for tp in cfg.engine_tp]
@@ -199,7 +199,7 @@ def _use_gpus(cfg: DemoConfig, rc: RayConfig) -> bool:
     if rc.gpus is not None:
         return rc.gpus
     have = ray.cluster_resources().get("GPU", 0.0)
-    need = cfg.trainer_tp * cfg.trainer_pp + sum(cfg.engine_tp)
+    need = cfg.trainer.world_size + sum(cfg.engine_tp)
     if 0 < have < need:
         print(f"note: the cluster has {have:g} GPUs, the topology needs {need}; CPU bundles", flush=True)
     return have >= need
@@ -217,7 +217,7 @@ def _actors(cfg: DemoConfig, pgs: list[PlacementGroup], gpus: bool, delta_root: 
                for i, tp in enumerate(cfg.engine_tp)]
     trainers = [trainer_actor.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=_in(pgs[0], r),
                                       **env)
-                .remote(r) for r in range(cfg.trainer_tp * cfg.trainer_pp)]
+                .remote(r) for r in range(cfg.trainer.world_size)]
     return engines, trainers
 
 

@@ -4,13 +4,18 @@ Fused ``qkv_proj`` = ``[q (my heads) | k | v (my kv heads)]`` with KV heads repl
 over consecutive ranks when TP exceeds the KV heads; ``gate_up_proj`` = ``[gate_r; up_r]``;
 row-parallel ``o_proj``/``down_proj``; vocab padded to 64 (``64*tp`` when that does not
 split evenly, SGLang's rule) and split evenly, the tail past the real vocab zero.
-See docs/layouts.md section 2.
+Experts (FusedMoE): ``ep`` blocks of ``E/ep`` experts, each split over ``moe_tp = tp/ep``
+ranks; rank ``r`` is EP rank ``r // moe_tp`` and MoE-TP rank ``r % moe_tp`` (SGLang's
+``--ep-size``; vLLM's ``--enable-expert-parallel`` is ``ep = tp``).  ``w13_weight
+[E_loc, 2I/moe_tp, H]`` = per expert ``[gate slice; up slice]``, ``w2_weight [E_loc, H,
+I/moe_tp]``; the router ``mlp.gate.weight`` is replicated.  See docs/layouts.md section 2.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsync.gcpause import gc_paused
 from shardsync.layout.full import full_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
@@ -24,6 +29,7 @@ QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 @dataclass(frozen=True, kw_only=True)
 class EngineParallel:
     tp: int = 1
+    ep: int = 1  # expert parallel within the TP group (moe_tp = tp / ep)
     vocab_pad: int = 64
     dtype: str | None = None
     # every rank holds every logical tensor whole and the engine's own loader shards it: for
@@ -36,6 +42,10 @@ class EngineParallel:
             pad *= self.tp
         return -(-vocab // pad) * pad
 
+    @property
+    def moe_tp(self) -> int:
+        return self.tp // self.ep
+
     def kv_heads(self, num_kv_heads: int, rank: int) -> tuple[int, int]:
         """(first kv head, count) held by ``rank``; consecutive ranks share one when tp > kv."""
         if self.tp >= num_kv_heads:
@@ -46,17 +56,43 @@ class EngineParallel:
 
 def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
     t, ng = par.tp, spec.num_kv_heads
+    dense_layers = any(not spec.sparse_layer(n) for n in range(spec.num_layers))
     rules = [
-        (not spec.is_moe, "mixture-of-experts layouts (expert parallel) are not built yet"),
-        (t >= 1, "tp must be >= 1"),
+        (t >= 1 and par.ep >= 1, "tp and ep must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
-        (spec.intermediate_size % t == 0,
+        (spec.intermediate_size % t == 0 or not dense_layers,
          f"intermediate_size={spec.intermediate_size} not divisible by tp={t}"),
     ]
+    if spec.is_moe:
+        rules += [
+            (t % par.ep == 0, f"ep={par.ep} must divide tp={t} (experts are split over the TP group)"),
+            (spec.num_experts % par.ep == 0, f"num_experts={spec.num_experts} not divisible by ep={par.ep}"),
+            (spec.moe_intermediate_size % max(par.moe_tp, 1) == 0,
+             f"moe_intermediate_size={spec.moe_intermediate_size} not divisible by moe_tp = tp/ep = {par.moe_tp}"),
+        ]
+    else:
+        rules.append((par.ep == 1, f"ep={par.ep} applies to mixture-of-experts models only; {spec.name} is dense"))
     for ok, why in rules:
         if not ok:
             raise ValueError(f"engine layout of {spec.name} impossible: {why}")
+
+
+def _experts(spec: ModelSpec, par: EngineParallel, layer: int, r: int,
+             logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], tuple[int, ...], list[Piece]]]:
+    """A sparse layer's router and this rank's expert stacks: (name, addressed shape, held shape, pieces)."""
+    H, p = spec.hidden_size, f"model.layers.{layer}.mlp."
+    n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.moe_tp
+    first, lo = (r // par.moe_tp) * n, (r % par.moe_tp) * f
+    experts = range(first, first + n)
+    w13, w2 = p + "experts.w13_weight", p + "experts.w2_weight"
+    segs = [Segment(f"{p}experts.{e}.{proj}.weight", lo, f) for e in experts for proj in ("gate_proj", "up_proj")]
+    down = [Piece(f"{p}experts.{e}.down_proj.weight", (0, lo), (H, f), w2, (k * H, 0)) for k, e in enumerate(experts)]
+    return [
+        (p + "gate.weight", (spec.num_experts, H), (spec.num_experts, H), [whole(p + "gate.weight", p + "gate.weight", logical)]),
+        (w13, (n * 2 * f, H), (n, 2 * f, H), stacked(w13, segs, logical, 0)),
+        (w2, (n * H, f), (n, H, f), down),
+    ]
 
 
 def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
@@ -65,8 +101,8 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
     tensors: list[TensorMeta] = []
     pieces: list[Piece] = []
 
-    def add(name: str, shape: tuple[int, ...], new: list[Piece]) -> None:
-        tensors.append(TensorMeta(name, shape, dtype))
+    def add(name: str, shape: tuple[int, ...], new: list[Piece], held: tuple[int, ...] | None = None) -> None:
+        tensors.append(TensorMeta(name, shape, dtype, held if held != shape else None))
         pieces.extend(new)
 
     rows = par.padded_vocab(V) // t
@@ -97,6 +133,10 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
         name = p + "self_attn.o_proj.weight"
         add(name, (H, nq * d), stacked(name, [Segment(name, r * nq * d, nq * d)], logical, 1))
         add(p + REPLICATED[1], (H,), [whole(p + REPLICATED[1], p + REPLICATED[1], logical)])
+        if spec.sparse_layer(layer):
+            for name, shape, held, new in _experts(spec, par, layer, r, logical):
+                add(name, shape, new, held)
+            continue
         name = p + "mlp.gate_up_proj.weight"
         segs = [Segment(p + "mlp.gate_proj.weight", r * f, f), Segment(p + "mlp.up_proj.weight", r * f, f)]
         add(name, (2 * f, H), stacked(name, segs, logical, 0))
@@ -108,6 +148,7 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
     return RankLayout(f"tp{r}", tuple(tensors), tuple(pieces))
 
 
+@gc_paused
 def engine_layout(spec: ModelSpec, par: EngineParallel) -> Layout:
     """One engine's layout over its ``par.tp`` ranks (tied models have no ``lm_head`` param)."""
     dtype = par.dtype or spec.dtype
@@ -116,4 +157,5 @@ def engine_layout(spec: ModelSpec, par: EngineParallel) -> Layout:
     check_engine(spec, par)
     logical = logical_tensors(spec)
     ranks = tuple(_engine_rank(spec, par, r, logical, dtype) for r in range(par.tp))
-    return Layout("engine", spec, logical, ranks, (("tp", par.tp),))
+    params: tuple[tuple[str, object], ...] = (("tp", par.tp),) + ((("ep", par.ep),) if spec.is_moe else ())
+    return Layout("engine", spec, logical, ranks, params)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardsync.gcpause import gc_paused
 from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Layout, RankLayout, TensorMeta, whole
 from shardsync.spec import ModelSpec
@@ -22,15 +23,18 @@ def full_rank(label: str, names: Sequence[str], logical: dict[str, tuple[int, ..
     )
 
 
+@gc_paused
 def full_layout(spec: ModelSpec, *, replicas: int = 1, dtype: str | None = None,
                 names: Sequence[str] | None = None) -> Layout:
     """``replicas`` ranks, each holding every logical tensor (or ``names``) whole."""
     logical = logical_tensors(spec)
     names = list(logical) if names is None else list(names)
-    ranks = tuple(full_rank(f"full{i}", names, logical, dtype or spec.dtype) for i in range(replicas))
+    one = full_rank("full0", names, logical, dtype or spec.dtype)  # replicas share its tuples
+    ranks = tuple(RankLayout(f"full{i}", one.tensors, one.pieces) for i in range(replicas))
     return Layout("full", spec, logical, ranks, (("replicas", replicas),))
 
 
+@gc_paused
 def stage_sources(layout: Layout, groups: Sequence[Sequence[int]]) -> Layout:
     """One full-tensor holder per rank group (e.g. per PP stage) of what the group holds.
 
@@ -46,7 +50,8 @@ def stage_sources(layout: Layout, groups: Sequence[Sequence[int]]) -> Layout:
                 if p.logical not in taken:
                     taken.add(p.logical)
                     names.append(p.logical)
-        order = [n for n in layout.logical if n in set(names)]
+        mine = set(names)
+        order = [n for n in layout.logical if n in mine]
         ranks.append(full_rank(f"source{i}", order, layout.logical, layout.ranks[group[0]].tensors[0].dtype
                                if layout.ranks[group[0]].tensors else layout.spec.dtype))
     return Layout("full", layout.spec, layout.logical, tuple(ranks), (("sources", len(groups)),))

@@ -5,6 +5,11 @@ from __future__ import annotations
 from shardsync.spec import ModelSpec
 
 
+def is_expert(logical: str) -> bool:
+    """Whether a logical tensor is one routed expert's (held by expert-parallel ranks)."""
+    return ".mlp.experts." in logical
+
+
 def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     """HF tensors of decoder layer ``layer`` (global index), in checkpoint order."""
     H, d, F = spec.hidden_size, spec.head_dim, spec.intermediate_size

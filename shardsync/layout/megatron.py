@@ -1,15 +1,19 @@
-"""The Megatron-core trainer layout (GPTModel, dense Qwen2/Qwen3/Llama).
+"""The Megatron-core trainer layout (GPTModel: dense Qwen2/Qwen3/Llama, Qwen3-MoE).
 
 Names, shapes and fused orders follow docs/layouts.md section 1: interleaved
 QKV per query group, ``[gate_r; up_r]`` fc1 per shard, vocab padded to
 ``make_vocab_size_divisible_by * tp``, local layer indices per pipeline stage.
-Rank order is Megatron's default (TP fastest, then DP, then PP).
+Rank order is Megatron's default (TP fastest, then DP, then PP).  Experts follow
+Megatron's second rank generator (ETP fastest, then EP, then expert-DP, then PP): EP rank
+``q`` holds experts ``[q*E/ep, (q+1)*E/ep)`` under local indices, each split over ETP
+like a dense MLP; the router is replicated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsync.gcpause import gc_paused
 from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
@@ -19,6 +23,11 @@ from shardsync.spec import ModelSpec
 LAYER_NORM_NAMES = {
     "fused": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
     "separate": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+}
+# Local expert j's (fc1, fc2) names: SequentialMLP or TE grouped GEMM.
+EXPERT_NAMES = {
+    "sequential": ("mlp.experts.local_experts.{j}.linear_fc1.weight", "mlp.experts.local_experts.{j}.linear_fc2.weight"),
+    "grouped": ("mlp.experts.linear_fc1.weight{j}", "mlp.experts.linear_fc2.weight{j}"),
 }
 QK_NORMS = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
@@ -37,10 +46,27 @@ class MegatronParallel:
     make_vocab_size_divisible_by: int = 128
     norm_names: str = "fused"
     dtype: str | None = None
+    ep: int = 1  # expert parallel
+    etp: int | None = None  # expert tensor parallel (Megatron's default: tp)
+    expert_names: str = "sequential"
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """ETP x EP x EDP x PP = world (the expert ranks subdivide each stage's TP x DP)."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
+
+    def expert_coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp_rank, edp_rank, ep_rank, etp_rank) of a global rank."""
+        within, e = rank % (self.tp * self.dp), self.expert_tp
+        return rank // (self.tp * self.dp), within // (e * self.ep), (within // e) % self.ep, within % e
 
     def rank(self, *, tp_rank: int, dp_rank: int = 0, pp_rank: int = 0) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
@@ -80,18 +106,31 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
     """Refuse configs Megatron itself refuses, naming the constraint."""
     t, ng = par.tp, spec.num_kv_heads
     rules = [
-        (not spec.is_moe, "mixture-of-experts layouts (expert parallel) are not built yet"),
         (min(par.tp, par.pp, par.dp) >= 1, "tp, pp and dp must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
         ((spec.num_heads + 2 * ng) * spec.head_dim % t == 0,
          f"fused QKV rows (num_heads + 2*num_kv_heads) * head_dim = "
          f"{(spec.num_heads + 2 * ng) * spec.head_dim} not divisible by tp={t}"),
-        (spec.intermediate_size % t == 0,
+        (spec.intermediate_size % t == 0 or not any(not spec.sparse_layer(n) for n in range(spec.num_layers)),
          f"intermediate_size={spec.intermediate_size} not divisible by tp={t}"),
         (par.norm_names in LAYER_NORM_NAMES,
          f"norm_names must be one of {sorted(LAYER_NORM_NAMES)}"),
     ]
+    e, ep = par.expert_tp, par.ep
+    if spec.is_moe:
+        rules += [
+            (min(e, ep) >= 1, "ep and etp must be >= 1"),
+            (par.tp * par.dp % (e * ep) == 0,
+             f"etp x ep = {e}x{ep} must divide tp x dp = {par.tp}x{par.dp} (Megatron: ETP x EP x EDP x PP = world)"),
+            (spec.num_experts % ep == 0, f"num_experts={spec.num_experts} not divisible by ep={ep}"),
+            (spec.moe_intermediate_size % e == 0,
+             f"moe_intermediate_size={spec.moe_intermediate_size} not divisible by etp={e}"),
+            (par.expert_names in EXPERT_NAMES, f"expert_names must be one of {sorted(EXPERT_NAMES)}"),
+        ]
+    else:
+        rules.append((ep == 1 and par.etp in (None, par.tp),
+                      f"ep={ep}/etp={par.etp} apply to mixture-of-experts models only; {spec.name} is dense"))
     for ok, why in rules:
         if not ok:
             raise ValueError(f"Megatron layout of {spec.name} impossible: {why}")
@@ -110,8 +149,29 @@ def qkv_segments(spec: ModelSpec, layer: int, suffix: str) -> list[Segment]:
     return segs
 
 
+def _experts(spec: ModelSpec, par: MegatronParallel, layer: int, pre: str, ep_rank: int, etp_rank: int,
+             logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
+    """A sparse layer's router and this rank's local experts, (name, shape, pieces) in module order."""
+    H, hf = spec.hidden_size, f"model.layers.{layer}.mlp."
+    n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.expert_tp
+    out = [(pre + "mlp.router.weight", (spec.num_experts, H),
+            [whole(pre + "mlp.router.weight", hf + "gate.weight", logical)])]
+    fc1, fc2 = EXPERT_NAMES[par.expert_names]
+    lo = etp_rank * f
+    for j in range(n):
+        e = ep_rank * n + j
+        name1, name2 = pre + fc1.format(j=j), pre + fc2.format(j=j)
+        segs = [Segment(f"{hf}experts.{e}.gate_proj.weight", lo, f), Segment(f"{hf}experts.{e}.up_proj.weight", lo, f)]
+        out.append((name1, (2 * f, H), stacked(name1, segs, logical, 0)))
+        out.append((name2, (H, f), stacked(name2, [Segment(f"{hf}experts.{e}.down_proj.weight", lo, f)], logical, 1)))
+    if par.expert_names == "grouped":  # TEGroupedMLP registers every fc1 weight, then every fc2
+        out = out[:1] + out[1::2] + out[2::2]
+    return out
+
+
 def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int,
-                logical: dict[str, tuple[int, ...]], dtype: str) -> tuple[list, list]:
+                logical: dict[str, tuple[int, ...]], dtype: str,
+                expert_rank: tuple[int, int] = (0, 0)) -> tuple[list, list]:
     t, r = par.tp, tp_rank
     H, F, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     tensors: list[TensorMeta] = []
@@ -148,6 +208,12 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
         hd = spec.num_heads * spec.head_dim // t
         name = pre + "self_attention.linear_proj.weight"
         add(name, (H, hd), stacked(name, [Segment(hf + "self_attn.o_proj.weight", r * hd, hd)], logical, 1))
+        if spec.sparse_layer(layer):  # the norm cannot fuse into the router: always its own module
+            norm = pre + "pre_mlp_layernorm.weight"
+            add(norm, (H,), [whole(norm, hf + "post_attention_layernorm.weight", logical)])
+            for name, shape, new in _experts(spec, par, layer, pre, *expert_rank, logical):
+                add(name, shape, new)
+            continue
         add(pre + mlp_norm, (H,), [whole(pre + mlp_norm, hf + "post_attention_layernorm.weight", logical)])
         f = F // t
         name = pre + "mlp.linear_fc1.weight"
@@ -166,19 +232,24 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
     return tensors, pieces
 
 
+@gc_paused
 def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> Layout:
     """The trainer layout over ``par.world_size`` ranks (DP replicas hold identical pieces)."""
     check_megatron(spec, par)
     logical = logical_tensors(spec)
     dtype = par.dtype or spec.dtype
-    per_stage_tp = {
-        (s, r): _stage_rank(spec, par, s, r, logical, dtype)
-        for s in range(par.pp) for r in range(par.tp)
-    }
+    cache: dict[tuple[int, int, int, int], tuple[list, list]] = {}
     ranks = []
     for g in range(par.world_size):
         s, dp_rank, r = par.coords(g)
-        tensors, pieces = per_stage_tp[(s, r)]
-        ranks.append(RankLayout(f"pp{s}.dp{dp_rank}.tp{r}", tuple(tensors), tuple(pieces)))
-    params = (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
+        _, _, ep_rank, etp_rank = par.expert_coords(g) if spec.is_moe else (0, 0, 0, 0)
+        key = (s, r, ep_rank, etp_rank)
+        if key not in cache:
+            cache[key] = _stage_rank(spec, par, s, r, logical, dtype, (ep_rank, etp_rank))
+        tensors, pieces = cache[key]
+        label = f"pp{s}.dp{dp_rank}.tp{r}" + (f".ep{ep_rank}.etp{etp_rank}" if spec.is_moe else "")
+        ranks.append(RankLayout(label, tuple(tensors), tuple(pieces)))
+    params: tuple[tuple[str, object], ...] = (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
+    if spec.is_moe:
+        params += (("ep", par.ep), ("etp", par.expert_tp))
     return Layout("megatron", spec, logical, tuple(ranks), params)

@@ -38,13 +38,29 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
+    """A local tensor.  Pieces address ``shape``; ``held`` is the shape the owner keeps when that
+    differs (an engine's 3-D expert stack ``[E_loc, rows, cols]`` is addressed as the 2-D
+    ``[E_loc * rows, cols]`` view, so every plan, run and pack stays two-dimensional)."""
+
     name: str
     shape: Box
     dtype: str
+    held: Box | None = None
 
     @property
     def numel(self) -> int:
         return volume(self.shape)
+
+    @property
+    def stored(self) -> Box:
+        return self.held or self.shape
+
+
+def addressed(tensor, meta: TensorMeta):
+    """``tensor`` (held by its owner as ``meta.stored``) as the view pieces address."""
+    if meta.held is None or tuple(tensor.shape) != meta.held:
+        return tensor
+    return tensor.view(meta.shape)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ match ``transformers``); the TP scheme is SGLang's:
   give zeros, then all-reduce;
 - column-parallel ``qkv_proj`` / ``gate_up_proj`` (no communication);
 - row-parallel ``o_proj`` / ``down_proj`` followed by an all-reduce;
+- experts (sparse layers): the replicated router picks each token's top-k experts on every
+  rank; a rank runs its own experts (EP block ``r // moe_tp``) on their MoE-TP slice and the
+  partial outputs meet in the same all-reduce (SGLang's FusedMoE without a dispatcher);
 - LM head: local logits, all-gather along the vocab, truncate to ``spec.vocab_size``.
 
 Collective contract: every method that runs the model (``forward``, ``generate``,
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
-from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin
+from shardsync.layout.piece import addressed
+from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.spec import DTYPES, ModelSpec
 
@@ -84,7 +88,7 @@ class _Leaf(nn.Module):
         super().__init__()
         for attr in attrs:
             meta = rl.tensor(f"{prefix}.{attr}")
-            data = torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype), device=device)
+            data = torch.zeros(meta.stored, dtype=getattr(torch, meta.dtype), device=device)
             self.register_parameter(attr, nn.Parameter(data, requires_grad=False))
 
 
@@ -139,8 +143,33 @@ class _MLP(nn.Module):
         return self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_proj.weight))
 
 
+class _Experts(nn.Module):
+    """A sparse layer's ``mlp``: router ``gate`` and the rank's ``experts`` stacks (FusedMoE)."""
+
+    def __init__(self, spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP, ep: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.gate = _Leaf(rl, prefix + "gate", ("weight",), device)
+        self.experts = _Leaf(rl, prefix + "experts", ("w13_weight", "w2_weight"), device)
+        self.first = tp.rank // (tp.size // ep) * self.experts.w13_weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = route(self.spec, F.linear(flat, self.gate.weight))
+        out = torch.zeros_like(flat)
+        w13, w2 = self.experts.w13_weight, self.experts.w2_weight
+        for k in range(w13.shape[0]):
+            tok, slot = torch.nonzero(chosen == self.first + k, as_tuple=True)
+            if tok.numel():
+                gate, up = F.linear(flat[tok], w13[k]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, w2[k])
+                out.index_add_(0, tok, y * weights[tok, slot, None])
+        return self.tp.all_reduce(out).view_as(x)
+
+
 class _Layer(nn.Module):
-    def __init__(self, spec: ModelSpec, rl: RankLayout, layer: int, tp: _TP,
+    def __init__(self, spec: ModelSpec, rl: RankLayout, layer: int, tp: _TP, ep: int,
                  device: torch.device) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
@@ -148,7 +177,8 @@ class _Layer(nn.Module):
         self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
         self.self_attn = _Attention(spec, rl, p + "self_attn.", tp, device)
         self.post_attention_layernorm = _Leaf(rl, p + "post_attention_layernorm", ("weight",), device)
-        self.mlp = _MLP(rl, p + "mlp.", tp, device)
+        self.mlp = (_Experts(spec, rl, p + "mlp.", tp, ep, device) if spec.sparse_layer(layer)
+                    else _MLP(rl, p + "mlp.", tp, device))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None) -> torch.Tensor:
@@ -160,10 +190,10 @@ class _Layer(nn.Module):
 class _Decoder(nn.Module):
     """The ``model.`` prefix: embedding, layers, final norm."""
 
-    def __init__(self, spec: ModelSpec, rl: RankLayout, tp: _TP, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, rl: RankLayout, tp: _TP, ep: int, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = _Leaf(rl, "model.embed_tokens", ("weight",), device)
-        self.layers = nn.ModuleList(_Layer(spec, rl, i, tp, device) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(_Layer(spec, rl, i, tp, ep, device) for i in range(spec.num_layers))
         self.norm = _Leaf(rl, "model.norm", ("weight",), device)
 
 
@@ -203,12 +233,13 @@ class EngineModel(nn.Module):
     ``named_parameters()`` yields exactly the rank's engine-layout tensors, in layout order;
     they start zeroed (padding rows stay zero) and are filled by ``load_source`` or a sync.
     ``group`` is the TP process group (required when ``tp_size > 1``; its rank must equal
-    ``tp_rank``).  Activations run in ``dtype``; logits are returned in float32.
+    ``tp_rank``).  Activations run in ``dtype``; logits are returned in float32.  ``ep``: expert
+    parallel within the TP group (mixture-of-experts models).
     """
 
     def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", *, ep: int = 1) -> None:
         super().__init__()
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank} tp_size={tp_size}")
@@ -222,23 +253,24 @@ class EngineModel(nn.Module):
                 )
         self.spec = spec
         self.device = torch.device(device)
-        self.layout: Layout = engine_layout(spec, EngineParallel(tp=tp_size, dtype=_dtype_name(dtype)))
+        self.ep = ep
+        self.layout: Layout = engine_layout(spec, EngineParallel(tp=tp_size, ep=ep, dtype=_dtype_name(dtype)))
         self.tp = _TP(group, tp_rank, tp_size)
         rl = self.layout.ranks[tp_rank]
-        self.model = _Decoder(spec, rl, self.tp, self.device)
+        self.model = _Decoder(spec, rl, self.tp, ep, self.device)
         if not spec.tie_word_embeddings:
             self.lm_head = _Leaf(rl, "lm_head", ("weight",), self.device)
         self.dtype = getattr(torch, _dtype_name(dtype))
         self.vocab_rows = rl.tensor("model.embed_tokens.weight").shape[0]
         got = [(n, tuple(p.shape)) for n, p in self.named_parameters()]
-        assert got == [(t.name, t.shape) for t in rl.tensors], "parameters diverge from layout"
+        assert got == [(t.name, t.stored) for t in rl.tensors], "parameters diverge from layout"
 
     @classmethod
     def from_source(cls, spec: ModelSpec, source: TensorSource, tp_rank: int = 0, tp_size: int = 1,
                     group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
-                    device: str | torch.device = "cpu") -> EngineModel:
+                    device: str | torch.device = "cpu", *, ep: int = 1) -> EngineModel:
         """Build rank ``tp_rank`` and fill it from ``source`` (``random_source``, ``checkpoint_source``)."""
-        model = cls(spec, tp_rank, tp_size, group, dtype, device)
+        model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep)
         model.load_source(source)
         return model
 
@@ -246,8 +278,9 @@ class EngineModel(nn.Module):
     def load_source(self, source: TensorSource) -> None:
         """Overwrite every parameter in place with this rank's pieces of ``source`` (local, no comm)."""
         tensors = load_rank(self.layout, self.tp.rank, source, device=self.device)
+        rl = self.layout.ranks[self.tp.rank]
         for name, param in self.named_parameters():
-            param.copy_(tensors[name])
+            addressed(param, rl.tensor(name)).copy_(tensors[name])
         log.debug("tp%d: loaded %d tensors", self.tp.rank, len(tensors))
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

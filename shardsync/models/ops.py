@@ -78,3 +78,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_offse
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def route(spec: ModelSpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's router: softmax in fp32 over ``[tokens, experts]`` logits, top-k, optionally
+    renormalized; returns (weights in the logits' dtype, expert indices), both ``[tokens, k]``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, chosen = torch.topk(probs, spec.num_experts_per_tok, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), chosen

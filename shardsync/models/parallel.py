@@ -1,9 +1,10 @@
 """Megatron-style parallel primitives of the reference trainer (gloo or NCCL groups).
 
-``megatron_groups`` builds one model's TP/PP/DP groups in Megatron rank order; ``Comm``
-wraps one group's collectives with a timeout and carries Megatron's two TP autograd
+``megatron_groups`` builds one model's TP/PP/DP (and expert) groups in Megatron rank order;
+``Comm`` wraps one group's collectives with a timeout and carries Megatron's two TP autograd
 functions (``mappings.py``: copy-to / reduce-from the TP region) and the vocab-parallel
-target log-probability (``cross_entropy.py``), re-derived here, not copied.
+target log-probability (``cross_entropy.py``), re-derived here, not copied; ``ExpertExchange``
+moves tokens to and from the expert group (an all-gather dispatcher).
 """
 
 from __future__ import annotations
@@ -19,31 +20,49 @@ from shardsync.layout import MegatronParallel
 
 @dataclass(frozen=True)
 class TrainerGroups:
-    """The calling process's rank in the model and its TP/PP/DP groups (None when size 1)."""
+    """The calling process's rank in the model and its TP/PP/DP groups (None when size 1);
+    for mixture-of-experts models also its expert group (ETP x EP ranks sharing one copy of
+    every expert) and expert-DP group (the copies of its experts)."""
 
     rank: int | None
     tp: dist.ProcessGroup | None
     pp: dist.ProcessGroup | None
     dp: dist.ProcessGroup | None
+    expert: dist.ProcessGroup | None = None
+    expert_dp: dist.ProcessGroup | None = None
+
+
+def expert_group_ranks(par: MegatronParallel, rank: int) -> list[int]:
+    """The ranks of ``rank``'s expert group, in group order (same stage and expert-DP rank)."""
+    pp, edp, _, _ = par.expert_coords(rank)
+    size = par.expert_tp * par.ep
+    base = pp * par.tp * par.dp + edp * size
+    return list(range(base, base + size))
 
 
 def megatron_groups(par: MegatronParallel, *, first_rank: int = 0,
-                    timeout_s: float = 60.0) -> TrainerGroups:
+                    timeout_s: float = 60.0, moe: bool = False) -> TrainerGroups:
     """Create the TP, PP and DP groups of a model on default-group ranks
     ``[first_rank, first_rank + par.world_size)`` (Megatron rank order: TP fastest, then DP,
     then PP).
 
-    Collective over the default group: every process of it calls this with the same
-    arguments, in the same order as its other ``new_group`` calls, member or not.  Groups of
+    ``moe``: also the expert and expert-DP groups.  Collective over the default group: every
+    process of it calls this with the same arguments, in the same order as its other ``new_group`` calls, member or not.  Groups of
     size 1 are not created.  Processes outside the model get ``rank=None``.
     """
     me = dist.get_rank() - first_rank
-    mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None}
+    mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None, "expert": None,
+                                                 "expert_dp": None}
     timeout = datetime.timedelta(seconds=timeout_s)
     ranks = range(par.world_size)
     keys = {"tp": lambda g: par.coords(g)[:2], "pp": lambda g: par.coords(g)[1:],
-            "dp": lambda g: (par.coords(g)[0], par.coords(g)[2])}
-    for kind, size in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp)):
+            "dp": lambda g: (par.coords(g)[0], par.coords(g)[2]),
+            "expert": lambda g: par.expert_coords(g)[:2],
+            "expert_dp": lambda g: (par.expert_coords(g)[0], *par.expert_coords(g)[2:])}
+    sizes = [("tp", par.tp), ("pp", par.pp), ("dp", par.dp)]
+    if moe:
+        sizes += [("expert", par.expert_tp * par.ep), ("expert_dp", par.expert_dp)]
+    for kind, size in sizes:
         if size == 1:
             continue
         buckets: dict[tuple[int, int], list[int]] = {}
@@ -125,6 +144,74 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class ExpertExchange:
+    """Tokens to and from an expert group whose ranks may hold different tokens (EP over DP)
+    or the same ones (TP peers): ``gather`` concatenates every member's rows, ``combine``
+    sums every member's partial expert outputs and returns the caller's rows.
+
+    The gradients are those of each distinct batch computed once: a batch that ``m`` members
+    share reaches the experts ``m`` times, each copy's gradient scaled by ``1/m`` on the way
+    back from ``combine`` and by ``m`` on the way back to the caller's activations.
+    """
+
+    def __init__(self, comm: Comm, shares: list[int]) -> None:
+        self.comm, self.shares = comm, shares  # shares[i]: members holding member i's tokens
+
+    def rows(self, n: int) -> list[int]:
+        if self.comm.size == 1:
+            return [n]
+        counts = self.comm.all_gather(torch.tensor([n], dtype=torch.int64))
+        return [int(c) for c in counts]
+
+    def gather(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return _Gather.apply(x, self, rows) if self.comm.size > 1 else x
+
+    def gather_ids(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return _gather_rows(self.comm, x, rows) if self.comm.size > 1 else x
+
+    def combine(self, partial: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return _Combine.apply(partial, self, rows) if self.comm.size > 1 else partial
+
+
+def _gather_rows(comm: Comm, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Every member's ``x`` (``rows[i]`` rows each, padded to the longest for the collective)."""
+    top = max(rows)
+    pad = torch.zeros((top, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    pad[:x.shape[0]] = x
+    return torch.cat([p[:n] for p, n in zip(comm.all_gather(pad), rows, strict=True)])
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ex: ExpertExchange, rows: list[int]) -> torch.Tensor:
+        ctx.ex, ctx.rows = ex, rows
+        return _gather_rows(ex.comm, x.detach(), rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ex, rows = ctx.ex, ctx.rows
+        total = ex.comm.all_reduce(grad.contiguous().clone())
+        start = sum(rows[:ex.comm.rank])
+        return total[start:start + rows[ex.comm.rank]] * ex.shares[ex.comm.rank], None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, ex: ExpertExchange, rows: list[int]) -> torch.Tensor:
+        ctx.ex, ctx.rows = ex, rows
+        total = ex.comm.all_reduce(partial.detach().contiguous().clone())
+        start = sum(rows[:ex.comm.rank])
+        return total[start:start + rows[ex.comm.rank]]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ex, rows = ctx.ex, ctx.rows
+        full = _gather_rows(ex.comm, grad.contiguous(), rows)
+        scale = torch.cat([torch.full((n,), 1.0 / m, dtype=full.dtype, device=full.device)
+                           for n, m in zip(rows, ex.shares, strict=True)])
+        return full * scale[:, None], None, None
 
 
 class VocabParallelLogprob(torch.autograd.Function):

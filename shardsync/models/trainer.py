@@ -21,6 +21,11 @@ Megatron's, without sequence parallelism:
   stage's embedding exchange gradients before the step (Megatron's embedding group), so
   both copies stay bitwise equal;
 - DP replicas hold the same parameters; gradients are averaged over the DP group.
+- experts (sparse layers): the replicated router picks each token's top-k experts, the expert
+  group (ETP x EP ranks, Megatron's expert rank generator) gathers its members' tokens, each
+  rank runs its local experts on its ETP slice and the partial outputs are summed back to
+  their tokens (``ExpertExchange``: an all-gather dispatcher).  Expert gradients are summed
+  over the expert-DP group and scaled like the dense ones, so every DP batch counts once.
 
 Collective contract: every rank of the model calls each public method that runs the model
 (``logits``, ``forward_logprobs``, ``policy_logprobs``, ``forward_backward``,
@@ -46,12 +51,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
-from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin
+from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route
 from shardsync.models.parallel import (
     Comm,
+    ExpertExchange,
     TrainerGroups,
     VocabParallelLogprob,
     check_group,
+    expert_group_ranks,
     megatron_groups,
 )
 from shardsync.models.weights import TensorSource, load_rank
@@ -113,17 +120,74 @@ class _Weights(nn.Module):
             self.register_parameter(attr, param)
 
 
-class _Layer(nn.Module):
-    """One decoder layer under Megatron's names; both norm spellings (fused / separate)."""
+def _reduce_grads(comm: Comm, grads: list[torch.Tensor], divisor: int) -> None:
+    """Sum ``grads`` over ``comm`` (one flat all-reduce) and divide them by ``divisor``."""
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+    flat.div_(divisor)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
+
+
+class _Experts(nn.Module):
+    """A sparse layer's ``mlp``: the router and this rank's local experts (both spellings)."""
 
     def __init__(self, model: TrainerModel, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
+        spec, par = model.spec, model.par
+        self.spec, self.dtype, self.exchange = spec, model.compute_dtype, model.exchange
+        self.router = _Weights(tensors, prefix + "router", ("weight",), tp_sharded=False)
+        n = spec.num_experts // par.ep
+        self.first = par.expert_coords(model.rank)[2] * n
+        self.experts = nn.Module()
+        if par.expert_names == "grouped":
+            for fc in ("linear_fc1", "linear_fc2"):
+                setattr(self.experts, fc, _Weights(tensors, f"{prefix}experts.{fc}", [f"weight{j}" for j in range(n)],
+                                                   tp_sharded=False))
+            self._local = [(getattr(self.experts.linear_fc1, f"weight{j}"), getattr(self.experts.linear_fc2, f"weight{j}"))
+                           for j in range(n)]
+        else:
+            self.experts.local_experts = nn.ModuleList()
+            for j in range(n):
+                m = nn.Module()
+                for fc in ("linear_fc1", "linear_fc2"):
+                    setattr(m, fc, _Weights(tensors, f"{prefix}experts.local_experts.{j}.{fc}", ("weight",),
+                                            tp_sharded=False))
+                self.experts.local_experts.append(m)
+            self._local = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in self.experts.local_experts]
+        for p in self.experts.parameters():
+            p.expert = True  # Megatron's allreduce=False: reduced over the expert-DP group
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        dtype, ex, k = self.dtype, self.exchange, self.spec.num_experts_per_tok
+        flat = h.reshape(-1, h.shape[-1])
+        weights, chosen = route(self.spec, F.linear(flat, self.router.weight.to(dtype)))
+        rows = ex.rows(flat.shape[0])
+        tokens, weights = ex.gather(torch.cat([flat, weights], dim=-1), rows).split([flat.shape[-1], k], dim=-1)
+        chosen = ex.gather_ids(chosen, rows)
+        out = torch.zeros_like(tokens)
+        for j, (fc1, fc2) in enumerate(self._local):
+            tok, slot = torch.nonzero(chosen == self.first + j, as_tuple=True)
+            if tok.numel():
+                gate, up = F.linear(tokens[tok], fc1.to(dtype)).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, fc2.to(dtype))
+                out = out.index_add(0, tok, y * weights[tok, slot, None])
+        return ex.combine(out, rows).view_as(h)
+
+
+class _Layer(nn.Module):
+    """One decoder layer under Megatron's names; both norm spellings (fused / separate)."""
+
+    def __init__(self, model: TrainerModel, tensors: dict[str, torch.Tensor], prefix: str,
+                 layer: int) -> None:
+        super().__init__()
         spec = model.spec
         self.spec, self.tp, self.dtype = spec, model.tp, model.compute_dtype
-        self.fused = model.par.norm_names == "fused"
-        norm = ("layer_norm_weight",) if self.fused else ()
+        self.sparse = spec.sparse_layer(layer)
+        self.fused = model.par.norm_names == "fused" and not self.sparse
+        self.fused_attn = model.par.norm_names == "fused"
+        norm = ("layer_norm_weight",) if self.fused_attn else ()
         bias = ("bias",) if spec.qkv_bias else ()
-        if not self.fused:
+        if not self.fused_attn:
             self.input_layernorm = _Weights(tensors, prefix + "input_layernorm", ("weight",),
                                             tp_sharded=False)
         self.self_attention = nn.Module()
@@ -139,11 +203,15 @@ class _Layer(nn.Module):
         if not self.fused:
             self.pre_mlp_layernorm = _Weights(tensors, prefix + "pre_mlp_layernorm", ("weight",),
                                               tp_sharded=False)
-        self.mlp = nn.Module()
-        self.mlp.linear_fc1 = _Weights(tensors, prefix + "mlp.linear_fc1", (*norm, "weight"),
-                                       tp_sharded=True)
-        self.mlp.linear_fc2 = _Weights(tensors, prefix + "mlp.linear_fc2", ("weight",),
-                                       tp_sharded=True)
+        if self.sparse:
+            self.mlp = _Experts(model, tensors, prefix + "mlp.")
+        else:
+            self.mlp = nn.Module()
+            norm = ("layer_norm_weight",) if self.fused else ()
+            self.mlp.linear_fc1 = _Weights(tensors, prefix + "mlp.linear_fc1", (*norm, "weight"),
+                                           tp_sharded=True)
+            self.mlp.linear_fc2 = _Weights(tensors, prefix + "mlp.linear_fc2", ("weight",),
+                                           tp_sharded=True)
         self.groups = spec.num_kv_heads // self.tp.size
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,7 +224,7 @@ class _Layer(nn.Module):
         d, p, eps = spec.head_dim, spec.heads_per_group, spec.rms_norm_eps
         att, mlp = self.self_attention, self.mlp
         qkv = att.linear_qkv
-        norm = qkv.layer_norm_weight if self.fused else self.input_layernorm.weight
+        norm = qkv.layer_norm_weight if self.fused_attn else self.input_layernorm.weight
         h = tp.copy_to(rms_norm(x, w(norm), eps))
         fused = F.linear(h, w(qkv.weight), w(qkv.bias) if spec.qkv_bias else None)
         # Local rows are whole query groups: [q heads of group, k, v] per group (LAYOUTS §4.2).
@@ -171,6 +239,8 @@ class _Layer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
         x = x + tp.reduce_from(F.linear(out, w(att.linear_proj.weight)))
+        if self.sparse:  # the exchange completes the activation gradient: no TP copy here
+            return x + mlp(rms_norm(x, w(self.pre_mlp_layernorm.weight), eps))
         norm = mlp.linear_fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight
         h = tp.copy_to(rms_norm(x, w(norm), eps))
         gate, up = F.linear(h, w(mlp.linear_fc1.weight)).chunk(2, dim=-1)
@@ -192,7 +262,8 @@ class TrainerModel(nn.Module):
     def __init__(self, spec: ModelSpec, par: MegatronParallel, rank: int = 0,
                  tp_group: dist.ProcessGroup | None = None,
                  pp_group: dist.ProcessGroup | None = None, *,
-                 dp_group: dist.ProcessGroup | None = None, source: TensorSource | None = None,
+                 dp_group: dist.ProcessGroup | None = None, expert_group: dist.ProcessGroup | None = None,
+                 expert_dp_group: dist.ProcessGroup | None = None, source: TensorSource | None = None,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimConfig | None = None,
                  device: str | torch.device = "cpu",
                  timeout_s: float = 60.0) -> None:
@@ -217,6 +288,9 @@ class TrainerModel(nn.Module):
         self.tp = Comm(check_group(tp_group, "tp", tp_rank, par.tp), tp_rank, par.tp, timeout)
         self.pp = Comm(check_group(pp_group, "pp", pp_rank, par.pp), pp_rank, par.pp, timeout)
         self.dp = Comm(check_group(dp_group, "dp", dp_rank, par.dp), dp_rank, par.dp, timeout)
+        self.exchange: ExpertExchange | None = None
+        if spec.is_moe:
+            self._init_experts(expert_group, expert_dp_group, timeout)
         self.first, self.last = pp_rank == 0, pp_rank == par.pp - 1
         self.vocab_rows = par.padded_vocab(spec.vocab_size) // par.tp
         self.vocab_start = tp_rank * self.vocab_rows
@@ -232,7 +306,7 @@ class TrainerModel(nn.Module):
         self.decoder = nn.Module()
         layers = par.stage_layers(spec.num_layers)[pp_rank]
         self.decoder.layers = nn.ModuleList(
-            _Layer(self, tensors, f"decoder.layers.{i}.") for i in range(len(layers)))
+            _Layer(self, tensors, f"decoder.layers.{i}.", layer) for i, layer in enumerate(layers))
         if self.last:
             self.decoder.final_layernorm = _Weights(
                 tensors, "decoder.final_layernorm", ("weight",), tp_sharded=False)
@@ -250,6 +324,23 @@ class TrainerModel(nn.Module):
              {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
         self._grads_synced = True
+
+    def _init_experts(self, group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+                      timeout: datetime.timedelta) -> None:
+        par = self.par
+        size = par.expert_tp * par.ep
+        if size % par.tp and par.tp % size:
+            raise ValueError(f"etp x ep = {size} and tp = {par.tp}: the reference trainer needs one to divide "
+                             "the other (its expert groups hold whole DP batches or whole expert copies)")
+        members = expert_group_ranks(par, self.rank)
+        comm = Comm(check_group(group, "expert", members.index(self.rank), size), members.index(self.rank),
+                    size, timeout)
+        batch = [par.coords(r)[1] for r in members]  # members holding the same DP batch share tokens
+        self.exchange = ExpertExchange(comm, [batch.count(b) for b in batch])
+        _, edp, _, _ = par.expert_coords(self.rank)
+        self.expert_dp = Comm(check_group(dp_group, "expert_dp", edp, par.expert_dp), edp, par.expert_dp, timeout)
+        # each DP batch's expert gradient arrives once per expert group it spans
+        self.expert_grad_divisor = par.dp * max(1, par.tp // size)
 
     # --- pieces of the forward ---------------------------------------------------------------
 
@@ -403,12 +494,12 @@ class TrainerModel(nn.Module):
         for p in self.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        dense = [p.grad for p in self.parameters() if not getattr(p, "expert", False)]
+        experts = [p.grad for p in self.parameters() if getattr(p, "expert", False)]
         if self.dp.size > 1:
-            grads = [p.grad for p in self.parameters()]
-            flat = self.dp.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
-            flat.div_(self.dp.size)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
+            _reduce_grads(self.dp, dense, self.dp.size)
+        if experts:
+            _reduce_grads(self.expert_dp, experts, self.expert_grad_divisor)
         if self.tied_copy:
             mine = self._tied_param().grad
             other = self.pp.exchange(mine, self.par.pp - 1 if self.first else 0)
@@ -426,16 +517,21 @@ class TrainerModel(nn.Module):
         """
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.named_parameters():
             if p.grad is None or (self.tied_copy and self.last and name == "output_layer.weight"):
                 continue
             sq = p.grad.double().pow(2).sum()
-            if p.tensor_model_parallel:
+            if getattr(p, "expert", False):
+                experts += sq
+            elif p.tensor_model_parallel:
                 sharded += sq
             else:
                 replicated += sq
         # Sums in rank order (not all_reduce) so that every rank gets the same bits.
         stage = sum(self.tp.all_gather(sharded)) + replicated
+        if self.exchange is not None:
+            stage = stage + sum(self.exchange.comm.all_gather(experts))
         return math.sqrt(float(sum(self.pp.all_gather(stage))))
 
     def optimizer_step(self, lr: float | None = None) -> float:

@@ -6,7 +6,7 @@ from the same plan without exchanging any per-bucket metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardsync.plan.plan import Copy, Plan
 
@@ -38,8 +38,8 @@ def split_copy(c: Copy, max_numel: int) -> list[Copy]:
             return tuple(b + start if i == dim else b for i, b in enumerate(box))
 
         sizes = tuple(n if i == dim else s for i, s in enumerate(c.sizes))
-        parts.append(replace(c, src_offsets=shift(c.src_offsets), dst_offsets=shift(c.dst_offsets),
-                             logical_offsets=shift(c.logical_offsets), sizes=sizes))
+        parts.append(c._replace(src_offsets=shift(c.src_offsets), dst_offsets=shift(c.dst_offsets),
+                                   logical_offsets=shift(c.logical_offsets), sizes=sizes))
     return parts
 
 

@@ -47,7 +47,11 @@ class Case:
     relation: str
     trainer_tp: int
     trainer_pp: int = 1
+    trainer_dp: int = 1
+    trainer_ep: int = 1
+    trainer_etp: int | None = None
     engine_tps: tuple[int, ...] = (1,)
+    engine_ep: int = 1
     engine_kind: str = "reference"
     engine_pp: int = 1
     quantization: str | None = None
@@ -56,8 +60,9 @@ class Case:
 
     def topology(self) -> Topology:
         spec = PRESETS[self.model].replace(**dict(self.spec_changes))
-        return Topology(spec, MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp),
-                        tuple(EngineParallel(tp=t) for t in self.engine_tps),
+        trainer = MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp, dp=self.trainer_dp, ep=self.trainer_ep,
+                                   etp=self.trainer_etp)
+        return Topology(spec, trainer, tuple(EngineParallel(tp=t, ep=self.engine_ep) for t in self.engine_tps),
                         engine_kind=self.engine_kind, engine_pp=self.engine_pp,
                         quantization=self.quantization)
 
@@ -140,8 +145,35 @@ def extra_cases() -> list[Case]:
     ]
 
 
+def moe_cases() -> list[Case]:
+    """Expert parallel on either side (tiny-qwen3-moe: 8 experts, 2 KV heads)."""
+    moe = dict(model="tiny-qwen3-moe")
+    return [
+        Case(**moe, relation="EP over DP -> experts split over TP", trainer_tp=1, trainer_dp=2, trainer_ep=2,
+             engine_tps=(2,), note="EP 2 -> engine EP 1"),
+        Case(**moe, relation="EP over TP, ETP 1 -> engine EP", trainer_tp=2, trainer_ep=2, trainer_etp=1,
+             engine_tps=(2,), engine_ep=2, note="EP 2 ETP 1 -> engine EP 2"),
+        Case(**moe, relation="expert TP -> engine EP", trainer_tp=2, engine_tps=(4,), engine_ep=4,
+             note="ETP 2 -> engine EP 4 (experts whole)"),
+        Case(**moe, relation="EP 4 -> EP 2 x MoE-TP 2", trainer_tp=1, trainer_dp=4, trainer_ep=4,
+             engine_tps=(4,), engine_ep=2, note="EP 4 -> engine EP 2, MoE-TP 2"),
+        Case(**moe, relation="two engines, different EP", trainer_tp=2, trainer_pp=2, trainer_ep=2, trainer_etp=1,
+             engine_tps=(2, 4), engine_ep=2, note="PP 2 EP 2 -> engines TP 2 and 4, EP 2"),
+        Case(**moe, relation="vLLM partial EP", trainer_tp=2, engine_tps=(4,), engine_ep=2, engine_kind="vllm",
+             note="vLLM has EP = TP or none"),
+        Case(**moe, relation="vLLM EP = TP", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+             note="vLLM --enable-expert-parallel"),
+        Case(**moe, relation="EP not dividing experts", trainer_tp=1, trainer_dp=3, trainer_ep=3,
+             engine_tps=(2,), note="Megatron refuses EP 3 for 8 experts"),
+        Case(**moe, relation="ETP x EP > TP x DP", trainer_tp=2, trainer_ep=2, engine_tps=(2,),
+             note="Megatron refuses ETP 2 x EP 2 on 2 ranks"),
+        Case(**moe, relation="engine EP > TP", trainer_tp=2, engine_tps=(2,), engine_ep=4,
+             note="the engine refuses EP 4 at TP 2"),
+    ]
+
+
 def build(cases: list[Case] | None = None) -> list[Entry]:
-    cases = list(grid_cases()) + extra_cases() if cases is None else cases
+    cases = list(grid_cases()) + extra_cases() + moe_cases() if cases is None else cases
     return [Entry(c, tuple(check_p2p(c.topology()))) for c in cases]
 
 
@@ -166,8 +198,11 @@ def _table(entries: list[Entry], with_note: bool) -> list[str]:
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for e in entries:
         c = e.case
-        cells = [c.model, c.relation, f"TP{c.trainer_tp} PP{c.trainer_pp}",
-                 "+".join(str(t) for t in c.engine_tps), c.engine_kind,
+        trainer = f"TP{c.trainer_tp} PP{c.trainer_pp}" + (f" DP{c.trainer_dp}" if c.trainer_dp > 1 else "")
+        if PRESETS[c.model].is_moe:
+            trainer += f" EP{c.trainer_ep} ETP{c.trainer_etp or c.trainer_tp}"
+        engines = "+".join(str(t) for t in c.engine_tps) + (f" EP{c.engine_ep}" if PRESETS[c.model].is_moe else "")
+        cells = [c.model, c.relation, trainer, engines, c.engine_kind,
                  *(_cell(e, m) for m in MODES), _why(e)]
         if with_note:
             cells.insert(0, c.note)
@@ -179,7 +214,8 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
     """The whole matrix as a markdown document (deterministic: same code, same text)."""
     entries = build() if entries is None else entries
     grid = [e for e in entries if not e.case.note]
-    extra = [e for e in entries if e.case.note]
+    extra = [e for e in entries if e.case.note and not PRESETS[e.case.model].is_moe]
+    moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe]
     counts = {p: sum(_cell(e, "auto") == p for e in grid) for p in ("p2p", "broadcast", "refused")}
     out = [
         "# Fallback matrix",
@@ -216,11 +252,20 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
         "",
         "## Preconditions outside the grid",
         "",
-        "Settings the grid does not vary, one row each.  `dense_family` and `plan_covers`",
-        "cannot fail here: `ModelSpec` refuses a non-dense family before a topology exists,",
+        "Settings the grid does not vary, one row each.  `model_family` and `plan_covers`",
+        "cannot fail here: `ModelSpec` refuses an unknown family before a topology exists,",
         "and the planner covers every engine element whenever both layouts build.",
         "",
         *_table(extra, with_note=True),
+        "",
+        "## Mixture of experts",
+        "",
+        "Expert parallel on either side, in both directions (`tiny-qwen3-moe`).  Trainer: EP",
+        "and expert TP (ETP) subdivide each stage's TP x DP ranks as in Megatron-core; engine:",
+        "EP blocks of experts within the TP group, each split over MoE-TP = TP / EP (SGLang",
+        "`--ep-size`; vLLM only EP 1 or `--enable-expert-parallel`, EP = TP).",
+        "",
+        *_table(moe, with_note=True),
         "",
     ]
     return "\n".join(out)

@@ -42,9 +42,8 @@ def _vllm_vocab(topo: Topology) -> bool:
 
 
 PRECONDITIONS: tuple[Precondition, ...] = (
-    Precondition("dense_family", f"model family is one of {sorted(set(FAMILY_FLAGS) - set(MOE_FAMILIES))} "
-                 "(dense; MoE layouts are not built yet)",
-                 lambda t: t.spec.family in FAMILY_FLAGS and not t.spec.is_moe),
+    Precondition("model_family", f"model family is one of {sorted(FAMILY_FLAGS)} (MoE: {list(MOE_FAMILIES)})",
+                 lambda t: t.spec.family in FAMILY_FLAGS),
     Precondition("engine_layout_known", f"engine kind is one of {list(ENGINE_KINDS)}",
                  lambda t: t.engine_kind in ENGINE_KINDS),
     Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1)",
@@ -53,6 +52,9 @@ PRECONDITIONS: tuple[Precondition, ...] = (
                  lambda t: t.quantization is None),
     Precondition("vllm_vocab_split", "for vLLM, the 64-padded vocab divides by every engine TP",
                  _vllm_vocab),
+    Precondition("vllm_experts", "for vLLM, experts are split over TP (ep 1) or placed whole per rank "
+                 "(--enable-expert-parallel: ep = tp)",
+                 lambda t: t.engine_kind != "vllm" or all(e.ep in (1, e.tp) for e in t.engines)),
     Precondition("trainer_layout", "the Megatron layout of the trainer config can be built",
                  _builds("trainer_layout")),
     Precondition("engine_layout", "every engine's layout can be built", _builds("engines_layout")),

@@ -50,8 +50,10 @@ def summarize(topo: Topology, bucket_bytes: int) -> dict:
         paths.insert(0, _p2p(topo, bucket_bytes))
     return {
         "model": topo.spec.name,
-        "trainer": {"tp": topo.trainer.tp, "pp": topo.trainer.pp, "dp": topo.trainer.dp},
+        "trainer": {"tp": topo.trainer.tp, "pp": topo.trainer.pp, "dp": topo.trainer.dp,
+                    **({"ep": topo.trainer.ep, "etp": topo.trainer.expert_tp} if topo.spec.is_moe else {})},
         "engines": [e.tp for e in topo.engines],
+        **({"engine_ep": [e.ep for e in topo.engines]} if topo.spec.is_moe else {}),
         "bucket_bytes": bucket_bytes,
         "paths": [asdict(p) for p in paths],
         "p2p_preconditions": [asdict(v) for v in verdicts],

@@ -36,9 +36,11 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
         "spec": spec_to_dict(topo.spec),
         "trainer": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "pp_layers": list(t.pp_layers) if t.pp_layers else None,
                     "make_vocab_size_divisible_by": t.make_vocab_size_divisible_by,
-                    "norm_names": t.norm_names, "dtype": t.dtype},
+                    "norm_names": t.norm_names, "dtype": t.dtype, "ep": t.ep, "etp": t.etp,
+                    "expert_names": t.expert_names},
         "engines": [e.tp for e in topo.engines], "engine_index": index, "fingerprints": fingerprints,
         "whole": [e.whole for e in topo.engines] if any(e.whole for e in topo.engines) else [],
+        "engine_ep": [e.ep for e in topo.engines] if any(e.ep > 1 for e in topo.engines) else [],
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc or False,
         "control": control, "verify": verify, "rendezvous": dataclasses.asdict(rdv),
     })
@@ -54,11 +56,15 @@ def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
     whole = req.whole or [False] * len(req.engines)
     if len(whole) != len(req.engines):
         raise ValueError(f"whole names {len(whole)} engines, engines {len(req.engines)}")
-    engines = tuple(EngineParallel(tp=tp, dtype=dtype, whole=w) for tp, w in zip(req.engines, whole, strict=True))
+    eps = req.engine_ep or [1] * len(req.engines)
+    if len(eps) != len(req.engines):
+        raise ValueError(f"engine_ep names {len(eps)} engines, engines {len(req.engines)}")
+    engines = tuple(EngineParallel(tp=tp, ep=ep, dtype=dtype, whole=w)
+                    for tp, ep, w in zip(req.engines, eps, whole, strict=True))
     return Topology(spec, trainer, engines, relay=req.relay)
 
 
-def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str) -> dict[str, str]:
+def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1) -> dict[str, str]:
     """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
     differs when trainer and engine disagree (nothing is joined or changed)."""
     if req.protocol != PROTOCOL_VERSION:
@@ -78,6 +84,10 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str) -> 
     if declared != tp:
         raise Conflict(f"engine {req.engine_index} declared with TP {declared if declared else '?'}, "
                        f"this engine runs TP {tp}")
+    declared_ep = topo.engines[req.engine_index].ep
+    if declared_ep != ep:
+        raise Conflict(f"engine {req.engine_index} declared with expert parallel {declared_ep}, this engine runs "
+                       f"EP {ep}")
     if not req.fingerprints:
         raise Invalid("a connect names at least one plan fingerprint (broadcast)")
     mine = {}

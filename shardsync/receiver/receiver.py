@@ -16,6 +16,7 @@ import torch
 
 from shardsync.control.wire import ConnectRequest
 from shardsync.layout import EngineParallel, engine_layout
+from shardsync.layout.piece import addressed
 from shardsync.mode import FULL, Mode
 from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path, release
 from shardsync.paths.disk import DiskApply
@@ -36,19 +37,25 @@ class Receiver:
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu", secret: str | None = None,
-                 whole: bool = False) -> None:
-        self.spec, self.tp_rank, self.tp_size, self.whole = spec, tp_rank, tp_size, whole
+                 whole: bool = False, ep: int = 1) -> None:
+        self.spec, self.tp_rank, self.tp_size, self.whole, self.ep = spec, tp_rank, tp_size, whole, ep
         self.destination = destination
         self._secret = secret  # the trainer signs the store values this rank acts on
         self.dtype, self.device = dtype, torch.device(device)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.layout = engine_layout(spec.replace(dtype=self.dtype_name),
-                                    EngineParallel(tp=tp_size, dtype=self.dtype_name, whole=whole))
+                                    EngineParallel(tp=tp_size, ep=ep, dtype=self.dtype_name, whole=whole))
         self.rank_layout = self.layout.ranks[tp_rank]
+        self._meta = {t.name: t for t in self.rank_layout.tensors}
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
         self._disk = DiskApply(self.rank_layout)
         self.sync_rank: int | None = None
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """The destination's tensors as the views the layout addresses (3-D expert stacks as 2-D)."""
+        meta = self._meta
+        return {n: addressed(t, meta[n]) if n in meta else t for n, t in self.destination.tensors().items()}
 
     @property
     def connected(self) -> bool:
@@ -67,7 +74,7 @@ class Receiver:
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc or None,
-                      tensors=self.destination.tensors(), rank_layout=self.rank_layout, verify=req.verify,
+                      tensors=self._tensors(), rank_layout=self.rank_layout, verify=req.verify,
                       secret=self._secret)
         full = [m for m in FULL if m.value in req.fingerprints]
         deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
@@ -88,7 +95,7 @@ class Receiver:
         if program is None:
             raise RuntimeError(f"not connected for {mode} (have {sorted(m.value for m in self.programs)})")
         try:
-            stats = program.run(self.destination.tensors(), args or UpdateArgs())
+            stats = program.run(self._tensors(), args or UpdateArgs())
             self.destination.commit()
         except Exception as e:
             log.warning("tp%d: receive (%s) failed: %s", self.tp_rank, mode, e)
@@ -98,14 +105,14 @@ class Receiver:
 
     def pull(self, root: str, version: int, base_version: int) -> Stats:
         """Apply a disk delta published under ``root`` (this rank's parts only)."""
-        stats = self._disk.run(self.destination.tensors(),
+        stats = self._disk.run(self._tensors(),
                                UpdateArgs(version=version, base_version=base_version, root=root))
         self.destination.commit()
         return stats
 
     def checksums(self) -> dict[BoxKey, int]:
         """Bitwise checksums of this rank's pieces (``runtime.checksum``)."""
-        return piece_checksums(self.rank_layout, self.destination.tensors(), self.layout.logical, self.dtype)
+        return piece_checksums(self.rank_layout, self._tensors(), self.layout.logical, self.dtype)
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""

@@ -5,6 +5,11 @@ modules, ``norm_names="separate"``) under a gloo group and reports each rank's
 ``named_parameters()``; the layout's local tensor names and shapes must equal them, and
 Megatron's (tp, pp) rank coordinates must equal the layout's rank order.
 
+The MoE preset (tiny-qwen3-moe: layer 0 dense, layers 1-3 with 8 experts) is built the
+same way over (tp, pp, dp, ep, etp) worlds with SequentialMLP experts
+(``expert_names="sequential"``); there the expert rank coordinates and the global experts
+each rank holds (``MoELayer.local_expert_indices``) must match the layout too.
+
 The TE spec (``norm_names="fused"``) needs transformer_engine, which is not installed for
 the CPU test run, so only the local spec is checked here.
 """
@@ -29,16 +34,38 @@ GRID = ((1, 1), (2, 1), (1, 2), (2, 2))  # (tp, pp); world size tp * pp
 WORLD_TIMEOUT_S = 180
 
 
+def _moe_config(spec: ModelSpec, par: MegatronParallel) -> dict:
+    """TransformerConfig fields of a Qwen3-MoE trainer (empty for a dense spec)."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_intermediate_size,
+        # Per-layer pattern, 1 = MoE, 0 = dense (read by get_gpt_decoder_block_spec).
+        moe_layer_freq=[int(spec.sparse_layer(n)) for n in range(spec.num_layers)],
+        moe_router_load_balancing_type="none",
+        moe_grouped_gemm=False,  # SequentialMLP; TEGroupedMLP needs transformer_engine
+        # The alltoall dispatcher creates a CUDA stream in its constructor (LAYOUTS.md, "Seen here").
+        moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+        # No sequence_parallel: MoELayer.forward wants it for training with tp > 1, but the local
+        # spec's torch norms (no apex here) refuse it at construction; names/shapes don't depend on it.
+    )
+
+
 def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, post_process: bool):
-    """A real mcore GPTModel for ``spec`` with the flags a Qwen2/Qwen3/Llama trainer uses."""
+    """A real mcore GPTModel for ``spec`` with the flags a Qwen2/Qwen3/Llama/Qwen3-MoE trainer uses."""
     import torch
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     dtype = getattr(torch, spec.dtype)
     config = TransformerConfig(
         **architecture(spec),
+        **_moe_config(spec, par),
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         # pp > 1 refuses a config without pipeline_dtype.
@@ -50,7 +77,11 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
         use_cpu_initialization=True,
         perform_initialization=False,
     )
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    if spec.is_moe:
+        # This stage's slice of the per-layer dense/MoE local specs (config.moe_layer_freq).
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     scaling = spec.rope_scaling or {}
     # Tied embeddings with pp > 1: mcore moves the last stage's embedding copy to CUDA
     # (``weight.data.cuda()`` in LanguageModule.setup_embeddings_and_output_layer) before
@@ -152,5 +183,117 @@ def test_layout_matches_megatron_core_named_parameters(preset: str, tp: int, pp:
             problems.append(f"rank {rank} ({rank_layout.label}):\n" + "\n".join(lines))
     assert not problems, (
         f"{preset} tp={tp} pp={pp}: layout differs from megatron-core named_parameters()\n"
+        + "\n".join(problems)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts
+
+MOE_PRESET = "tiny-qwen3-moe"
+# (tp, pp, dp, ep, etp); world size tp * pp * dp.  Covers ep 1/2, tp 1/2, etp = tp and
+# etp != tp, pp 2, and expert-DP > 1 (etp * ep < tp * dp).
+MOE_WORLDS = (
+    (1, 1, 2, 2, 1),
+    (2, 1, 1, 1, 2),
+    (2, 1, 1, 2, 1),
+    (2, 2, 1, 1, 2),
+    (1, 2, 2, 2, 1),
+    (2, 1, 2, 2, 1),
+)
+
+
+def _moe_worker(rank: int, world: int, port: int, par: MegatronParallel, out) -> None:
+    """One rank: build the MoE preset, report Megatron's (expert) coordinates, parameter
+    names/shapes in registration order and each MoE layer's global expert indices."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=WORLD_TIMEOUT_S))
+    try:
+        from megatron.core import parallel_state as mpu
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        mpu.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+                                      expert_model_parallel_size=par.ep,
+                                      expert_tensor_parallel_size=par.expert_tp)
+        try:
+            model = _gpt_model(PRESETS[MOE_PRESET], par, pre_process=mpu.is_pipeline_first_stage(),
+                               post_process=mpu.is_pipeline_last_stage())
+            params = [(n, tuple(p.shape)) for n, p in model.named_parameters()
+                      if not n.endswith("._extra_state")]
+            experts = {n: list(m.local_expert_indices) for n, m in model.named_modules() if isinstance(m, MoELayer)}
+            result = {
+                "coords": (mpu.get_pipeline_model_parallel_rank(), mpu.get_data_parallel_rank(),
+                           mpu.get_tensor_model_parallel_rank()),
+                "expert_coords": (mpu.get_pipeline_model_parallel_rank(), mpu.get_expert_data_parallel_rank(),
+                                  mpu.get_expert_model_parallel_rank(), mpu.get_expert_tensor_parallel_rank()),
+                "params": params,
+                "experts": experts,
+            }
+        finally:
+            mpu.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+    out.put((rank, result))
+
+
+# Megatron registers ``self_attention.linear_proj`` first (Attention.__init__ builds it before
+# SelfAttention.__init__ adds linear_qkv and the q/k norms); the layout lists it after them.
+# Every other tensor -- router, then each local expert's fc1 and fc2, ascending -- must come in
+# Megatron's registration order.
+_ATTN_OUT = ".self_attention.linear_proj.weight"
+
+
+def _order_problem(layout_names: list[str], model_names: list[str]) -> str | None:
+    lay = [n for n in layout_names if not n.endswith(_ATTN_OUT)]
+    mod = [n for n in model_names if not n.endswith(_ATTN_OUT)]
+    if lay == mod:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(lay, mod)) if a != b), min(len(lay), len(mod)))
+    return (f"registration order differs (ignoring {_ATTN_OUT}) at position {i}: "
+            f"layout {lay[i:i + 3]} model {mod[i:i + 3]}")
+
+
+def _moe_par(tp: int, pp: int, dp: int, ep: int, etp: int) -> MegatronParallel:
+    return MegatronParallel(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, norm_names="separate", expert_names="sequential")
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep,etp", MOE_WORLDS, ids=[f"tp{t}pp{p}dp{d}ep{e}etp{x}" for t, p, d, e, x in MOE_WORLDS])
+def test_moe_layout_matches_megatron_core(tp: int, pp: int, dp: int, ep: int, etp: int) -> None:
+    spec = PRESETS[MOE_PRESET]
+    par = _moe_par(tp, pp, dp, ep, etp)
+    layout = megatron_layout(spec, par)
+    world = run_world(_moe_worker, par.world_size, args=(par.world_size, free_port(), par),
+                      timeout=WORLD_TIMEOUT_S)
+    assert sorted(world) == list(range(par.world_size))
+    n_local = spec.num_experts // ep
+    problems = []
+    for rank in range(par.world_size):
+        rank_layout, got = layout.ranks[rank], world[rank]
+        label = f"rank {rank} ({rank_layout.label})"
+        if got["coords"] != par.coords(rank):
+            problems.append(f"{label}: megatron (pp, dp, tp) = {got['coords']}, layout = {par.coords(rank)}")
+        if got["expert_coords"] != par.expert_coords(rank):
+            problems.append(f"{label}: megatron (pp, edp, ep, etp) = {got['expert_coords']}, "
+                            f"layout = {par.expert_coords(rank)}")
+        expected = [(t.name, tuple(t.shape)) for t in rank_layout.tensors]
+        lines = _diff(dict(expected), dict(got["params"]))
+        if lines:
+            problems.append(f"{label}:\n" + "\n".join(lines))
+        order = _order_problem([n for n, _ in expected], [n for n, _ in got["params"]])
+        if order:
+            problems.append(f"{label}: {order}")
+        stage = par.stage_layers(spec.num_layers)[par.coords(rank)[0]]
+        sparse = [f"decoder.layers.{local}.mlp" for local, layer in enumerate(stage) if spec.sparse_layer(layer)]
+        ep_rank = par.expert_coords(rank)[2]
+        want = {n: [ep_rank * n_local + j for j in range(n_local)] for n in sparse}
+        if got["experts"] != want:
+            problems.append(f"{label}: megatron local_expert_indices = {got['experts']}, layout = {want}")
+    assert not problems, (
+        f"{MOE_PRESET} tp={tp} pp={pp} dp={dp} ep={ep} etp={etp}: layout differs from megatron-core\n"
         + "\n".join(problems)
     )

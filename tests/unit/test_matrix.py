@@ -15,7 +15,7 @@ from shardsync.spec import PRESETS
 DOC = Path(__file__).resolve().parents[2] / "docs" / "fallback_matrix.md"
 # Cannot fail on a topology that exists: ModelSpec refuses other families, and the planner
 # covers every engine element once both layouts build (checked below, not assumed).
-UNCONSTRUCTIBLE = {"dense_family", "plan_covers"}
+UNCONSTRUCTIBLE = {"model_family", "plan_covers"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_every_constructible_precondition_fails_somewhere(entries) -> None:
     # ... and as the reason of a fallback, not only behind an impossible deployment.
     fallback = {e.first_failure.name for e in entries
                 if e.first_failure is not None and e.impossible is None}
-    assert fallback >= {"engine_layout_known", "engine_pp_1", "unquantized", "vllm_vocab_split"}
+    assert fallback >= {"engine_layout_known", "engine_pp_1", "unquantized", "vllm_vocab_split", "vllm_experts"}
 
 
 def test_unconstructible_preconditions_really_are(entries) -> None:

@@ -50,16 +50,44 @@ def test_config_round_trip_keeps_the_experts() -> None:
     assert spec_from_config(spec.to_hf_config(), name=spec.name) == spec
 
 
-def test_layouts_refuse_moe_with_the_reason() -> None:
-    topo = Topology(PRESETS["tiny-qwen3-moe"], MegatronParallel(tp=2), (EngineParallel(tp=2),))
-    with pytest.raises(ValueError, match="mixture-of-experts layouts"):
-        _ = topo.trainer_layout
-    with pytest.raises(ValueError, match="mixture-of-experts layouts"):
-        _ = topo.engine_layouts
+def test_layouts_refuse_impossible_expert_splits_with_the_reason() -> None:
+    spec = PRESETS["tiny-qwen3-moe"]
+    cases = [
+        (MegatronParallel(tp=2, ep=2), EngineParallel(tp=2), "etp x ep = 2x2 must divide tp x dp"),
+        (MegatronParallel(tp=1, dp=3, ep=3), EngineParallel(tp=2), "num_experts=8 not divisible by ep=3"),
+        (MegatronParallel(tp=1), EngineParallel(tp=2, ep=4), "ep=4 must divide tp=2"),
+        (MegatronParallel(tp=1), EngineParallel(tp=4, ep=1, vocab_pad=64), None),
+    ]
+    for trainer, engine, why in cases:
+        topo = Topology(spec, trainer, (engine,))
+        if why is None:
+            assert topo.p2p_plan.total_bytes > 0
+            continue
+        with pytest.raises(ValueError, match=why):
+            _ = topo.trainer_layout, topo.engines_layout
+    dense = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1, dp=2, ep=2), (EngineParallel(tp=2),))
+    with pytest.raises(ValueError, match="mixture-of-experts models only"):
+        _ = dense.trainer_layout
 
 
-def test_plan_cli_refuses_moe_with_the_reason_not_a_traceback() -> None:
+def test_plan_cli_plans_moe_with_expert_parallel() -> None:
     r = subprocess.run([sys.executable, "-m", "shardsync.cli", "plan", "--model", "Qwen3-30B-A3B",
-                        "--trainer-tp", "2", "--engine-tp", "4"], capture_output=True, text=True, timeout=120)
+                        "--trainer-tp", "2", "--trainer-dp", "4", "--trainer-ep", "4", "--engine-tp", "4",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    report = json.loads(r.stdout)
+    assert report["p2p_ok"] and report["trainer"]["ep"] == 4
+    p2p, bcast = (next(p for p in report["paths"] if p["path"] == k) for k in ("p2p", "broadcast"))
+    spec = PRESETS["Qwen3-30B-A3B"]
+    assert bcast["per_receiver_bytes"] == 2 * spec.num_parameters()  # bf16: the whole model per rank
+    assert p2p["per_receiver_bytes"] * 4 < bcast["per_receiver_bytes"] * 1.01  # a quarter, plus norms
+
+
+def test_plan_cli_refuses_an_impossible_split_with_the_reason_not_a_traceback() -> None:
+    r = subprocess.run([sys.executable, "-m", "shardsync.cli", "plan", "--model", "Qwen3-30B-A3B",
+                        "--trainer-tp", "2", "--trainer-ep", "3", "--engine-tp", "4"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert "mixture-of-experts layouts" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "must divide tp x dp" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

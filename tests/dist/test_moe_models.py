@@ -1,0 +1,241 @@
+"""Mixture-of-experts reference models: the trainer and engine at TP/EP 1 against
+``transformers`` (``Qwen3MoeForCausalLM``, in process), then every expert-parallel world
+against that TP 1 run (one spawned 4-rank gloo world, run in phases).
+
+Trainer worlds cover EP over DP, EP over TP, expert TP, both expert spellings and PP; each
+rank checks its logits, its DP batch's loss, its gradients after the (expert-)DP reduction
+and its post-step shards against the TP 1 trainer mapped into its layout.  Engine worlds
+cover TP with EP 1, 2 and 4; their logits must equal the TP 1 engine's.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardsync.layout import Layout, MegatronParallel
+from shardsync.models.engine import EngineModel
+from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.weights import load_rank, random_source
+from shardsync.plan.local import region
+from shardsync.spec import PRESETS, ModelSpec
+from tests.dist._world import free_port, run_world
+
+SPEC = PRESETS["tiny-qwen3-moe"]
+SEED, BATCH, SEQ = 3, 4, 12
+OPTIM = OptimConfig(lr=1e-3, eps=1e-5, max_grad_norm=1.0)
+RTOL = 1e-5
+STEP_ATOL = 1e-2 * OPTIM.lr
+WORLD, WORLD_TIMEOUT_S = 4, 240
+
+
+@dataclass(frozen=True)
+class TrainerCase:
+    label: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    expert_names: str = "sequential"
+    norm_names: str = "fused"
+
+    @property
+    def par(self) -> MegatronParallel:
+        return MegatronParallel(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
+                                expert_names=self.expert_names, norm_names=self.norm_names)
+
+
+TRAINER_CASES = [
+    TrainerCase("tp1-dp2-ep2", dp=2, ep=2),
+    TrainerCase("tp2-etp2", tp=2),
+    TrainerCase("tp2-ep2-etp1-grouped", tp=2, ep=2, etp=1, expert_names="grouped"),
+    TrainerCase("tp2-etp1-edp2", tp=2, etp=1, norm_names="separate"),
+    TrainerCase("tp2-dp2-ep2-etp1", tp=2, dp=2, ep=2, etp=1),
+    TrainerCase("tp1-dp4-ep4", dp=4, ep=4),
+    TrainerCase("pp2-dp2-ep2", pp=2, dp=2, ep=2),
+]
+ENGINE_CASES = [(2, 1), (2, 2), (4, 2), (4, 4)]  # (tp, ep)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+
+
+def _to_hf(layout: Layout, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    full: dict[str, torch.Tensor] = {}
+    for p in layout.ranks[rank].pieces:
+        t = full.setdefault(p.logical, torch.zeros(layout.logical[p.logical]))
+        t[region(p.offsets, p.sizes)] = tensors[p.local][region(p.local_offsets, p.sizes)]
+    return full
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, SPEC.vocab_size, (BATCH, SEQ), generator=g)
+    return {"ids": ids, "old": -3.0 + 0.1 * torch.randn(BATCH, SEQ - 1, generator=g),
+            "adv": torch.randn(BATCH, generator=g), "mask": torch.rand(BATCH, SEQ - 1, generator=g) > 0.2}
+
+
+def _batch(inp: dict[str, torch.Tensor], dp_rank: int, dp: int):
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    return inp["ids"][rows], functools.partial(grpo_loss, old_logprobs=inp["old"][rows],
+                                               advantages=inp["adv"][rows], mask=inp["mask"][rows])
+
+
+def _reference(inp: dict[str, torch.Tensor], dp: int) -> dict[str, Any]:
+    """The TP 1 trainer doing what a DP ``dp`` world does (mean of the replicas' losses)."""
+    model = TrainerModel(SPEC, MegatronParallel(), source=random_source(SPEC, SEED), optim=OPTIM)
+    logits = model.logits(inp["ids"])
+    losses = []
+    for d in range(dp):
+        ids, loss_fn = _batch(inp, d, dp)
+        losses.append(dp * model.forward_backward(ids, lambda lp, f=loss_fn: f(lp) / dp))
+    model.finish_grad_sync()
+    grads = _to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
+    norm = model.optimizer_step()
+    params = _to_hf(model.layout, 0, {n: p.detach() for n, p in model.named_parameters()})
+    return {"logits": logits, "losses": losses, "grads": grads, "norm": norm, "params": params}
+
+
+# --- transformers (in process) ----------------------------------------------------------------
+
+
+def _hf_model(spec: ModelSpec):
+    """transformers' Qwen3-MoE from the same random source (experts stacked as it holds them)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                         dtype=torch.float32)
+    src = random_source(spec, SEED)
+    E = spec.num_experts
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            pre = name.split("experts.")[0]
+            if name.endswith("experts.gate_up_proj"):
+                t = torch.stack([torch.cat([src(f"{pre}experts.{e}.gate_proj.weight"),
+                                            src(f"{pre}experts.{e}.up_proj.weight")]) for e in range(E)])
+            elif name.endswith("experts.down_proj"):
+                t = torch.stack([src(f"{pre}experts.{e}.down_proj.weight") for e in range(E)])
+            else:
+                t = src(name)
+            param.copy_(t)
+    return model
+
+
+def _hf_grads(spec: ModelSpec, model) -> dict[str, torch.Tensor]:
+    """transformers' gradients under shardsync's logical (per-expert) names."""
+    out = {}
+    F = spec.moe_intermediate_size
+    for name, p in model.named_parameters():
+        pre = name.split("experts.")[0]
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(spec.num_experts):
+                out[f"{pre}experts.{e}.gate_proj.weight"] = p.grad[e, :F]
+                out[f"{pre}experts.{e}.up_proj.weight"] = p.grad[e, F:]
+        elif name.endswith("experts.down_proj"):
+            for e in range(spec.num_experts):
+                out[f"{pre}experts.{e}.down_proj.weight"] = p.grad[e]
+        elif not (name == "lm_head.weight" and spec.tie_word_embeddings):
+            out[name] = p.grad
+    return out
+
+
+@pytest.mark.parametrize("expert_names", ["sequential", "grouped"])
+def test_trainer_matches_transformers(expert_names: str) -> None:
+    inp = _inputs()
+    hf = _hf_model(SPEC)
+    ids, loss_fn = _batch(inp, 0, 1)
+    logp = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss_fn(logp).backward()
+    want = _hf_grads(SPEC, hf)
+    model = TrainerModel(SPEC, MegatronParallel(expert_names=expert_names), source=random_source(SPEC, SEED))
+    assert _rel(model.logits(ids), hf(ids).logits) <= RTOL
+    model.forward_backward(ids, loss_fn)
+    model.finish_grad_sync()
+    got = _to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
+    assert set(got) == set(want)
+    errs = {n: _rel(got[n], want[n]) for n in want if want[n].abs().max() > 0}
+    assert max(errs.values()) <= 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+    routed = [n for n in want if ".experts." in n and want[n].abs().max() > 0]
+    assert len(routed) > SPEC.num_experts, "the batch routed tokens to too few experts to test"
+
+
+def test_engine_matches_transformers() -> None:
+    ids = _inputs()["ids"]
+    hf = _hf_model(SPEC)
+    engine = EngineModel.from_source(SPEC, random_source(SPEC, SEED))
+    assert _rel(engine(ids), hf(ids).logits) <= RTOL
+
+
+# --- the parallel worlds ----------------------------------------------------------------------
+
+
+def _trainer_case(case: TrainerCase, groups, inp, refs) -> dict[str, Any]:
+    par, rank = case.par, groups.rank
+    model = TrainerModel(SPEC, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
+                         expert_dp_group=groups.expert_dp, source=random_source(SPEC, SEED), optim=OPTIM)
+    if par.dp not in refs:
+        refs[par.dp] = _reference(inp, par.dp)
+    ref = refs[par.dp]
+    _, dp_rank, _ = par.coords(rank)
+    out: dict[str, Any] = {"logits": _rel(model.logits(inp["ids"]), ref["logits"])}
+    ids, loss_fn = _batch(inp, dp_rank, par.dp)
+    out["loss"] = abs(model.forward_backward(ids, loss_fn) - ref["losses"][dp_rank])
+    model.finish_grad_sync()
+    want = load_rank(model.layout, rank, ref["grads"].__getitem__)
+    out["grads"] = {n: _rel(p.grad, want[n]) for n, p in model.named_parameters() if want[n].abs().max() > 0}
+    out["norm"] = abs(model.optimizer_step() - ref["norm"]) / ref["norm"]
+    want = load_rank(model.layout, rank, ref["params"].__getitem__)
+    out["step"] = max(float((p.detach() - want[n]).abs().max()) for n, p in model.named_parameters())
+    return out
+
+
+def _world(rank: int, world: int, port: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    inp, refs, results = _inputs(), {}, {}
+    try:
+        for case in TRAINER_CASES:
+            groups = megatron_groups(case.par, timeout_s=60, moe=True)
+            if groups.rank is not None:
+                results[case.label] = _trainer_case(case, groups, inp, refs)
+        want = EngineModel.from_source(SPEC, random_source(SPEC, SEED))(inp["ids"])
+        for tp, ep in ENGINE_CASES:
+            group = dist.new_group(list(range(tp)))
+            if rank < tp:
+                engine = EngineModel.from_source(SPEC, random_source(SPEC, SEED), rank, tp, group, ep=ep)
+                results[f"engine-tp{tp}-ep{ep}"] = {"logits": _rel(engine(inp["ids"]), want)}
+        out.put((rank, results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[int, dict[str, Any]]:
+    return run_world(_world, WORLD, args=(WORLD, free_port()), timeout=WORLD_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("case", TRAINER_CASES, ids=lambda c: c.label)
+def test_expert_parallel_trainer_matches_tp1(world, case: TrainerCase) -> None:
+    ranks = [r for r in range(case.par.world_size)]
+    for r in ranks:
+        got = world[r][case.label]
+        assert got["logits"] <= RTOL, (r, got["logits"])
+        assert got["loss"] <= 1e-5, (r, got["loss"])
+        worst = max(got["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-4, (r, worst)
+        assert got["norm"] <= 1e-5, (r, got["norm"])
+        assert got["step"] <= STEP_ATOL, (r, got["step"])
+
+
+@pytest.mark.parametrize(("tp", "ep"), ENGINE_CASES)
+def test_expert_parallel_engine_matches_tp1(world, tp: int, ep: int) -> None:
+    for r in range(tp):
+        assert world[r][f"engine-tp{tp}-ep{ep}"]["logits"] <= RTOL
