@@ -20,6 +20,10 @@ CASES = [
     ("Llama-3.1-70B", MegatronParallel(tp=8), (EngineParallel(tp=4),)),
     ("Qwen3-4B", MegatronParallel(tp=4), (EngineParallel(tp=4),)),
     ("Qwen3-32B", MegatronParallel(tp=8, pp=2), (EngineParallel(tp=4), EngineParallel(tp=2))),
+    # mixture of experts (issue: plan in under 2 s)
+    ("Qwen3-30B-A3B", MegatronParallel(tp=2, dp=4, ep=4), (EngineParallel(tp=4),)),
+    ("Qwen3-235B-A22B", MegatronParallel(tp=4, pp=4, dp=2, ep=8, etp=1, pp_layers=(24, 24, 24, 22)),
+     (EngineParallel(tp=8, ep=8),) * 2),
 ]
 
 
@@ -35,9 +39,10 @@ def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParalle
     buckets = make_buckets(plan, 512 * 2**20)
     t4 = time.perf_counter()
     return {
-        "model": model, "trainer": f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}",
-        "engines": f"{len(engines)} x TP{engines[0].tp}" if len(set(engines)) == 1
-        else "+".join(f"TP{e.tp}" for e in engines),
+        "model": model, "trainer": f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}"
+        + (f" EP{trainer.ep}" if trainer.ep > 1 else ""),
+        "engines": (f"{len(engines)} x TP{engines[0].tp}" if len(set(engines)) == 1
+                    else "+".join(f"TP{e.tp}" for e in engines)) + (f" EP{engines[0].ep}" if engines[0].ep > 1 else ""),
         "layouts_s": t1 - t0, "plan_s": t2 - t1, "fingerprint_s": t3 - t2, "buckets_s": t4 - t3,
         "total_s": t4 - t0, "copies": len(plan.copies), "buckets": len(buckets), "fingerprint": fp,
     }

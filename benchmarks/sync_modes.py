@@ -39,7 +39,7 @@ from shardsync.transport.group import free_port
 def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     # on GPUs: the ones after the trainer's and earlier engines' (wrapping)
     device = f"cuda:{args.trainer_tp + index * tp}" if args.device == "cuda" else "cpu"
-    proc, url = spawn_server(EngineConfig(model=model, tp=tp, port=free_port(), dtype=args.dtype, device=device))
+    proc, url = spawn_server(EngineConfig(model=model, tp=tp, ep=args.engine_ep, port=free_port(), dtype=args.dtype, device=device))
     wait_healthy(url, proc, 900)
     return proc, url
 
@@ -58,7 +58,7 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     spec = load_spec(model, dtype=args.dtype)
-    par = MegatronParallel(tp=args.trainer_tp, dtype=args.dtype or "float32")
+    par = MegatronParallel(tp=args.trainer_tp, dp=args.trainer_dp, ep=args.trainer_ep, dtype=args.dtype or "float32")
     device = rank_device(args.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -91,7 +91,7 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
     try:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        world, port = args.trainer_tp, free_port()
+        world, port = args.trainer_tp * args.trainer_dp, free_port()
         procs = [ctx.Process(target=_trainer, args=(r, world, port, urls, args, model, out)) for r in range(world)]
         for p in procs:
             p.start()
@@ -127,7 +127,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", help="preset or config.json (repeatable)")
     ap.add_argument("--trainer-tp", type=int, default=2)
+    ap.add_argument("--trainer-dp", type=int, default=1)
+    ap.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE models)")
     ap.add_argument("--engine-tp", type=int, default=2)
+    ap.add_argument("--engine-ep", type=int, default=1, help="engine expert parallel (MoE models)")
     ap.add_argument("--engines", type=int, default=1, help="engines of --engine-tp each")
     ap.add_argument("--updates", type=int, default=10, help="measured updates per mode")
     ap.add_argument("--warmup", type=int, default=2)
@@ -143,7 +146,8 @@ def main() -> None:
     models = args.model or ["tiny-qwen3", "Qwen2.5-0.5B"]
     results = [bench_model(m, args) for m in models]
     MiB = 2**20
-    print(f"trainer TP{args.trainer_tp} -> {args.engines} engine(s) of TP{args.engine_tp}, bucket {args.bucket_mb} MiB, "
+    print(f"trainer TP{args.trainer_tp} DP{args.trainer_dp} EP{args.trainer_ep} -> {args.engines} engine(s) of "
+          f"TP{args.engine_tp} EP{args.engine_ep}, bucket {args.bucket_mb} MiB, "
           f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")
     print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'pack':>7} {'xfer':>7} {'unpack':>7} "
           f"{'ctl':>6} {'busiest MiB':>11} {'trainer buf MiB (per rank)':>27} {'engine buf MiB':>14}")

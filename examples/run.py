@@ -33,14 +33,28 @@ class Topo:
     trainer_tp: int
     trainer_pp: int
     engine_tp: tuple[int, ...]
+    trainer_dp: int = 1
+    trainer_ep: int = 1  # mixture of experts: expert parallel, expert TP (None: trainer TP)
+    trainer_etp: int | None = None
+    engine_ep: int = 1
+    pp_layers: tuple[int, ...] | None = None
 
     @property
     def devices(self) -> int:
-        return self.trainer_tp * self.trainer_pp + sum(self.engine_tp)
+        return self.trainer_tp * self.trainer_pp * self.trainer_dp + sum(self.engine_tp)
+
+    def trainer(self):
+        from shardsync.layout import MegatronParallel
+
+        return MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp, dp=self.trainer_dp, ep=self.trainer_ep,
+                                etp=self.trainer_etp, pp_layers=self.pp_layers, dtype="float32")
 
     def __str__(self) -> str:
         pp = f" PP{self.trainer_pp}" if self.trainer_pp > 1 else ""
-        return f"trainer TP{self.trainer_tp}{pp} -> {len(self.engine_tp)} engine(s) TP {list(self.engine_tp)}"
+        dp = f" DP{self.trainer_dp}" if self.trainer_dp > 1 else ""
+        ep = f" EP{self.trainer_ep} ETP{self.trainer_etp or self.trainer_tp}" if self.trainer_ep > 1 else ""
+        eep = f" EP{self.engine_ep}" if self.engine_ep > 1 else ""
+        return f"trainer TP{self.trainer_tp}{pp}{dp}{ep} -> {len(self.engine_tp)} engine(s) TP {list(self.engine_tp)}{eep}"
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,12 @@ RECIPES = {r.model: r for r in (
     Recipe("Qwen2.5-7B", "tiny-qwen2", Topo(4, 1, (4,)), Topo(2, 1, (2,))),
     Recipe("Qwen3-32B", "tiny-qwen3", Topo(8, 2, (4, 4, 4, 4)), Topo(2, 2, (2,))),
     Recipe("Llama-3.1-70B", "tiny-llama", Topo(8, 4, (8, 8, 8, 8)), Topo(2, 2, (2, 2))),
+    # mixture of experts: experts over the trainer's DP ranks (ETP 1), engines EP = TP
+    Recipe("Qwen3-30B-A3B", "tiny-qwen3-moe", Topo(4, 1, (8,), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8),
+           Topo(1, 1, (2,), trainer_dp=2, trainer_ep=2, engine_ep=2)),
+    Recipe("Qwen3-235B-A22B", "tiny-qwen3-moe",
+           Topo(4, 4, (8, 8), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8, pp_layers=(24, 24, 24, 22)),
+           Topo(1, 2, (2,), trainer_dp=2, trainer_ep=2, engine_ep=2)),
 )}
 
 
@@ -177,9 +197,9 @@ def write_checkpoint(spec, source, out: Path, *, shard_mb: float) -> list[str]:
 
 def megatron_layout_json(spec, topo: Topo, source: str) -> dict:
     """Every trainer rank's Megatron-core local tensors and the HF boxes they hold."""
-    from shardsync.layout import MegatronParallel, megatron_layout
+    from shardsync.layout import megatron_layout
 
-    par = MegatronParallel(tp=topo.trainer_tp, pp=topo.trainer_pp, dtype="float32")
+    par = topo.trainer()
     lay = megatron_layout(spec, par)
     ranks = []
     for i, rl in enumerate(lay.ranks):
@@ -189,7 +209,7 @@ def megatron_layout_json(spec, topo: Topo, source: str) -> dict:
                    for t in rl.tensors]
         ranks.append({"rank": i, "label": rl.label, "tensors": tensors})
     return {"model": spec.name, "source": source, "param_dtype": spec.dtype,
-            "trainer": {"tp": par.tp, "pp": par.pp, "dp": par.dp,
+            "trainer": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "ep": par.ep, "etp": par.expert_tp,
                         "make_vocab_size_divisible_by": par.make_vocab_size_divisible_by,
                         "norm_names": par.norm_names, "dtype": "float32"},
             "engines": list(topo.engine_tp), "ranks": ranks}
@@ -267,6 +287,8 @@ def _config(args: argparse.Namespace, recipe: Recipe, tiny: bool):
     topo = recipe.cpu if tiny else recipe.gpu
     model = args.checkpoint or (recipe.tiny if tiny else recipe.model)
     return DemoConfig(model=model, trainer_tp=topo.trainer_tp, trainer_pp=topo.trainer_pp,
+                      trainer_dp=topo.trainer_dp, trainer_ep=topo.trainer_ep, trainer_etp=topo.trainer_etp,
+                      trainer_pp_layers=topo.pp_layers if not tiny else None, engine_ep=topo.engine_ep,
                       engine_tp=topo.engine_tp, steps=args.steps, mode=args.mode,
                       bucket_mb=_env_bucket_mb(1.0 if tiny else 256.0), seed=args.seed,
                       out=args.out or f"out/examples/{recipe.model}", delta_transport=args.delta_transport)

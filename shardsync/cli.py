@@ -51,6 +51,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         report = summarize(topo, int(args.bucket_mb * 2**20))
         report["plan_s"] = round(time.perf_counter() - t0, 3)
+        if args.fabric:
+            from shardsync.plan.fabric import fabric, lower_bounds
+
+            f = fabric(args.fabric)
+            bounds = lower_bounds(topo, f, int(args.bucket_mb * 2**20))
+            report["fabric"] = {"name": f.name, "description": f.description,
+                                "paths": [b for b in bounds if b["path"] == "broadcast" or report["p2p_ok"]]}
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -76,6 +83,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mark = "ok  " if v["ok"] else "FAIL"
         print(f"  [{mark}] {v['name']:<20} {v['detail']}")
     print("p2p: " + ("available" if report["p2p_ok"] else "not available, mode=auto uses broadcast"))
+    if "fabric" in report:
+        fab = report["fabric"]
+        print(f"lower bounds on {fab['name']} ({fab['description']}; trainer and engines on separate nodes):")
+        for b in fab["paths"]:
+            print(f"  {b['path']:<10} >= {b['lower_bound_s'] * 1e3:9.1f} ms   bound by {b['binds']}; "
+                  f"{b['links']} links, {b['buckets']} buckets")
     return 0
 
 
@@ -140,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-divisible-by", type=int, default=128)
     p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--fabric", default=None, choices=["nvlink4", "ib400", "8x400g", "pcie5"],
+                   help="print each path's lower-bound time on this named fabric (docs/fabric.md)")
     p.add_argument("--matrix", action="store_true",
                    help="print the fallback matrix (every topology x mode -> path and why) as markdown")
     p.set_defaults(func=cmd_plan)

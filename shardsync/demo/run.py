@@ -34,6 +34,7 @@ class DemoConfig:
     trainer_dp: int = 1
     trainer_ep: int = 1  # mixture-of-experts models: expert parallel ...
     trainer_etp: int | None = None  # ... and expert tensor parallel (None: trainer_tp)
+    trainer_pp_layers: tuple[int, ...] | None = None  # uneven pipeline stages
     engine_tp: tuple[int, ...] = (2,)
     engine_ep: int = 1
     steps: int = 5
@@ -63,7 +64,7 @@ class DemoConfig:
     @property
     def trainer(self) -> MegatronParallel:
         return MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp, dp=self.trainer_dp, ep=self.trainer_ep,
-                                etp=self.trainer_etp, dtype="float32")
+                                etp=self.trainer_etp, pp_layers=self.trainer_pp_layers, dtype="float32")
 
     @property
     def uses_ipc(self) -> bool:
