@@ -57,6 +57,8 @@ class EngineParallel:
 def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
     t, ng = par.tp, spec.num_kv_heads
     dense_layers = any(not spec.sparse_layer(n) for n in range(spec.num_layers))
+    if min(t, par.ep) < 1:  # before any rule divides by them
+        raise ValueError(f"engine layout of {spec.name} impossible: tp and ep must be >= 1")
     rules = [
         (t >= 1 and par.ep >= 1, "tp and ep must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),

@@ -105,6 +105,8 @@ class MegatronParallel:
 def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
     """Refuse configs Megatron itself refuses, naming the constraint."""
     t, ng = par.tp, spec.num_kv_heads
+    if min(par.tp, par.pp, par.dp, par.ep, par.expert_tp) < 1:  # before any rule divides by them
+        raise ValueError(f"Megatron layout of {spec.name} impossible: tp, pp, dp, ep and etp must be >= 1")
     rules = [
         (min(par.tp, par.pp, par.dp) >= 1, "tp, pp and dp must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),

@@ -1,6 +1,6 @@
 """Independent reference implementations of the weight-loading rules.
 
-Written from ../shared/reference/LAYOUTS.md (§2-7), the way engine weight loaders and
+Written from ../shared/reference/LAYOUTS.md (§2-8), the way engine weight loaders and
 Megatron converters do it: plain tensor ops (``narrow``, ``cat``, ``view``) on full
 HuggingFace tensors.  Nothing here uses shardsync's layouts or plans, so agreement
 between the two is evidence that both follow the documented rules; only ``ModelSpec``
@@ -17,9 +17,10 @@ import torch
 
 from shardsync.spec import ModelSpec
 
-# Architecture flags per family (LAYOUTS.md §2.2 "Flags behind the optional rows").
-QKV_BIAS = {"qwen2": True, "qwen3": False, "llama": False}
-QK_NORM = {"qwen2": False, "qwen3": True, "llama": False}
+# Architecture flags per family (LAYOUTS.md §2.2 "Flags behind the optional rows");
+# Qwen3-MoE has Qwen3's attention (q/k norm, no bias).
+QKV_BIAS = {"qwen2": True, "qwen3": False, "llama": False, "qwen3_moe": False}
+QK_NORM = {"qwen2": False, "qwen3": True, "llama": False, "qwen3_moe": True}
 
 # Megatron names of (input norm, pre-MLP norm) per spec flavour (LAYOUTS.md §2.2).
 MEGATRON_NORMS = {
@@ -34,8 +35,15 @@ def _ceil_to(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def is_sparse(spec: ModelSpec, layer: int) -> bool:
+    """HF Qwen3-MoE's rule for which decoder layers have experts (the rest keep a dense MLP)."""
+    return (spec.num_experts > 0 and layer not in spec.mlp_only_layers
+            and (layer + 1) % spec.decoder_sparse_step == 0)
+
+
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and full shapes ([out, in] linears); a tied lm_head is absent."""
+    """HF tensor names and full shapes ([out, in] linears), in checkpoint order; a tied
+    lm_head is absent.  A sparse layer has the router then each expert's gate, up, down."""
     H, h, ng, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     F, V = spec.intermediate_size, spec.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
@@ -54,6 +62,14 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             out[a + "self_attn.k_norm.weight"] = (d,)
         out[a + "self_attn.o_proj.weight"] = (H, h * d)
         out[a + "post_attention_layernorm.weight"] = (H,)
+        if is_sparse(spec, n):
+            E, Fe = spec.num_experts, spec.moe_intermediate_size
+            out[a + "mlp.gate.weight"] = (E, H)
+            for e in range(E):
+                out[a + f"mlp.experts.{e}.gate_proj.weight"] = (Fe, H)
+                out[a + f"mlp.experts.{e}.up_proj.weight"] = (Fe, H)
+                out[a + f"mlp.experts.{e}.down_proj.weight"] = (H, Fe)
+            continue
         out[a + "mlp.gate_proj.weight"] = (F, H)
         out[a + "mlp.up_proj.weight"] = (F, H)
         out[a + "mlp.down_proj.weight"] = (H, F)
@@ -97,8 +113,45 @@ def _engine_vocab_shard(w: torch.Tensor, tp: int, r: int) -> torch.Tensor:
     return out
 
 
-def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int) -> Shards:
-    """What each engine TP rank holds after ``load_weights`` of ``full`` (engine-local names)."""
+def sglang_fused_moe(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int, tp: int, ep: int,
+                     r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang ``FusedMoE`` of one sparse layer on engine TP rank ``r`` after ``load_weights``.
+
+    LAYOUTS.md §8.3: the TP group of ``tp`` ranks is ``ep`` EP blocks of ``moe_tp = tp/ep``
+    consecutive ranks (EP rank ``r // moe_tp``, MoE-TP rank ``r % moe_tp``; the doc marks this
+    rank formula unverified).  ``w13_weight [E_loc, 2I/moe_tp, H]``: shard ``w1`` (gate_proj)
+    at rows ``[0, I/moe_tp)``, ``w3`` (up_proj) at ``[I/moe_tp, 2I/moe_tp)``; ``w2_weight
+    [E_loc, H, I/moe_tp]`` from down_proj's columns.  Written as the loader does it: walk the
+    HF expert tensors, skip experts of other EP ranks, narrow to the MoE-TP slice, copy into
+    the local expert ``e - ep_rank*E_loc``.
+    """
+    E, Fe, H = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    assert tp % ep == 0 and E % ep == 0, (tp, ep, E)
+    moe_tp = tp // ep
+    assert Fe % moe_tp == 0, (Fe, moe_tp)
+    ep_rank, tp_rank = r // moe_tp, r % moe_tp
+    e_loc, f = E // ep, Fe // moe_tp
+    dtype = full[f"model.layers.{layer}.mlp.gate.weight"].dtype
+    w13 = torch.zeros((e_loc, 2 * f, H), dtype=dtype)
+    w2 = torch.zeros((e_loc, H, f), dtype=dtype)
+    for e in range(E):
+        k = e - ep_rank * e_loc
+        if not 0 <= k < e_loc:
+            continue  # another EP rank's expert
+        p = f"model.layers.{layer}.mlp.experts.{e}."
+        for shard_id, proj in (("w1", "gate_proj"), ("w3", "up_proj")):
+            loaded = full[p + proj + ".weight"].narrow(0, tp_rank * f, f)
+            w13[k].narrow(0, 0 if shard_id == "w1" else f, f).copy_(loaded)
+        w2[k].copy_(full[p + "down_proj.weight"].narrow(1, tp_rank * f, f))
+    return w13, w2
+
+
+def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, ep: int = 1) -> Shards:
+    """What each engine TP rank holds after ``load_weights`` of ``full`` (engine-local names).
+
+    MoE expert stacks (``mlp.experts.w13_weight`` / ``w2_weight``) are the 3-D tensors the
+    engine holds; ``ep`` is SGLang's ``--ep-size`` inside the TP group.
+    """
     h, ng, d, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     nq, f = h // tp, F // tp
     ranks = []
@@ -125,6 +178,13 @@ def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int) -> Sh
             out[a + "self_attn.o_proj.weight"] = full[a + "self_attn.o_proj.weight"].narrow(
                 1, r * nq * d, nq * d).clone()
             out[a + "post_attention_layernorm.weight"] = full[a + "post_attention_layernorm.weight"].clone()
+            if is_sparse(spec, n):
+                # Router: ReplicatedLinear, full on every rank (§7.4); then the FusedMoE stacks.
+                out[a + "mlp.gate.weight"] = full[a + "mlp.gate.weight"].clone()
+                w13, w2 = sglang_fused_moe(spec, full, n, tp, ep, r)
+                out[a + "mlp.experts.w13_weight"] = w13
+                out[a + "mlp.experts.w2_weight"] = w2
+                continue
             gate = full[a + "mlp.gate_proj.weight"].narrow(0, r * f, f)
             up = full[a + "mlp.up_proj.weight"].narrow(0, r * f, f)
             out[a + "mlp.gate_up_proj.weight"] = torch.cat([gate, up], 0)
@@ -168,6 +228,58 @@ def fused_qkv(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return grouped.reshape((-1,) + rest)
 
 
+# Local expert k's (fc1, fc2) names (LAYOUTS.md §8.1): SequentialMLP or TE grouped GEMM.
+MEGATRON_EXPERTS = {
+    "sequential": ("mlp.experts.local_experts.{k}.linear_fc1.weight",
+                   "mlp.experts.local_experts.{k}.linear_fc2.weight"),
+    "grouped": ("mlp.experts.linear_fc1.weight{k}", "mlp.experts.linear_fc2.weight{k}"),
+}
+
+
+def megatron_expert_rank(g: int, tp: int, dp: int, ep: int, etp: int) -> tuple[int, int, int]:
+    """(edp_rank, ep_rank, etp_rank) of global rank ``g`` (LAYOUTS.md §2.4).
+
+    The expert generator orders ``(etp, ep, edp, pp)``, ETP fastest, over the same ranks as
+    the dense one; inside a stage (``tp*dp`` consecutive ranks) that is mixed radix.
+    """
+    within = g % (tp * dp)
+    return within // (etp * ep), (within // etp) % ep, within % etp
+
+
+def megatron_moe_mlp(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int, local: int,
+                     ep: int, etp: int, ep_rank: int, etp_rank: int,
+                     expert_names: str) -> dict[str, torch.Tensor]:
+    """A sparse layer's MLP side on one Megatron rank (LAYOUTS.md §8.1-8.2), module order.
+
+    ``pre_mlp_layernorm`` is always its own module (the norm cannot fuse into the router);
+    the router is replicated; local expert ``k`` is global ``ep_rank*E/ep + k``, its fc1
+    ``[gate_e; up_e]`` each cut to the ``etp_rank`` chunk of rows, fc2 to the chunk of down's
+    columns.  SequentialMLP registers expert by expert (fc1, fc2); TEGroupedMLP registers
+    its fc1 module (``weight0..``) before its fc2 module.
+    """
+    E = spec.num_experts
+    assert E % ep == 0, f"{E} experts do not split over ep={ep}"
+    n = E // ep
+    a, m = f"model.layers.{layer}.", f"decoder.layers.{local}."
+    out = {m + "pre_mlp_layernorm.weight": full[a + "post_attention_layernorm.weight"].clone(),
+           m + "mlp.router.weight": full[a + "mlp.gate.weight"].clone()}
+    fc1_name, fc2_name = MEGATRON_EXPERTS[expert_names]
+    fc1, fc2 = {}, {}
+    for k in range(n):
+        x = f"{a}mlp.experts.{ep_rank * n + k}."
+        gate = _part(full[x + "gate_proj.weight"], etp, etp_rank, 0)
+        up = _part(full[x + "up_proj.weight"], etp, etp_rank, 0)
+        fc1[m + fc1_name.format(k=k)] = torch.cat([gate, up], 0)
+        fc2[m + fc2_name.format(k=k)] = _part(full[x + "down_proj.weight"], etp, etp_rank, 1).clone()
+    if expert_names == "grouped":
+        out.update(fc1)
+        out.update(fc2)
+    else:
+        for (n1, t1), (n2, t2) in zip(fc1.items(), fc2.items(), strict=True):
+            out[n1], out[n2] = t1, t2
+    return out
+
+
 def _megatron_vocab_shard(w: torch.Tensor, tp: int, r: int, divisible_by: int,
                           pad_value: float) -> torch.Tensor:
     V = w.shape[0]
@@ -186,54 +298,66 @@ def megatron_shards(
     norm_names: str = "fused",
     dp: int = 1,
     pad_value: float = 0.0,
+    ep: int = 1,
+    etp: int | None = None,
+    expert_names: str = "sequential",
 ) -> Shards:
     """Every Megatron rank's ``named_parameters`` (prefixes stripped), rank order tp-dp-pp.
 
     ``pad_value`` fills the vocab padding rows (Megatron initializes them; they may be
     nonzero, LAYOUTS.md §10.12), so tests can check they never reach an engine.
+    MoE: ``ep``/``etp`` (default ``etp = tp``, §2.4) place the experts of sparse layers by the
+    expert rank generator, so DP replicas of a stage may hold different experts.
     """
     attn_norm, mlp_norm = MEGATRON_NORMS[norm_names]
     sizes = stage_sizes(spec.num_layers, pp, pp_layers)
     starts = [sum(sizes[:s]) for s in range(pp)]
     tied = spec.tie_word_embeddings
-    per_stage: list[Shards] = []
-    for s in range(pp):
-        first, last = s == 0, s == pp - 1
-        stage: Shards = []
-        for r in range(tp):
-            out: dict[str, torch.Tensor] = {}
-            if first:
-                out["embedding.word_embeddings.weight"] = _megatron_vocab_shard(
-                    full["model.embed_tokens.weight"], tp, r, divisible_by, pad_value)
-            for local in range(sizes[s]):
-                n = starts[s] + local
-                a, m = f"model.layers.{n}.", f"decoder.layers.{local}."
-                out[m + attn_norm] = full[a + "input_layernorm.weight"].clone()
-                for suffix in ("weight", "bias") if QKV_BIAS[spec.family] else ("weight",):
-                    qkv = fused_qkv(spec, *(full[a + f"self_attn.{x}_proj." + suffix] for x in "qkv"))
-                    # Plain column-parallel split of the fused rows (Case A and Case B, §4.2).
-                    out[m + "self_attention.linear_qkv." + suffix] = _part(qkv, tp, r, 0).clone()
-                if QK_NORM[spec.family]:
-                    out[m + "self_attention.q_layernorm.weight"] = full[a + "self_attn.q_norm.weight"].clone()
-                    out[m + "self_attention.k_layernorm.weight"] = full[a + "self_attn.k_norm.weight"].clone()
-                out[m + "self_attention.linear_proj.weight"] = _part(full[a + "self_attn.o_proj.weight"], tp, r, 1).clone()
-                out[m + mlp_norm] = full[a + "post_attention_layernorm.weight"].clone()
-                gate = _part(full[a + "mlp.gate_proj.weight"], tp, r, 0)
-                up = _part(full[a + "mlp.up_proj.weight"], tp, r, 0)
-                out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
-                out[m + "mlp.linear_fc2.weight"] = _part(full[a + "mlp.down_proj.weight"], tp, r, 1).clone()
-            if last:
-                out["decoder.final_layernorm.weight"] = full["model.norm.weight"].clone()
-                if not tied:
-                    out["output_layer.weight"] = _megatron_vocab_shard(
-                        full["lm_head.weight"], tp, r, divisible_by, pad_value)
-                elif pp > 1:
-                    out["output_layer.weight"] = _megatron_vocab_shard(
-                        full["model.embed_tokens.weight"], tp, r, divisible_by, pad_value)
-            stage.append(out)
-        per_stage.append(stage)
+    etp = tp if etp is None else etp
+    if spec.num_experts:
+        assert (tp * dp) % (etp * ep) == 0, f"etp*ep={etp * ep} does not divide tp*dp={tp * dp}"
+    built: dict[tuple[int, int, int, int], dict[str, torch.Tensor]] = {}
     ranks: Shards = []
-    for s in range(pp):
-        for _ in range(dp):
-            ranks.extend({k: t.clone() for k, t in shard.items()} for shard in per_stage[s])
+    for g in range(tp * dp * pp):
+        s, r = g // (tp * dp), g % tp
+        _, ep_rank, etp_rank = megatron_expert_rank(g, tp, dp, ep, etp) if spec.num_experts else (0, 0, 0)
+        key = (s, r, ep_rank, etp_rank)
+        if key in built:  # a DP replica holding the same shards
+            ranks.append({k: t.clone() for k, t in built[key].items()})
+            continue
+        first, last = s == 0, s == pp - 1
+        out: dict[str, torch.Tensor] = {}
+        if first:
+            out["embedding.word_embeddings.weight"] = _megatron_vocab_shard(
+                full["model.embed_tokens.weight"], tp, r, divisible_by, pad_value)
+        for local in range(sizes[s]):
+            n = starts[s] + local
+            a, m = f"model.layers.{n}.", f"decoder.layers.{local}."
+            out[m + attn_norm] = full[a + "input_layernorm.weight"].clone()
+            for suffix in ("weight", "bias") if QKV_BIAS[spec.family] else ("weight",):
+                qkv = fused_qkv(spec, *(full[a + f"self_attn.{x}_proj." + suffix] for x in "qkv"))
+                # Plain column-parallel split of the fused rows (Case A and Case B, §4.2).
+                out[m + "self_attention.linear_qkv." + suffix] = _part(qkv, tp, r, 0).clone()
+            if QK_NORM[spec.family]:
+                out[m + "self_attention.q_layernorm.weight"] = full[a + "self_attn.q_norm.weight"].clone()
+                out[m + "self_attention.k_layernorm.weight"] = full[a + "self_attn.k_norm.weight"].clone()
+            out[m + "self_attention.linear_proj.weight"] = _part(full[a + "self_attn.o_proj.weight"], tp, r, 1).clone()
+            if is_sparse(spec, n):
+                out.update(megatron_moe_mlp(spec, full, n, local, ep, etp, ep_rank, etp_rank, expert_names))
+                continue
+            out[m + mlp_norm] = full[a + "post_attention_layernorm.weight"].clone()
+            gate = _part(full[a + "mlp.gate_proj.weight"], tp, r, 0)
+            up = _part(full[a + "mlp.up_proj.weight"], tp, r, 0)
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+            out[m + "mlp.linear_fc2.weight"] = _part(full[a + "mlp.down_proj.weight"], tp, r, 1).clone()
+        if last:
+            out["decoder.final_layernorm.weight"] = full["model.norm.weight"].clone()
+            if not tied:
+                out["output_layer.weight"] = _megatron_vocab_shard(
+                    full["lm_head.weight"], tp, r, divisible_by, pad_value)
+            elif pp > 1:
+                out["output_layer.weight"] = _megatron_vocab_shard(
+                    full["model.embed_tokens.weight"], tp, r, divisible_by, pad_value)
+        built[key] = out
+        ranks.append({k: t.clone() for k, t in out.items()})
     return ranks
