@@ -1,4 +1,4 @@
-"""The megatron-core TransformerConfig fields that make a GPTModel a Qwen2/Qwen3/Llama.
+"""The megatron-core TransformerConfig fields that make a GPTModel a Qwen2/Qwen3/Llama/Qwen3-MoE.
 
 Shared by the CPU name/shape test and the GPU numerics check, so both build the same model.
 """
@@ -27,4 +27,22 @@ def architecture(spec: ModelSpec) -> dict[str, Any]:
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,
+    )
+
+
+def moe_architecture(spec: ModelSpec) -> dict[str, Any]:
+    """The router and experts of a Qwen3-MoE (empty for a dense spec).  Softmax over the top-k
+    logits is HF's renormalized top-k of the full softmax (``norm_topk_prob``)."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        # per-layer pattern, 1 = MoE, 0 = dense (read by get_gpt_decoder_block_spec)
+        moe_layer_freq=[int(spec.sparse_layer(n)) for n in range(spec.num_layers)],
+        moe_router_load_balancing_type="none",
+        moe_grouped_gemm=False,  # SequentialMLP; TEGroupedMLP needs transformer_engine
+        moe_token_dispatcher_type="allgather",
     )

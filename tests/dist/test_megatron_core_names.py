@@ -26,7 +26,7 @@ import pytest
 from shardsync.layout import MegatronParallel, megatron_layout
 from shardsync.spec import PRESETS, ModelSpec
 from tests.dist._world import free_port, run_world
-from tests.megatron_recipe import architecture
+from tests.megatron_recipe import architecture, moe_architecture
 
 
 PRESET_NAMES = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
@@ -38,16 +38,9 @@ def _moe_config(spec: ModelSpec, par: MegatronParallel) -> dict:
     """TransformerConfig fields of a Qwen3-MoE trainer (empty for a dense spec)."""
     if not spec.is_moe:
         return {}
+    # allgather dispatcher: the alltoall one creates a CUDA stream in its constructor
     return dict(
-        num_moe_experts=spec.num_experts,
-        moe_router_topk=spec.num_experts_per_tok,
-        moe_ffn_hidden_size=spec.moe_intermediate_size,
-        # Per-layer pattern, 1 = MoE, 0 = dense (read by get_gpt_decoder_block_spec).
-        moe_layer_freq=[int(spec.sparse_layer(n)) for n in range(spec.num_layers)],
-        moe_router_load_balancing_type="none",
-        moe_grouped_gemm=False,  # SequentialMLP; TEGroupedMLP needs transformer_engine
-        # The alltoall dispatcher creates a CUDA stream in its constructor (LAYOUTS.md, "Seen here").
-        moe_token_dispatcher_type="allgather",
+        **moe_architecture(spec),
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
         # No sequence_parallel: MoELayer.forward wants it for training with tp > 1, but the local
