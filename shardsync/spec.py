@@ -20,14 +20,19 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4ForCausalLM": "glm4",
 }
 
-# Per-family architecture flags (not present as config keys in HF configs).
+# Per-family architecture flags (not present as config keys in HF configs).  GLM4 (dense):
+# a norm after attention and after the MLP (``post_norms``), gate and up fused in the
+# checkpoint (``mlp.gate_up_proj``), rotary on neighbouring channel pairs.
+_BASE = {"post_norms": False, "fused_gate_up": False, "rope_interleaved": False}
 FAMILY_FLAGS: dict[str, dict[str, bool]] = {
-    "qwen2": {"qkv_bias": True, "qk_norm": False},
-    "qwen3": {"qkv_bias": False, "qk_norm": True},
-    "llama": {"qkv_bias": False, "qk_norm": False},
-    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
+    "qwen2": {**_BASE, "qkv_bias": True, "qk_norm": False},
+    "qwen3": {**_BASE, "qkv_bias": False, "qk_norm": True},
+    "llama": {**_BASE, "qkv_bias": False, "qk_norm": False},
+    "qwen3_moe": {**_BASE, "qkv_bias": False, "qk_norm": True},
+    "glm4": {"qkv_bias": True, "qk_norm": False, "post_norms": True, "fused_gate_up": True, "rope_interleaved": True},
 }
 MOE_FAMILIES = ("qwen3_moe",)
 
@@ -61,6 +66,7 @@ class ModelSpec:
     decoder_sparse_step: int = 1  # every step-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which stay dense
     norm_topk_prob: bool = True
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor channels (GLM4: 0.5)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
@@ -95,6 +101,22 @@ class ModelSpec:
     @property
     def qk_norm(self) -> bool:
         return FAMILY_FLAGS[self.family]["qk_norm"]
+
+    @property
+    def post_norms(self) -> bool:
+        return FAMILY_FLAGS[self.family]["post_norms"]
+
+    @property
+    def fused_gate_up(self) -> bool:
+        return FAMILY_FLAGS[self.family]["fused_gate_up"]
+
+    @property
+    def rope_interleaved(self) -> bool:
+        return FAMILY_FLAGS[self.family]["rope_interleaved"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def architecture(self) -> str:
@@ -147,12 +169,15 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
-            "attention_bias": False,
+            "attention_bias": self.family == "glm4",
             "attention_dropout": 0.0,
             "use_sliding_window": False,
+            "pad_token_id": None,  # a family default (GLM4: 151329) may lie outside a tiny vocab
         }
         if self.family == "llama":
             cfg["mlp_bias"] = False
+        if self.partial_rotary_factor != 1.0:
+            cfg["partial_rotary_factor"] = self.partial_rotary_factor
         if self.is_moe:
             cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size,
@@ -187,6 +212,8 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     head_dim = cfg.get("head_dim") or hidden // heads
     if family == "llama" and cfg.get("attention_bias"):
         raise ValueError(f"{name}: Llama with attention_bias=true is not supported")
+    partial = cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None) or 1.0
+    rope.pop("partial_rotary_factor", None)
     return ModelSpec(
         name=name,
         family=family,
@@ -203,6 +230,7 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
+        partial_rotary_factor=float(partial),
         **(_moe_fields(cfg) if family in MOE_FAMILIES else {}),
     )
 
@@ -263,7 +291,12 @@ _PRESET_LIST = [
             max_position_embeddings=2048, dtype="float32"),
     _preset("tiny-llama", "llama", 256, 4, 8, 4, 32, 512, 1200, False,
             rope_scaling=_llama3_rope(8.0), max_position_embeddings=16384, dtype="float32"),
-    # mixture of experts: specs and plans' metadata only, layouts refuse them for now
+    # GLM4 dense (GLM-4-0414 architecture): post-attention and post-MLP norms, partial interleaved rotary
+    _preset("GLM-4-9B-0414", "glm4", 4096, 40, 32, 2, 128, 13696, 151552, False, rms_norm_eps=1.5625e-07,
+            rope_theta=10000.0, partial_rotary_factor=0.5),
+    _preset("tiny-glm4", "glm4", 256, 4, 8, 2, 64, 512, 1100, False, max_position_embeddings=2048,
+            rope_theta=10000.0, partial_rotary_factor=0.5, dtype="float32"),
+    # mixture of experts
     _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
             max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
     _preset("Qwen3-235B-A22B", "qwen3_moe", 4096, 94, 64, 4, 128, 12288, 151936, False,

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 from shardsync.gcpause import gc_paused
 from shardsync.layout.full import full_layout
-from shardsync.layout.logical import logical_tensors
+from shardsync.layout.logical import gate_up_segments, logical_tensors
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
 # HF layer suffixes held whole on every engine rank.
 REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight")
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+POST_NORMS = ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")  # GLM4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,16 +135,19 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
                 add(p + n, (d,), [whole(p + n, p + n, logical)])
         name = p + "self_attn.o_proj.weight"
         add(name, (H, nq * d), stacked(name, [Segment(name, r * nq * d, nq * d)], logical, 1))
+        if spec.post_norms:
+            add(p + POST_NORMS[0], (H,), [whole(p + POST_NORMS[0], p + POST_NORMS[0], logical)])
         add(p + REPLICATED[1], (H,), [whole(p + REPLICATED[1], p + REPLICATED[1], logical)])
         if spec.sparse_layer(layer):
             for name, shape, held, new in _experts(spec, par, layer, r, logical):
                 add(name, shape, new, held)
             continue
         name = p + "mlp.gate_up_proj.weight"
-        segs = [Segment(p + "mlp.gate_proj.weight", r * f, f), Segment(p + "mlp.up_proj.weight", r * f, f)]
-        add(name, (2 * f, H), stacked(name, segs, logical, 0))
+        add(name, (2 * f, H), stacked(name, gate_up_segments(spec, p + "mlp.", r * f, f), logical, 0))
         name = p + "mlp.down_proj.weight"
         add(name, (H, f), stacked(name, [Segment(name, r * f, f)], logical, 1))
+        if spec.post_norms:
+            add(p + POST_NORMS[1], (H,), [whole(p + POST_NORMS[1], p + POST_NORMS[1], logical)])
     add("model.norm.weight", (H,), [whole("model.norm.weight", "model.norm.weight", logical)])
     if not spec.tie_word_embeddings:
         vocab("lm_head.weight")

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from shardsync.layout.piece import Segment
 from shardsync.spec import ModelSpec
+
+
+def gate_up_segments(spec: ModelSpec, prefix: str, start: int, length: int) -> list[Segment]:
+    """Rows ``[start, start+length)`` of the gate, then of up, in the HF tensors of the dense MLP
+    under ``prefix`` (``model.layers.L.mlp.``): two tensors, or GLM4's fused ``gate_up_proj``."""
+    if spec.fused_gate_up:
+        return [Segment(prefix + "gate_up_proj.weight", start, length),
+                Segment(prefix + "gate_up_proj.weight", spec.intermediate_size + start, length)]
+    return [Segment(prefix + "gate_proj.weight", start, length), Segment(prefix + "up_proj.weight", start, length)]
 
 
 def is_expert(logical: str) -> bool:
@@ -29,6 +39,8 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.q_norm.weight"] = (d,)
         out[p + "self_attn.k_norm.weight"] = (d,)
     out[p + "self_attn.o_proj.weight"] = (H, q)
+    if spec.post_norms:
+        out[p + "post_self_attn_layernorm.weight"] = (H,)
     out[p + "post_attention_layernorm.weight"] = (H,)
     if spec.sparse_layer(layer):  # the router, then every expert's gate, up and down
         E, Fe = spec.num_experts, spec.moe_intermediate_size
@@ -38,9 +50,14 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
             out[p + f"mlp.experts.{e}.up_proj.weight"] = (Fe, H)
             out[p + f"mlp.experts.{e}.down_proj.weight"] = (H, Fe)
         return out
-    out[p + "mlp.gate_proj.weight"] = (F, H)
-    out[p + "mlp.up_proj.weight"] = (F, H)
+    if spec.fused_gate_up:
+        out[p + "mlp.gate_up_proj.weight"] = (2 * F, H)
+    else:
+        out[p + "mlp.gate_proj.weight"] = (F, H)
+        out[p + "mlp.up_proj.weight"] = (F, H)
     out[p + "mlp.down_proj.weight"] = (H, F)
+    if spec.post_norms:
+        out[p + "post_mlp_layernorm.weight"] = (H,)
     return out
 
 

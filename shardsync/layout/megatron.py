@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardsync.gcpause import gc_paused
-from shardsync.layout.logical import logical_tensors
+from shardsync.layout.logical import gate_up_segments, logical_tensors
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
@@ -210,6 +210,9 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
         hd = spec.num_heads * spec.head_dim // t
         name = pre + "self_attention.linear_proj.weight"
         add(name, (H, hd), stacked(name, [Segment(hf + "self_attn.o_proj.weight", r * hd, hd)], logical, 1))
+        if spec.post_norms:  # GLM4: TransformerConfig(post_self_attn_layernorm=True, post_mlp_layernorm=True)
+            norm = pre + "post_self_attn_layernorm.weight"
+            add(norm, (H,), [whole(norm, hf + "post_self_attn_layernorm.weight", logical)])
         if spec.sparse_layer(layer):  # the norm cannot fuse into the router: always its own module
             norm = pre + "pre_mlp_layernorm.weight"
             add(norm, (H,), [whole(norm, hf + "post_attention_layernorm.weight", logical)])
@@ -219,10 +222,12 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
         add(pre + mlp_norm, (H,), [whole(pre + mlp_norm, hf + "post_attention_layernorm.weight", logical)])
         f = F // t
         name = pre + "mlp.linear_fc1.weight"
-        segs = [Segment(hf + "mlp.gate_proj.weight", r * f, f), Segment(hf + "mlp.up_proj.weight", r * f, f)]
-        add(name, (2 * f, H), stacked(name, segs, logical, 0))
+        add(name, (2 * f, H), stacked(name, gate_up_segments(spec, hf + "mlp.", r * f, f), logical, 0))
         name = pre + "mlp.linear_fc2.weight"
         add(name, (H, f), stacked(name, [Segment(hf + "mlp.down_proj.weight", r * f, f)], logical, 1))
+        if spec.post_norms:
+            norm = pre + "post_mlp_layernorm.weight"
+            add(norm, (H,), [whole(norm, hf + "post_mlp_layernorm.weight", logical)])
     if last:
         add("decoder.final_layernorm.weight", (H,),
             [whole("decoder.final_layernorm.weight", "model.norm.weight", logical)])

@@ -118,7 +118,7 @@ class _Attention(nn.Module):
             q = rms_norm(q, self.q_norm.weight, eps)
             k = rms_norm(k, self.k_norm.weight, eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = (apply_rope(t, cos, sin, self.spec.rope_interleaved) for t in (q, k))
         start = 0
         if cache is not None:
             start = cache.length
@@ -176,15 +176,25 @@ class _Layer(nn.Module):
         self.eps, self.index = spec.rms_norm_eps, layer
         self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
         self.self_attn = _Attention(spec, rl, p + "self_attn.", tp, device)
+        if spec.post_norms:  # GLM4
+            self.post_self_attn_layernorm = _Leaf(rl, p + "post_self_attn_layernorm", ("weight",), device)
         self.post_attention_layernorm = _Leaf(rl, p + "post_attention_layernorm", ("weight",), device)
         self.mlp = (_Experts(spec, rl, p + "mlp.", tp, ep, device) if spec.sparse_layer(layer)
                     else _MLP(rl, p + "mlp.", tp, device))
+        if spec.post_norms:
+            self.post_mlp_layernorm = _Leaf(rl, p + "post_mlp_layernorm", ("weight",), device)
+        self.post_norms = spec.post_norms
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None) -> torch.Tensor:
-        h = h + self.self_attn(rms_norm(h, self.input_layernorm.weight, self.eps), cos, sin,
-                               cache, self.index)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps))
+        a = self.self_attn(rms_norm(h, self.input_layernorm.weight, self.eps), cos, sin, cache, self.index)
+        if self.post_norms:
+            a = rms_norm(a, self.post_self_attn_layernorm.weight, self.eps)
+        h = h + a
+        m = self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps))
+        if self.post_norms:
+            m = rms_norm(m, self.post_mlp_layernorm.weight, self.eps)
+        return h + m
 
 
 class _Decoder(nn.Module):

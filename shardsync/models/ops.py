@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def inv_freq(spec: ModelSpec) -> torch.Tensor:
     """Rotary inverse frequencies, with Llama-3 frequency scaling when the spec asks for it."""
-    d = spec.head_dim
+    d = spec.rotary_dim
     freqs = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = spec.rope_scaling
     if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
@@ -41,10 +41,14 @@ def inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [..., seq, head_dim] for integer ``positions`` [..., seq]."""
+    """cos/sin of shape [..., seq, rotary_dim] for integer ``positions`` [..., seq]: each angle
+    twice, as two halves (Llama/Qwen) or as neighbours (GLM4's interleaved rotary)."""
     f = inv_freq(spec).to(positions.device)
     angles = positions.float()[..., None] * f
-    emb = torch.cat((angles, angles), dim=-1)
+    if spec.rope_interleaved:
+        emb = angles.repeat_interleave(2, dim=-1)
+    else:
+        emb = torch.cat((angles, angles), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -53,9 +57,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [batch, heads, seq, d]; cos/sin [batch, seq, d]."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``x`` [batch, heads, seq, d]; cos/sin [batch, seq, rotary_dim]: the first rotary_dim
+    channels rotate (partial rotary when rotary_dim < d), the rest pass through."""
+    rotate = _rotate_pairs if interleaved else _rotate_half
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos[:, None] + rotate(x) * sin[:, None]
+    head, rest = x[..., :r], x[..., r:]
+    return torch.cat((head * cos[:, None] + rotate(head) * sin[:, None], rest), dim=-1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_offset: int | None = 0,

@@ -200,6 +200,10 @@ class _Layer(nn.Module):
                                             ("weight",), tp_sharded=False))
         att.linear_proj = _Weights(tensors, prefix + "self_attention.linear_proj", ("weight",),
                                    tp_sharded=True)
+        self.post_norms = spec.post_norms  # GLM4: norms of the attention and MLP outputs
+        if self.post_norms:
+            self.post_self_attn_layernorm = _Weights(tensors, prefix + "post_self_attn_layernorm", ("weight",),
+                                                     tp_sharded=False)
         if not self.fused:
             self.pre_mlp_layernorm = _Weights(tensors, prefix + "pre_mlp_layernorm", ("weight",),
                                               tp_sharded=False)
@@ -212,6 +216,8 @@ class _Layer(nn.Module):
                                            tp_sharded=True)
             self.mlp.linear_fc2 = _Weights(tensors, prefix + "mlp.linear_fc2", ("weight",),
                                            tp_sharded=True)
+        if self.post_norms:
+            self.post_mlp_layernorm = _Weights(tensors, prefix + "post_mlp_layernorm", ("weight",), tp_sharded=False)
         self.groups = spec.num_kv_heads // self.tp.size
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -236,15 +242,17 @@ class _Layer(nn.Module):
             q = rms_norm(q, w(tp.copy_to(att.q_layernorm.weight)), eps)
             k = rms_norm(k, w(tp.copy_to(att.k_layernorm.weight)), eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = (apply_rope(t, cos, sin, self.spec.rope_interleaved) for t in (q, k))
         out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
-        x = x + tp.reduce_from(F.linear(out, w(att.linear_proj.weight)))
+        a = tp.reduce_from(F.linear(out, w(att.linear_proj.weight)))
+        x = x + (rms_norm(a, w(self.post_self_attn_layernorm.weight), eps) if self.post_norms else a)
         if self.sparse:  # the exchange completes the activation gradient: no TP copy here
             return x + mlp(rms_norm(x, w(self.pre_mlp_layernorm.weight), eps))
         norm = mlp.linear_fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight
         h = tp.copy_to(rms_norm(x, w(norm), eps))
         gate, up = F.linear(h, w(mlp.linear_fc1.weight)).chunk(2, dim=-1)
-        return x + tp.reduce_from(F.linear(F.silu(gate) * up, w(mlp.linear_fc2.weight)))
+        m = tp.reduce_from(F.linear(F.silu(gate) * up, w(mlp.linear_fc2.weight)))
+        return x + (rms_norm(m, w(self.post_mlp_layernorm.weight), eps) if self.post_norms else m)
 
 
 class TrainerModel(nn.Module):

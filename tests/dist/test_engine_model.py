@@ -20,7 +20,7 @@ from shardsync.models.weights import checkpoint_source, random_source
 from shardsync.spec import PRESETS, ModelSpec
 from tests.dist._world import free_port, run_world
 
-SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
+SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-glm4")
 CKPT_SPECS = ("tiny-qwen2", "tiny-llama")  # tied and untied embeddings
 BF16_SPEC = "tiny-qwen3"
 SEED = 7

@@ -25,7 +25,7 @@ from shardsync.plan.local import region
 from shardsync.spec import PRESETS, ModelSpec
 from tests.dist._world import free_port, run_world
 
-SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
+SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-glm4")
 TIED = tuple(s for s in SPECS if PRESETS[s].tie_word_embeddings)
 SEED = 7
 BATCH, SEQ = 4, 10

@@ -1,4 +1,4 @@
-"""``shardsync demo`` on a mixture-of-experts model: GRPO with the trainer's experts spread
+"""``shardsync demo`` on the newer families.  Mixture of experts: GRPO with the trainer's experts spread
 over its DP ranks (EP 2) into an engine holding them EP 2 inside its TP group, synced by p2p
 and by broadcast, every update checked bitwise and by the engine re-scoring the batch."""
 
@@ -25,3 +25,14 @@ def test_moe_demo_p2p_and_broadcast_bitwise(tmp_path) -> None:
             assert u["logprob_abs_diff"] < 1e-4  # the engine scores the batch as the trainer does
     # p2p sends each engine rank only its experts: its busiest link carries less than broadcast's
     assert rows[0]["updates"]["p2p"]["busiest_link_bytes"] < rows[0]["updates"]["broadcast"]["busiest_link_bytes"]
+
+
+def test_glm4_demo_p2p_and_broadcast_bitwise(tmp_path) -> None:
+    """GLM4 dense: post norms, fused gate_up in the checkpoint, partial interleaved rotary."""
+    cmd = [sys.executable, "-m", "shardsync.cli", "demo", "--model", "tiny-glm4", "--steps", "2", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "bitwise checksum after every sync: ok" in r.stdout
+    rows = json.loads((tmp_path / "steps.json").read_text())["steps"]
+    assert all(row["updates"][m]["checksum_ok"] and row["updates"][m]["logprob_abs_diff"] < 1e-4
+               for row in rows for m in ("p2p", "broadcast"))
