@@ -6,6 +6,12 @@ HuggingFace tensors.  Nothing here uses shardsync's layouts or plans, so agreeme
 between the two is evidence that both follow the documented rules; only ``ModelSpec``
 is read, for its numbers.
 
+GLM4 (``Glm4ForCausalLM``) is not in LAYOUTS.md; its rules here follow the HF checkpoint
+(``post_self_attn_layernorm``/``post_mlp_layernorm`` ``[H]`` per layer, one fused
+``mlp.gate_up_proj [2F, H]`` = ``[gate; up]``) with the same loaders: the extra norms are
+replicated, and the fused tensor is chunked into gate and up before the usual §5 / §7.2
+narrow, so Megatron ``linear_fc1`` and engine ``gate_up_proj`` keep ``[gate_r; up_r]``.
+
 ``synthetic_full`` fills every logical tensor with distinct positive integers (exact in
 float32 below 2**24), so a value names its own tensor and coordinates and zero means
 padding (or "never written").
@@ -18,9 +24,17 @@ import torch
 from shardsync.spec import ModelSpec
 
 # Architecture flags per family (LAYOUTS.md §2.2 "Flags behind the optional rows");
-# Qwen3-MoE has Qwen3's attention (q/k norm, no bias).
-QKV_BIAS = {"qwen2": True, "qwen3": False, "llama": False, "qwen3_moe": False}
-QK_NORM = {"qwen2": False, "qwen3": True, "llama": False, "qwen3_moe": True}
+# Qwen3-MoE has Qwen3's attention (q/k norm, no bias).  GLM4 (HF ``Glm4ForCausalLM``,
+# GLM-4-0414): Qwen2-style q/k/v bias, plus a norm after attention and after the MLP, and
+# one fused ``mlp.gate_up_proj`` checkpoint tensor ``[gate; up]`` instead of two.
+QKV_BIAS = {"qwen2": True, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True}
+QK_NORM = {"qwen2": False, "qwen3": True, "llama": False, "qwen3_moe": True, "glm4": False}
+POST_NORMS = {"qwen2": False, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True}
+FUSED_GATE_UP = {"qwen2": False, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True}
+
+# GLM4's extra norms: HF / engine name (same spelling in Megatron under ``decoder.layers.N.``),
+# after the attention output projection and after the MLP down projection.
+POST_ATTN_NORM, POST_MLP_NORM = "post_self_attn_layernorm.weight", "post_mlp_layernorm.weight"
 
 # Megatron names of (input norm, pre-MLP norm) per spec flavour (LAYOUTS.md §2.2).
 MEGATRON_NORMS = {
@@ -33,6 +47,18 @@ Shards = list[dict[str, torch.Tensor]]
 
 def _ceil_to(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def gate_and_up(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense layer's full HF gate and up weights ``[F, H]`` each.  GLM4 checkpoints hold them
+    as one ``gate_up_proj [2F, H]``; its loaders chunk it in two halves (gate first), which
+    is what this does (views, no copy)."""
+    a = f"model.layers.{layer}.mlp."
+    if FUSED_GATE_UP[spec.family]:
+        gate, up = full[a + "gate_up_proj.weight"].chunk(2, 0)
+        assert gate.shape[0] == up.shape[0] == spec.intermediate_size
+        return gate, up
+    return full[a + "gate_proj.weight"], full[a + "up_proj.weight"]
 
 
 def is_sparse(spec: ModelSpec, layer: int) -> bool:
@@ -61,6 +87,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             out[a + "self_attn.q_norm.weight"] = (d,)
             out[a + "self_attn.k_norm.weight"] = (d,)
         out[a + "self_attn.o_proj.weight"] = (H, h * d)
+        if POST_NORMS[spec.family]:
+            out[a + POST_ATTN_NORM] = (H,)
         out[a + "post_attention_layernorm.weight"] = (H,)
         if is_sparse(spec, n):
             E, Fe = spec.num_experts, spec.moe_intermediate_size
@@ -70,9 +98,14 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                 out[a + f"mlp.experts.{e}.up_proj.weight"] = (Fe, H)
                 out[a + f"mlp.experts.{e}.down_proj.weight"] = (H, Fe)
             continue
-        out[a + "mlp.gate_proj.weight"] = (F, H)
-        out[a + "mlp.up_proj.weight"] = (F, H)
+        if FUSED_GATE_UP[spec.family]:
+            out[a + "mlp.gate_up_proj.weight"] = (2 * F, H)
+        else:
+            out[a + "mlp.gate_proj.weight"] = (F, H)
+            out[a + "mlp.up_proj.weight"] = (F, H)
         out[a + "mlp.down_proj.weight"] = (H, F)
+        if POST_NORMS[spec.family]:
+            out[a + POST_MLP_NORM] = (H,)
     out["model.norm.weight"] = (H,)
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (V, H)
@@ -177,6 +210,8 @@ def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, ep: i
                     out[a + f"self_attn.{x}.weight"] = full[a + f"self_attn.{x}.weight"].clone()
             out[a + "self_attn.o_proj.weight"] = full[a + "self_attn.o_proj.weight"].narrow(
                 1, r * nq * d, nq * d).clone()
+            if POST_NORMS[spec.family]:
+                out[a + POST_ATTN_NORM] = full[a + POST_ATTN_NORM].clone()
             out[a + "post_attention_layernorm.weight"] = full[a + "post_attention_layernorm.weight"].clone()
             if is_sparse(spec, n):
                 # Router: ReplicatedLinear, full on every rank (§7.4); then the FusedMoE stacks.
@@ -185,10 +220,12 @@ def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, ep: i
                 out[a + "mlp.experts.w13_weight"] = w13
                 out[a + "mlp.experts.w2_weight"] = w2
                 continue
-            gate = full[a + "mlp.gate_proj.weight"].narrow(0, r * f, f)
-            up = full[a + "mlp.up_proj.weight"].narrow(0, r * f, f)
+            # MergedColumnParallelLinear: shard 0 (gate) then shard 1 (up), each narrowed to my rows.
+            gate, up = (x.narrow(0, r * f, f) for x in gate_and_up(spec, full, n))
             out[a + "mlp.gate_up_proj.weight"] = torch.cat([gate, up], 0)
             out[a + "mlp.down_proj.weight"] = full[a + "mlp.down_proj.weight"].narrow(1, r * f, f).clone()
+            if POST_NORMS[spec.family]:
+                out[a + POST_MLP_NORM] = full[a + POST_MLP_NORM].clone()
         out["model.norm.weight"] = full["model.norm.weight"].clone()
         if not spec.tie_word_embeddings:
             out["lm_head.weight"] = _engine_vocab_shard(full["lm_head.weight"], tp, r)
@@ -342,14 +379,17 @@ def megatron_shards(
                 out[m + "self_attention.q_layernorm.weight"] = full[a + "self_attn.q_norm.weight"].clone()
                 out[m + "self_attention.k_layernorm.weight"] = full[a + "self_attn.k_norm.weight"].clone()
             out[m + "self_attention.linear_proj.weight"] = _part(full[a + "self_attn.o_proj.weight"], tp, r, 1).clone()
+            if POST_NORMS[spec.family]:  # replicated, its own module after linear_proj
+                out[m + POST_ATTN_NORM] = full[a + POST_ATTN_NORM].clone()
             if is_sparse(spec, n):
                 out.update(megatron_moe_mlp(spec, full, n, local, ep, etp, ep_rank, etp_rank, expert_names))
                 continue
             out[m + mlp_norm] = full[a + "post_attention_layernorm.weight"].clone()
-            gate = _part(full[a + "mlp.gate_proj.weight"], tp, r, 0)
-            up = _part(full[a + "mlp.up_proj.weight"], tp, r, 0)
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+            gate, up = (_part(x, tp, r, 0) for x in gate_and_up(spec, full, n))
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)  # [gate_r; up_r] (§5)
             out[m + "mlp.linear_fc2.weight"] = _part(full[a + "mlp.down_proj.weight"], tp, r, 1).clone()
+            if POST_NORMS[spec.family]:  # replicated, its own module after linear_fc2
+                out[m + POST_MLP_NORM] = full[a + POST_MLP_NORM].clone()
         if last:
             out["decoder.final_layernorm.weight"] = full["model.norm.weight"].clone()
             if not tied:

@@ -31,6 +31,8 @@ from shardsync.plan import Plan, build_plan, execute_local, make_buckets
 from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
 from tests.unit.reference_rules import (
+    FUSED_GATE_UP,
+    POST_NORMS,
     QK_NORM,
     QKV_BIAS,
     engine_shards,
@@ -52,9 +54,14 @@ Shards = list[dict[str, torch.Tensor]]
 # Strategies
 # ---------------------------------------------------------------------------------------
 
+DENSE_FAMILIES = ["qwen2", "qwen3", "llama", "glm4"]
+# GLM-4-0414 rotates half of each head; irrelevant to layouts, set as the real models have it.
+ROTARY = {"glm4": {"partial_rotary_factor": 0.5}}
+
+
 @st.composite
 def specs(draw) -> ModelSpec:
-    family = draw(st.sampled_from(["qwen2", "qwen3", "llama"]))
+    family = draw(st.sampled_from(DENSE_FAMILIES))
     ng = draw(st.sampled_from([1, 1, 2, 2, 3, 4, 6]))
     heads = ng * draw(st.integers(1, 4))
     head_dim = draw(st.sampled_from([2, 4, 6, 8]))
@@ -69,7 +76,7 @@ def specs(draw) -> ModelSpec:
     return ModelSpec(name=name, family=family, hidden_size=hidden, num_layers=layers,
                      num_heads=heads, num_kv_heads=ng, head_dim=head_dim,
                      intermediate_size=ffn, vocab_size=vocab, tie_word_embeddings=tied,
-                     dtype="float32")
+                     dtype="float32", **ROTARY.get(family, {}))
 
 
 def pick_tp(draw, valid: list[int]) -> int:
@@ -118,7 +125,8 @@ def _spec(family: str, h: int, ng: int, d: int, H: int, F: int, V: int, L: int,
           tied: bool) -> ModelSpec:
     return ModelSpec(name=f"example-{family}-h{h}g{ng}V{V}", family=family, hidden_size=H,
                      num_layers=L, num_heads=h, num_kv_heads=ng, head_dim=d,
-                     intermediate_size=F, vocab_size=V, tie_word_embeddings=tied, dtype="float32")
+                     intermediate_size=F, vocab_size=V, tie_word_embeddings=tied, dtype="float32",
+                     **ROTARY.get(family, {}))
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,10 @@ CASE_B = Case(_spec("qwen3", 16, 2, 4, 4, 16, 100, 3, True),
 VOCAB_FALLBACK = Case(_spec("qwen2", 6, 3, 2, 3, 12, 100, 2, False),
                       MegatronParallel(tp=3, make_vocab_size_divisible_by=16, norm_names="separate"),
                       (6, 3, 1))
+# GLM4 (post norms, fused gate_up checkpoint tensor) in Case B (tp 4 > 2 kv heads, like
+# GLM-4-9B's 2 kv heads), PP 2, untied, into engines with and without KV replication.
+GLM4_CASE = Case(_spec("glm4", 8, 2, 4, 4, 16, 100, 2, False),
+                 MegatronParallel(tp=4, pp=2, dp=1, make_vocab_size_divisible_by=16), (4, 8, 1))
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,6 +314,28 @@ def test_reference_engine_qkv_follows_loader_table(spec: ModelSpec, data) -> Non
         assert torch.equal(shard[a + "qkv_proj.weight"], want)
 
 
+@FEW
+@given(specs(), st.data())
+def test_reference_fc1_follows_index_formula(spec: ModelSpec, data) -> None:
+    """LAYOUTS.md §5, row by row: Megatron ``linear_fc1`` local row ``x`` of rank ``r`` is gate
+    row ``r*f + x`` (``x < f``), else up row ``r*f + x - f``; for GLM4 the up rows sit at
+    ``F + ...`` of the fused ``gate_up_proj``.  The engine's ``gate_up_proj`` is the same."""
+    tp = data.draw(st.sampled_from(valid_tps(spec, 8, megatron=True)))
+    full = synthetic_full(spec)
+    F, f, a = spec.intermediate_size, spec.intermediate_size // tp, "model.layers.0."
+    if FUSED_GATE_UP[spec.family]:
+        fused = full[a + "mlp.gate_up_proj.weight"]
+        rows = {"gate": [fused[y] for y in range(F)], "up": [fused[F + y] for y in range(F)]}
+    else:
+        rows = {x: list(full[a + f"mlp.{x}_proj.weight"]) for x in ("gate", "up")}
+    trainer, engine = megatron_shards(spec, full, tp), engine_shards(spec, full, tp)
+    for r in range(tp):
+        want = torch.stack([rows["gate"][r * f + x] if x < f else rows["up"][r * f + x - f]
+                            for x in range(2 * f)])
+        assert torch.equal(trainer[r]["decoder.layers.0.mlp.linear_fc1.weight"], want), r
+        assert torch.equal(engine[r][a + "mlp.gate_up_proj.weight"], want), r
+
+
 # ---------------------------------------------------------------------------------------
 # 1-2. Loading full HF tensors
 # ---------------------------------------------------------------------------------------
@@ -336,6 +370,7 @@ def test_full_to_megatron_matches_reference(spec: ModelSpec, data) -> None:
 @given(cases())
 @example(CASE_B)
 @example(VOCAB_FALLBACK)
+@example(GLM4_CASE)
 def test_megatron_to_engines_p2p_matches_reference(case: Case) -> None:
     full = synthetic_full(case.spec)
     sources = megatron_ref(case, full, pad_value=MEGATRON_PAD)
@@ -355,6 +390,7 @@ def test_megatron_to_engines_p2p_matches_reference(case: Case) -> None:
 @given(cases())
 @example(CASE_B)
 @example(VOCAB_FALLBACK)
+@example(GLM4_CASE)
 def test_broadcast_composition_matches_reference(case: Case) -> None:
     spec, t = case.spec, case.trainer
     topo = Topology(spec, t, tuple(EngineParallel(tp=e) for e in case.engines))
@@ -419,6 +455,7 @@ def run_buckets(buckets, sources: Shards, dests: Shards) -> None:
 @given(cases(max_dp=2, max_engines=2), st.integers(1, 600))
 @example(CASE_B, 20)
 @example(VOCAB_FALLBACK, 7)
+@example(GLM4_CASE, 13)
 def test_buckets_preserve_every_element(case: Case, budget: int) -> None:
     full = synthetic_full(case.spec)
     sources = megatron_ref(case, full, pad_value=MEGATRON_PAD)
@@ -501,3 +538,12 @@ def test_optional_tensors_follow_family(spec: ModelSpec, data) -> None:
     assert ("model.layers.0.self_attn.qkv_proj.bias" in names) == QKV_BIAS[spec.family]
     assert ("model.layers.0.self_attn.q_norm.weight" in names) == QK_NORM[spec.family]
     assert ("lm_head.weight" in names) == (not spec.tie_word_embeddings)
+    post = POST_NORMS[spec.family]
+    assert ("model.layers.0.post_self_attn_layernorm.weight" in names) == post
+    assert ("model.layers.0.post_mlp_layernorm.weight" in names) == post
+    trainer = {t.name for rl in megatron_layout(spec, MegatronParallel(tp=1)).ranks for t in rl.tensors}
+    assert ("decoder.layers.0.post_self_attn_layernorm.weight" in trainer) == post
+    assert ("decoder.layers.0.post_mlp_layernorm.weight" in trainer) == post
+    hf = logical_tensors(spec)
+    assert ("model.layers.0.mlp.gate_up_proj.weight" in hf) == FUSED_GATE_UP[spec.family]
+    assert ("model.layers.0.mlp.gate_proj.weight" in hf) != FUSED_GATE_UP[spec.family]
