@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 # Per-family architecture flags (not present as config keys in HF configs).  GLM4 (dense):
@@ -33,8 +34,11 @@ FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "llama": {**_BASE, "qkv_bias": False, "qk_norm": False},
     "qwen3_moe": {**_BASE, "qkv_bias": False, "qk_norm": True},
     "glm4": {"qkv_bias": True, "qk_norm": False, "post_norms": True, "fused_gate_up": True, "rope_interleaved": True},
+    # GLM-4.5: attention bias and q/k norms are config keys (ModelSpec.attention_bias / qk_layernorm)
+    "glm4_moe": {**_BASE, "qkv_bias": True, "qk_norm": False},
 }
-MOE_FAMILIES = ("qwen3_moe",)
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+ROUTERS = ("softmax", "sigmoid")
 
 FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,7 +70,16 @@ class ModelSpec:
     decoder_sparse_step: int = 1  # every step-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which stay dense
     norm_topk_prob: bool = True
+    # router: softmax over all experts (Qwen3-MoE) or sigmoid scores, a per-expert correction
+    # bias for the choice only, group-limited top-k and a scaling (GLM4-MoE, DeepSeek-V3 style)
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # GLM4-MoE: moe_intermediate_size * n_shared_experts
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor channels (GLM4: 0.5)
+    attention_bias: bool | None = None  # None: the family's flag (GLM-4.5 reads it from the config)
+    qk_layernorm: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
@@ -88,6 +101,15 @@ class ModelSpec:
                         and self.decoder_sparse_step > 0):
             raise ValueError(f"{self.name}: experts need 0 < num_experts_per_tok <= num_experts, a positive "
                              "moe_intermediate_size and decoder_sparse_step")
+        if moe and self.router not in ROUTERS:
+            raise ValueError(f"{self.name}: router {self.router!r} not one of {ROUTERS}")
+        if moe and (self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group
+                    or (self.router == "sigmoid" and self.num_experts // self.n_group < 2)):
+            raise ValueError(f"{self.name}: expert groups need n_group dividing num_experts into groups of >= 2 "
+                             f"and 0 < topk_group <= n_group (got {self.num_experts}, {self.n_group}, {self.topk_group})")
+        if self.family == "glm4_moe" and (self.decoder_sparse_step != 1 or
+                                          self.mlp_only_layers != tuple(range(len(self.mlp_only_layers)))):
+            raise ValueError(f"{self.name}: GLM4-MoE's dense layers are the first k (first_k_dense_replace)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
@@ -96,11 +118,11 @@ class ModelSpec:
 
     @property
     def qkv_bias(self) -> bool:
-        return FAMILY_FLAGS[self.family]["qkv_bias"]
+        return FAMILY_FLAGS[self.family]["qkv_bias"] if self.attention_bias is None else self.attention_bias
 
     @property
     def qk_norm(self) -> bool:
-        return FAMILY_FLAGS[self.family]["qk_norm"]
+        return FAMILY_FLAGS[self.family]["qk_norm"] if self.qk_layernorm is None else self.qk_layernorm
 
     @property
     def post_norms(self) -> bool:
@@ -169,7 +191,7 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
-            "attention_bias": self.family == "glm4",
+            "attention_bias": self.family.startswith("glm4") and self.qkv_bias,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "pad_token_id": None,  # a family default (GLM4: 151329) may lie outside a tiny vocab
@@ -178,7 +200,14 @@ class ModelSpec:
             cfg["mlp_bias"] = False
         if self.partial_rotary_factor != 1.0:
             cfg["partial_rotary_factor"] = self.partial_rotary_factor
-        if self.is_moe:
+        if self.family == "glm4_moe":
+            cfg.update(n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       n_shared_experts=self.shared_expert_intermediate_size // self.moe_intermediate_size,
+                       first_k_dense_replace=len(self.mlp_only_layers), norm_topk_prob=self.norm_topk_prob,
+                       n_group=self.n_group, topk_group=self.topk_group,
+                       routed_scaling_factor=self.routed_scaling_factor, use_qk_norm=self.qk_norm)
+        elif self.is_moe:
             cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size,
                        decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
@@ -231,7 +260,7 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
         partial_rotary_factor=float(partial),
-        **(_moe_fields(cfg) if family in MOE_FAMILIES else {}),
+        **(MOE_FIELDS[family](cfg) if family in MOE_FIELDS else {}),
     )
 
 
@@ -241,6 +270,21 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
             "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}
+
+
+def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    k, inter = cfg.get("first_k_dense_replace", 0), cfg["moe_intermediate_size"]
+    return {"num_experts": cfg["n_routed_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": inter, "mlp_only_layers": tuple(range(k)),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "router": "sigmoid",
+            "n_group": cfg.get("n_group", 1), "topk_group": cfg.get("topk_group", 1),
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "shared_expert_intermediate_size": inter * cfg.get("n_shared_experts", 0),
+            "attention_bias": bool(cfg.get("attention_bias", False)), "qk_layernorm": bool(cfg.get("use_qk_norm", False))}
+
+
+# family -> the MoE fields of its HF config
+MOE_FIELDS = {"qwen3_moe": _moe_fields, "glm4_moe": _glm4_moe_fields}
 
 
 def _llama3_rope(factor: float) -> dict[str, Any]:
@@ -296,6 +340,17 @@ _PRESET_LIST = [
             rope_theta=10000.0, partial_rotary_factor=0.5),
     _preset("tiny-glm4", "glm4", 256, 4, 8, 2, 64, 512, 1100, False, max_position_embeddings=2048,
             rope_theta=10000.0, partial_rotary_factor=0.5, dtype="float32"),
+    # GLM-4.5-Air (GLM4-MoE): 1 dense layer, 128 routed experts + 1 shared, sigmoid router; the
+    # checkpoint's MTP layer (model.layers.46) is not part of the model shardsync syncs
+    _preset("GLM-4.5-Air", "glm4_moe", 4096, 46, 96, 8, 128, 10944, 151552, False, rms_norm_eps=1e-5,
+            partial_rotary_factor=0.5, max_position_embeddings=131072, num_experts=128, num_experts_per_tok=8,
+            moe_intermediate_size=1408, mlp_only_layers=(0,), router="sigmoid", shared_expert_intermediate_size=1408,
+            attention_bias=True, qk_layernorm=False),
+    # tiny: expert groups (2 of 4, top-1 group) and a routed scaling, q/k norms as GLM-4.5 (not Air)
+    _preset("tiny-glm4-moe", "glm4_moe", 256, 4, 8, 2, 64, 512, 1100, False, max_position_embeddings=2048,
+            dtype="float32", partial_rotary_factor=0.5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+            mlp_only_layers=(0,), router="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            shared_expert_intermediate_size=128, attention_bias=True, qk_layernorm=True),
     # mixture of experts
     _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
             max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),

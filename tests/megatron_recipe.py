@@ -45,4 +45,18 @@ def moe_architecture(spec: ModelSpec) -> dict[str, Any]:
         moe_router_load_balancing_type="none",
         moe_grouped_gemm=False,  # SequentialMLP; TEGroupedMLP needs transformer_engine
         moe_token_dispatcher_type="allgather",
+        **(GLM4_MOE_ROUTER(spec) if spec.router == "sigmoid" else {}),
+    )
+
+
+def GLM4_MOE_ROUTER(spec: ModelSpec) -> dict[str, Any]:  # noqa: N802 (a table entry)
+    """GLM4-MoE: sigmoid scores, expert bias (a buffer), group-limited top-k, scaling, shared experts."""
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=spec.n_group if spec.n_group > 1 else None,
+        moe_router_group_topk=spec.topk_group if spec.n_group > 1 else None,
+        moe_router_topk_scaling_factor=spec.routed_scaling_factor,
+        moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
     )

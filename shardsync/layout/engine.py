@@ -73,6 +73,8 @@ def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
             (spec.num_experts % par.ep == 0, f"num_experts={spec.num_experts} not divisible by ep={par.ep}"),
             (spec.moe_intermediate_size % max(par.moe_tp, 1) == 0,
              f"moe_intermediate_size={spec.moe_intermediate_size} not divisible by moe_tp = tp/ep = {par.moe_tp}"),
+            (spec.shared_expert_intermediate_size % t == 0,
+             f"shared_expert_intermediate_size={spec.shared_expert_intermediate_size} not divisible by tp={t}"),
         ]
     else:
         rules.append((par.ep == 1, f"ep={par.ep} applies to mixture-of-experts models only; {spec.name} is dense"))
@@ -91,11 +93,19 @@ def _experts(spec: ModelSpec, par: EngineParallel, layer: int, r: int,
     w13, w2 = p + "experts.w13_weight", p + "experts.w2_weight"
     segs = [Segment(f"{p}experts.{e}.{proj}.weight", lo, f) for e in experts for proj in ("gate_proj", "up_proj")]
     down = [Piece(f"{p}experts.{e}.down_proj.weight", (0, lo), (H, f), w2, (k * H, 0)) for k, e in enumerate(experts)]
-    return [
-        (p + "gate.weight", (spec.num_experts, H), (spec.num_experts, H), [whole(p + "gate.weight", p + "gate.weight", logical)]),
-        (w13, (n * 2 * f, H), (n, 2 * f, H), stacked(w13, segs, logical, 0)),
-        (w2, (n * H, f), (n, H, f), down),
-    ]
+    E = spec.num_experts
+    out = [(p + "gate.weight", (E, H), (E, H), [whole(p + "gate.weight", p + "gate.weight", logical)])]
+    if spec.router == "sigmoid":
+        bias = p + "gate.e_score_correction_bias"
+        out.append((bias, (E,), (E,), [whole(bias, bias, logical)]))
+    out += [(w13, (n * 2 * f, H), (n, 2 * f, H), stacked(w13, segs, logical, 0)), (w2, (n * H, f), (n, H, f), down)]
+    if spec.shared_expert_intermediate_size:  # shared experts: a dense MLP split over the TP group
+        fs, s = spec.shared_expert_intermediate_size // par.tp, p + "shared_experts."
+        gu = [Segment(s + "gate_proj.weight", r * fs, fs), Segment(s + "up_proj.weight", r * fs, fs)]
+        out += [(s + "gate_up_proj.weight", (2 * fs, H), (2 * fs, H), stacked(s + "gate_up_proj.weight", gu, logical, 0)),
+                (s + "down_proj.weight", (H, fs), (H, fs),
+                 stacked(s + "down_proj.weight", [Segment(s + "down_proj.weight", r * fs, fs)], logical, 1))]
+    return out
 
 
 def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,

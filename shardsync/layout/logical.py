@@ -42,13 +42,19 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     if spec.post_norms:
         out[p + "post_self_attn_layernorm.weight"] = (H,)
     out[p + "post_attention_layernorm.weight"] = (H,)
-    if spec.sparse_layer(layer):  # the router, then every expert's gate, up and down
-        E, Fe = spec.num_experts, spec.moe_intermediate_size
+    if spec.sparse_layer(layer):  # the router, every expert's gate, up and down, the shared experts
+        E, Fe, Fs = spec.num_experts, spec.moe_intermediate_size, spec.shared_expert_intermediate_size
         out[p + "mlp.gate.weight"] = (E, H)
+        if spec.router == "sigmoid":
+            out[p + "mlp.gate.e_score_correction_bias"] = (E,)
         for e in range(E):
             out[p + f"mlp.experts.{e}.gate_proj.weight"] = (Fe, H)
             out[p + f"mlp.experts.{e}.up_proj.weight"] = (Fe, H)
             out[p + f"mlp.experts.{e}.down_proj.weight"] = (H, Fe)
+        if Fs:
+            out[p + "mlp.shared_experts.gate_proj.weight"] = (Fs, H)
+            out[p + "mlp.shared_experts.up_proj.weight"] = (Fs, H)
+            out[p + "mlp.shared_experts.down_proj.weight"] = (H, Fs)
         return out
     if spec.fused_gate_up:
         out[p + "mlp.gate_up_proj.weight"] = (2 * F, H)

@@ -129,6 +129,8 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
             (spec.moe_intermediate_size % e == 0,
              f"moe_intermediate_size={spec.moe_intermediate_size} not divisible by etp={e}"),
             (par.expert_names in EXPERT_NAMES, f"expert_names must be one of {sorted(EXPERT_NAMES)}"),
+            (spec.shared_expert_intermediate_size % t == 0,
+             f"shared_expert_intermediate_size={spec.shared_expert_intermediate_size} not divisible by tp={t}"),
         ]
     else:
         rules.append((ep == 1 and par.etp in (None, par.tp),
@@ -151,13 +153,25 @@ def qkv_segments(spec: ModelSpec, layer: int, suffix: str) -> list[Segment]:
     return segs
 
 
-def _experts(spec: ModelSpec, par: MegatronParallel, layer: int, pre: str, ep_rank: int, etp_rank: int,
-             logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
+def _shared(spec: ModelSpec, pre: str, hf: str, r: int, t: int,
+            logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
+    f, H = spec.shared_expert_intermediate_size // t, spec.hidden_size
+    fc1, fc2 = pre + "mlp.shared_experts.linear_fc1.weight", pre + "mlp.shared_experts.linear_fc2.weight"
+    segs = [Segment(hf + "shared_experts.gate_proj.weight", r * f, f), Segment(hf + "shared_experts.up_proj.weight", r * f, f)]
+    return [(fc1, (2 * f, H), stacked(fc1, segs, logical, 0)),
+            (fc2, (H, f), stacked(fc2, [Segment(hf + "shared_experts.down_proj.weight", r * f, f)], logical, 1))]
+
+
+def _experts(spec: ModelSpec, par: MegatronParallel, layer: int, pre: str, tp_rank: int, ep_rank: int,
+             etp_rank: int, logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
     """A sparse layer's router and this rank's local experts, (name, shape, pieces) in module order."""
     H, hf = spec.hidden_size, f"model.layers.{layer}.mlp."
     n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.expert_tp
     out = [(pre + "mlp.router.weight", (spec.num_experts, H),
             [whole(pre + "mlp.router.weight", hf + "gate.weight", logical)])]
+    if spec.router == "sigmoid":  # moe_router_enable_expert_bias: a buffer, updated by load balancing
+        out.append((pre + "mlp.router.expert_bias", (spec.num_experts,),
+                    [whole(pre + "mlp.router.expert_bias", hf + "gate.e_score_correction_bias", logical)]))
     fc1, fc2 = EXPERT_NAMES[par.expert_names]
     lo = etp_rank * f
     for j in range(n):
@@ -167,7 +181,10 @@ def _experts(spec: ModelSpec, par: MegatronParallel, layer: int, pre: str, ep_ra
         out.append((name1, (2 * f, H), stacked(name1, segs, logical, 0)))
         out.append((name2, (H, f), stacked(name2, [Segment(f"{hf}experts.{e}.down_proj.weight", lo, f)], logical, 1)))
     if par.expert_names == "grouped":  # TEGroupedMLP registers every fc1 weight, then every fc2
-        out = out[:1] + out[1::2] + out[2::2]
+        head = 2 if spec.router == "sigmoid" else 1
+        out = out[:head] + out[head::2] + out[head + 1::2]
+    if spec.shared_expert_intermediate_size:  # shared experts: a dense MLP split over TP
+        out += _shared(spec, pre, hf, tp_rank, par.tp, logical)
     return out
 
 
@@ -216,7 +233,7 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
         if spec.sparse_layer(layer):  # the norm cannot fuse into the router: always its own module
             norm = pre + "pre_mlp_layernorm.weight"
             add(norm, (H,), [whole(norm, hf + "post_attention_layernorm.weight", logical)])
-            for name, shape, new in _experts(spec, par, layer, pre, *expert_rank, logical):
+            for name, shape, new in _experts(spec, par, layer, pre, r, *expert_rank, logical):
                 add(name, shape, new)
             continue
         add(pre + mlp_norm, (H,), [whole(pre + mlp_norm, hf + "post_attention_layernorm.weight", logical)])

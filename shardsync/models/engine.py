@@ -34,7 +34,7 @@ from torch import nn
 
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
-from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route
+from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.spec import DTYPES, ModelSpec
 
@@ -132,15 +132,18 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, rl: RankLayout, prefix: str, tp: _TP, device: torch.device) -> None:
+    """Gated MLP split over TP; ``reduce=False`` returns this rank's partial sum (shared experts)."""
+
+    def __init__(self, rl: RankLayout, prefix: str, tp: _TP, device: torch.device, *, reduce: bool = True) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
         self.gate_up_proj = _Leaf(rl, prefix + "gate_up_proj", ("weight",), device)
         self.down_proj = _Leaf(rl, prefix + "down_proj", ("weight",), device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_proj.weight))
+        y = F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 class _Experts(nn.Module):
@@ -150,13 +153,18 @@ class _Experts(nn.Module):
                  device: torch.device) -> None:
         super().__init__()
         self.spec, self.tp = spec, tp
-        self.gate = _Leaf(rl, prefix + "gate", ("weight",), device)
+        self.sigmoid = spec.router == "sigmoid"
+        self.gate = _Leaf(rl, prefix + "gate", ("weight", "e_score_correction_bias") if self.sigmoid else ("weight",),
+                          device)
         self.experts = _Leaf(rl, prefix + "experts", ("w13_weight", "w2_weight"), device)
+        if spec.shared_expert_intermediate_size:
+            self.shared_experts = _MLP(rl, prefix + "shared_experts.", tp, device, reduce=False)
         self.first = tp.rank // (tp.size // ep) * self.experts.w13_weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = route(self.spec, F.linear(flat, self.gate.weight))
+        bias = self.gate.e_score_correction_bias if self.sigmoid else None
+        weights, chosen = route(self.spec, router_logits(self.spec, flat, self.gate.weight), bias)
         out = torch.zeros_like(flat)
         w13, w2 = self.experts.w13_weight, self.experts.w2_weight
         for k in range(w13.shape[0]):
@@ -164,7 +172,9 @@ class _Experts(nn.Module):
             if tok.numel():
                 gate, up = F.linear(flat[tok], w13[k]).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, w2[k])
-                out.index_add_(0, tok, y * weights[tok, slot, None])
+                out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+        if self.spec.shared_expert_intermediate_size:  # its TP partial joins the same all-reduce
+            out = out + self.shared_experts(flat)
         return self.tp.all_reduce(out).view_as(x)
 
 

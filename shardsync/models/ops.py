@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from shardsync.spec import ModelSpec
 
@@ -94,11 +95,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_offse
     return torch.matmul(probs, v)
 
 
-def route(spec: ModelSpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE's router: softmax in fp32 over ``[tokens, experts]`` logits, top-k, optionally
-    renormalized; returns (weights in the logits' dtype, expert indices), both ``[tokens, k]``."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    weights, chosen = torch.topk(probs, spec.num_experts_per_tok, dim=-1)
+def router_logits(spec: ModelSpec, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[tokens, experts]`` router logits: in the activations' dtype (Qwen3-MoE) or in fp32
+    (GLM4-MoE's sigmoid router keeps its weight and logits in fp32)."""
+    if spec.router == "sigmoid":
+        return F.linear(x.float(), weight.float())
+    return F.linear(x, weight)
+
+
+def route(spec: ModelSpec, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights, both ``[tokens, k]``.
+
+    softmax (Qwen3-MoE): softmax in fp32 over every expert, top-k, optionally renormalized,
+    weights in the logits' dtype.  sigmoid (GLM4-MoE): sigmoid scores; the choice adds the
+    correction ``bias`` and is limited to the ``topk_group`` best of ``n_group`` expert groups
+    (a group scores its two best); weights are the chosen scores, optionally renormalized, times
+    ``routed_scaling_factor``.
+    """
+    k = spec.num_experts_per_tok
+    if spec.router == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, k, dim=-1)
+        if spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), chosen
+    scores = logits.sigmoid()
+    choice = scores + bias if bias is not None else scores
+    if spec.n_group > 1:
+        grouped = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
+        best = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), spec.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1.0).bool()
+        choice = choice.masked_fill(~keep[..., None].expand_as(grouped).reshape(choice.shape), float("-inf"))
+    chosen = torch.topk(choice, k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, chosen)
     if spec.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), chosen
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, chosen

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
-from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route
+from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.parallel import (
     Comm,
     ExpertExchange,
@@ -134,8 +134,10 @@ class _Experts(nn.Module):
     def __init__(self, model: TrainerModel, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         spec, par = model.spec, model.par
-        self.spec, self.dtype, self.exchange = spec, model.compute_dtype, model.exchange
-        self.router = _Weights(tensors, prefix + "router", ("weight",), tp_sharded=False)
+        self.spec, self.dtype, self.exchange, self.tp = spec, model.compute_dtype, model.exchange, model.tp
+        self.sigmoid = spec.router == "sigmoid"  # with Megatron's expert_bias (HF e_score_correction_bias)
+        self.router = _Weights(tensors, prefix + "router", ("weight", "expert_bias") if self.sigmoid else ("weight",),
+                               tp_sharded=False)
         n = spec.num_experts // par.ep
         self.first = par.expert_coords(model.rank)[2] * n
         self.experts = nn.Module()
@@ -156,22 +158,38 @@ class _Experts(nn.Module):
             self._local = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in self.experts.local_experts]
         for p in self.experts.parameters():
             p.expert = True  # Megatron's allreduce=False: reduced over the expert-DP group
+        if spec.shared_expert_intermediate_size:  # a dense gated MLP split over TP
+            self.shared_experts = nn.Module()
+            for fc in ("linear_fc1", "linear_fc2"):
+                setattr(self.shared_experts, fc, _Weights(tensors, f"{prefix}shared_experts.{fc}", ("weight",),
+                                                          tp_sharded=True))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         dtype, ex, k = self.dtype, self.exchange, self.spec.num_experts_per_tok
         flat = h.reshape(-1, h.shape[-1])
-        weights, chosen = route(self.spec, F.linear(flat, self.router.weight.to(dtype)))
+        bias = self.router.expert_bias if self.sigmoid else None
+        weights, chosen = route(self.spec, router_logits(self.spec, flat, self.router.weight.to(dtype)), bias)
         rows = ex.rows(flat.shape[0])
-        tokens, weights = ex.gather(torch.cat([flat, weights], dim=-1), rows).split([flat.shape[-1], k], dim=-1)
+        if weights.dtype == flat.dtype:  # one gather for both
+            tokens, weights = ex.gather(torch.cat([flat, weights], dim=-1), rows).split([flat.shape[-1], k], dim=-1)
+        else:  # an fp32 router beside bf16 activations
+            tokens, weights = ex.gather(flat, rows), ex.gather(weights, rows)
         chosen = ex.gather_ids(chosen, rows)
-        out = torch.zeros_like(tokens)
+        # tied to the gathered tokens and weights even when none reach this rank's experts: every
+        # member's backward then runs the exchange's collectives (else the others wait forever)
+        out = tokens * 0.0 + weights[:, :1] * 0.0
         for j, (fc1, fc2) in enumerate(self._local):
             tok, slot = torch.nonzero(chosen == self.first + j, as_tuple=True)
             if tok.numel():
                 gate, up = F.linear(tokens[tok], fc1.to(dtype)).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, fc2.to(dtype))
-                out = out.index_add(0, tok, y * weights[tok, slot, None])
-        return ex.combine(out, rows).view_as(h)
+                out = out.index_add(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+        out = ex.combine(out, rows)
+        if self.spec.shared_expert_intermediate_size:
+            s = self.shared_experts
+            gate, up = F.linear(self.tp.copy_to(flat), s.linear_fc1.weight.to(dtype)).chunk(2, dim=-1)
+            out = out + self.tp.reduce_from(F.linear(F.silu(gate) * up, s.linear_fc2.weight.to(dtype)))
+        return out.view_as(h)
 
 
 class _Layer(nn.Module):

@@ -80,7 +80,9 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
     # (``weight.data.cuda()`` in LanguageModule.setup_embeddings_and_output_layer) before
     # all-reducing it over the embedding group.  On CPU keep it in place; the all-reduce
     # itself still runs over gloo.
-    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
+    # The sigmoid router allocates its expert_bias buffer on torch.cuda.current_device(): CPU here.
+    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
         return GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -91,6 +93,7 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta),
+            rotary_percent=spec.partial_rotary_factor,
             rope_scaling=scaling.get("rope_type") == "llama3",
             rope_scaling_factor=float(scaling.get("factor", 8.0)),
         )
@@ -183,20 +186,22 @@ def test_layout_matches_megatron_core_named_parameters(preset: str, tp: int, pp:
 # ---------------------------------------------------------------------------------------------
 # Mixture of experts
 
-MOE_PRESET = "tiny-qwen3-moe"
-# (tp, pp, dp, ep, etp); world size tp * pp * dp.  Covers ep 1/2, tp 1/2, etp = tp and
-# etp != tp, pp 2, and expert-DP > 1 (etp * ep < tp * dp).
+# (preset, tp, pp, dp, ep, etp); world size tp * pp * dp.  Covers ep 1/2, tp 1/2, etp = tp and
+# etp != tp, pp 2, and expert-DP > 1 (etp * ep < tp * dp); GLM4-MoE (shared experts, the router's
+# expert_bias buffer) in two of them.
 MOE_WORLDS = (
-    (1, 1, 2, 2, 1),
-    (2, 1, 1, 1, 2),
-    (2, 1, 1, 2, 1),
-    (2, 2, 1, 1, 2),
-    (1, 2, 2, 2, 1),
-    (2, 1, 2, 2, 1),
+    ("tiny-qwen3-moe", 1, 1, 2, 2, 1),
+    ("tiny-qwen3-moe", 2, 1, 1, 1, 2),
+    ("tiny-qwen3-moe", 2, 1, 1, 2, 1),
+    ("tiny-qwen3-moe", 2, 2, 1, 1, 2),
+    ("tiny-qwen3-moe", 1, 2, 2, 2, 1),
+    ("tiny-qwen3-moe", 2, 1, 2, 2, 1),
+    ("tiny-glm4-moe", 2, 1, 1, 2, 1),
+    ("tiny-glm4-moe", 1, 2, 2, 2, 1),
 )
 
 
-def _moe_worker(rank: int, world: int, port: int, par: MegatronParallel, out) -> None:
+def _moe_worker(rank: int, world: int, port: int, preset: str, par: MegatronParallel, out) -> None:
     """One rank: build the MoE preset, report Megatron's (expert) coordinates, parameter
     names/shapes in registration order and each MoE layer's global expert indices."""
     import torch
@@ -214,10 +219,16 @@ def _moe_worker(rank: int, world: int, port: int, par: MegatronParallel, out) ->
                                       expert_model_parallel_size=par.ep,
                                       expert_tensor_parallel_size=par.expert_tp)
         try:
-            model = _gpt_model(PRESETS[MOE_PRESET], par, pre_process=mpu.is_pipeline_first_stage(),
+            model = _gpt_model(PRESETS[preset], par, pre_process=mpu.is_pipeline_first_stage(),
                                post_process=mpu.is_pipeline_last_stage())
             params = [(n, tuple(p.shape)) for n, p in model.named_parameters()
                       if not n.endswith("._extra_state")]
+            # the router's expert_bias is a buffer (updated by load balancing, not the optimizer): a sync
+            # moves it all the same, so the layout lists it after the router weight
+            for n, b in model.named_buffers():
+                if n.endswith("router.expert_bias"):
+                    params.insert(next(i for i, (m, _) in enumerate(params) if m == n.replace("expert_bias", "weight"))
+                                  + 1, (n, tuple(b.shape)))
             experts = {n: list(m.local_expert_indices) for n, m in model.named_modules() if isinstance(m, MoELayer)}
             result = {
                 "coords": (mpu.get_pipeline_model_parallel_rank(), mpu.get_data_parallel_rank(),
@@ -255,12 +266,13 @@ def _moe_par(tp: int, pp: int, dp: int, ep: int, etp: int) -> MegatronParallel:
     return MegatronParallel(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, norm_names="separate", expert_names="sequential")
 
 
-@pytest.mark.parametrize("tp,pp,dp,ep,etp", MOE_WORLDS, ids=[f"tp{t}pp{p}dp{d}ep{e}etp{x}" for t, p, d, e, x in MOE_WORLDS])
-def test_moe_layout_matches_megatron_core(tp: int, pp: int, dp: int, ep: int, etp: int) -> None:
-    spec = PRESETS[MOE_PRESET]
+@pytest.mark.parametrize("preset,tp,pp,dp,ep,etp", MOE_WORLDS,
+                         ids=[f"{m}-tp{t}pp{p}dp{d}ep{e}etp{x}" for m, t, p, d, e, x in MOE_WORLDS])
+def test_moe_layout_matches_megatron_core(preset: str, tp: int, pp: int, dp: int, ep: int, etp: int) -> None:
+    spec = PRESETS[preset]
     par = _moe_par(tp, pp, dp, ep, etp)
     layout = megatron_layout(spec, par)
-    world = run_world(_moe_worker, par.world_size, args=(par.world_size, free_port(), par),
+    world = run_world(_moe_worker, par.world_size, args=(par.world_size, free_port(), preset, par),
                       timeout=WORLD_TIMEOUT_S)
     assert sorted(world) == list(range(par.world_size))
     n_local = spec.num_experts // ep
@@ -287,6 +299,6 @@ def test_moe_layout_matches_megatron_core(tp: int, pp: int, dp: int, ep: int, et
         if got["experts"] != want:
             problems.append(f"{label}: megatron local_expert_indices = {got['experts']}, layout = {want}")
     assert not problems, (
-        f"{MOE_PRESET} tp={tp} pp={pp} dp={dp} ep={ep} etp={etp}: layout differs from megatron-core\n"
+        f"{preset} tp={tp} pp={pp} dp={dp} ep={ep} etp={etp}: layout differs from megatron-core\n"
         + "\n".join(problems)
     )

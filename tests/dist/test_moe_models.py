@@ -1,6 +1,6 @@
 """Mixture-of-experts reference models: the trainer and engine at TP/EP 1 against
-``transformers`` (``Qwen3MoeForCausalLM``, in process), then every expert-parallel world
-against that TP 1 run (one spawned 4-rank gloo world, run in phases).
+``transformers`` (``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM``, in process), then every
+expert-parallel world against that TP 1 run (one spawned 4-rank gloo world, run in phases).
 
 Trainer worlds cover EP over DP, EP over TP, expert TP, both expert spellings and PP; each
 rank checks its logits, its DP batch's loss, its gradients after the (expert-)DP reduction
@@ -26,7 +26,7 @@ from shardsync.plan.local import region
 from shardsync.spec import PRESETS, ModelSpec
 from tests.dist._world import free_port, run_world
 
-SPEC = PRESETS["tiny-qwen3-moe"]
+SPECS = ("tiny-qwen3-moe", "tiny-glm4-moe")
 SEED, BATCH, SEQ = 3, 4, 12
 OPTIM = OptimConfig(lr=1e-3, eps=1e-5, max_grad_norm=1.0)
 RTOL = 1e-5
@@ -44,6 +44,7 @@ class TrainerCase:
     etp: int | None = None
     expert_names: str = "sequential"
     norm_names: str = "fused"
+    specs: tuple[str, ...] = SPECS
 
     @property
     def par(self) -> MegatronParallel:
@@ -52,15 +53,15 @@ class TrainerCase:
 
 
 TRAINER_CASES = [
-    TrainerCase("tp1-dp2-ep2", dp=2, ep=2),
-    TrainerCase("tp2-etp2", tp=2),
+    TrainerCase("tp1-dp2-ep2", dp=2, ep=2, specs=SPECS[:1]),
+    TrainerCase("tp2-etp2", tp=2, specs=SPECS[:1]),
     TrainerCase("tp2-ep2-etp1-grouped", tp=2, ep=2, etp=1, expert_names="grouped"),
-    TrainerCase("tp2-etp1-edp2", tp=2, etp=1, norm_names="separate"),
-    TrainerCase("tp2-dp2-ep2-etp1", tp=2, dp=2, ep=2, etp=1),
+    TrainerCase("tp2-etp1-edp2", tp=2, etp=1, norm_names="separate", specs=SPECS[:1]),
+    TrainerCase("tp2-dp2-ep2-etp1", tp=2, dp=2, ep=2, etp=1, specs=SPECS[:1]),
     TrainerCase("tp1-dp4-ep4", dp=4, ep=4),
     TrainerCase("pp2-dp2-ep2", pp=2, dp=2, ep=2),
 ]
-ENGINE_CASES = [(2, 1), (2, 2), (4, 2), (4, 4)]  # (tp, ep)
+ENGINE_CASES = [(2, 1, SPECS), (2, 2, SPECS[:1]), (4, 2, SPECS), (4, 4, SPECS[:1])]  # (tp, ep, specs)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,9 +77,9 @@ def _to_hf(layout: Layout, rank: int, tensors: dict[str, torch.Tensor]) -> dict[
     return full
 
 
-def _inputs() -> dict[str, torch.Tensor]:
+def _inputs(spec: ModelSpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, SPEC.vocab_size, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=g)
     return {"ids": ids, "old": -3.0 + 0.1 * torch.randn(BATCH, SEQ - 1, generator=g),
             "adv": torch.randn(BATCH, generator=g), "mask": torch.rand(BATCH, SEQ - 1, generator=g) > 0.2}
 
@@ -89,9 +90,9 @@ def _batch(inp: dict[str, torch.Tensor], dp_rank: int, dp: int):
                                                advantages=inp["adv"][rows], mask=inp["mask"][rows])
 
 
-def _reference(inp: dict[str, torch.Tensor], dp: int) -> dict[str, Any]:
+def _reference(spec: ModelSpec, inp: dict[str, torch.Tensor], dp: int) -> dict[str, Any]:
     """The TP 1 trainer doing what a DP ``dp`` world does (mean of the replicas' losses)."""
-    model = TrainerModel(SPEC, MegatronParallel(), source=random_source(SPEC, SEED), optim=OPTIM)
+    model = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED), optim=OPTIM)
     logits = model.logits(inp["ids"])
     losses = []
     for d in range(dp):
@@ -116,8 +117,8 @@ def _hf_model(spec: ModelSpec):
                                                          dtype=torch.float32)
     src = random_source(spec, SEED)
     E = spec.num_experts
-    with torch.no_grad():
-        for name, param in model.named_parameters():
+    with torch.no_grad():  # GLM4-MoE's e_score_correction_bias is a buffer there
+        for name, param in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if "e_score" in n)]:
             pre = name.split("experts.")[0]
             if name.endswith("experts.gate_up_proj"):
                 t = torch.stack([torch.cat([src(f"{pre}experts.{e}.gate_proj.weight"),
@@ -148,43 +149,48 @@ def _hf_grads(spec: ModelSpec, model) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("name", SPECS)
 @pytest.mark.parametrize("expert_names", ["sequential", "grouped"])
-def test_trainer_matches_transformers(expert_names: str) -> None:
-    inp = _inputs()
-    hf = _hf_model(SPEC)
+def test_trainer_matches_transformers(name: str, expert_names: str) -> None:
+    spec = PRESETS[name]
+    inp = _inputs(spec)
+    hf = _hf_model(spec)
     ids, loss_fn = _batch(inp, 0, 1)
     logp = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     loss_fn(logp).backward()
-    want = _hf_grads(SPEC, hf)
-    model = TrainerModel(SPEC, MegatronParallel(expert_names=expert_names), source=random_source(SPEC, SEED))
+    want = _hf_grads(spec, hf)
+    model = TrainerModel(spec, MegatronParallel(expert_names=expert_names), source=random_source(spec, SEED))
     assert _rel(model.logits(ids), hf(ids).logits) <= RTOL
     model.forward_backward(ids, loss_fn)
     model.finish_grad_sync()
     got = _to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
-    assert set(got) == set(want)
+    # every parameter of transformers; a buffer there (GLM4-MoE's correction bias) has no gradient here
+    assert set(want) <= set(got) and all(not got[n].any() for n in set(got) - set(want))
     errs = {n: _rel(got[n], want[n]) for n in want if want[n].abs().max() > 0}
     assert max(errs.values()) <= 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
     routed = [n for n in want if ".experts." in n and want[n].abs().max() > 0]
-    assert len(routed) > SPEC.num_experts, "the batch routed tokens to too few experts to test"
+    assert len(routed) > spec.num_experts, "the batch routed tokens to too few experts to test"
 
 
-def test_engine_matches_transformers() -> None:
-    ids = _inputs()["ids"]
-    hf = _hf_model(SPEC)
-    engine = EngineModel.from_source(SPEC, random_source(SPEC, SEED))
+@pytest.mark.parametrize("name", SPECS)
+def test_engine_matches_transformers(name: str) -> None:
+    spec = PRESETS[name]
+    ids = _inputs(spec)["ids"]
+    hf = _hf_model(spec)
+    engine = EngineModel.from_source(spec, random_source(spec, SEED))
     assert _rel(engine(ids), hf(ids).logits) <= RTOL
 
 
 # --- the parallel worlds ----------------------------------------------------------------------
 
 
-def _trainer_case(case: TrainerCase, groups, inp, refs) -> dict[str, Any]:
+def _trainer_case(spec: ModelSpec, case: TrainerCase, groups, inp, refs) -> dict[str, Any]:
     par, rank = case.par, groups.rank
-    model = TrainerModel(SPEC, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
-                         expert_dp_group=groups.expert_dp, source=random_source(SPEC, SEED), optim=OPTIM)
-    if par.dp not in refs:
-        refs[par.dp] = _reference(inp, par.dp)
-    ref = refs[par.dp]
+    model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
+                         expert_dp_group=groups.expert_dp, source=random_source(spec, SEED), optim=OPTIM)
+    if (spec.name, par.dp) not in refs:
+        refs[spec.name, par.dp] = _reference(spec, inp, par.dp)
+    ref = refs[spec.name, par.dp]
     _, dp_rank, _ = par.coords(rank)
     out: dict[str, Any] = {"logits": _rel(model.logits(inp["ids"]), ref["logits"])}
     ids, loss_fn = _batch(inp, dp_rank, par.dp)
@@ -200,18 +206,23 @@ def _trainer_case(case: TrainerCase, groups, inp, refs) -> dict[str, Any]:
 
 def _world(rank: int, world: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    inp, refs, results = _inputs(), {}, {}
+    refs, results = {}, {}
+    inputs = {n: _inputs(PRESETS[n]) for n in SPECS}
     try:
         for case in TRAINER_CASES:
             groups = megatron_groups(case.par, timeout_s=60, moe=True)
-            if groups.rank is not None:
-                results[case.label] = _trainer_case(case, groups, inp, refs)
-        want = EngineModel.from_source(SPEC, random_source(SPEC, SEED))(inp["ids"])
-        for tp, ep in ENGINE_CASES:
+            for name in case.specs:
+                if groups.rank is not None:
+                    results[case.label, name] = _trainer_case(PRESETS[name], case, groups, inputs[name], refs)
+        wants = {n: EngineModel.from_source(PRESETS[n], random_source(PRESETS[n], SEED))(inputs[n]["ids"])
+                 for n in SPECS}
+        for tp, ep, names in ENGINE_CASES:
             group = dist.new_group(list(range(tp)))
-            if rank < tp:
-                engine = EngineModel.from_source(SPEC, random_source(SPEC, SEED), rank, tp, group, ep=ep)
-                results[f"engine-tp{tp}-ep{ep}"] = {"logits": _rel(engine(inp["ids"]), want)}
+            for name in names:
+                if rank < tp:
+                    spec = PRESETS[name]
+                    engine = EngineModel.from_source(spec, random_source(spec, SEED), rank, tp, group, ep=ep)
+                    results[f"engine-tp{tp}-ep{ep}", name] = {"logits": _rel(engine(inputs[name]["ids"]), wants[name])}
         out.put((rank, results))
     finally:
         dist.destroy_process_group()
@@ -222,11 +233,11 @@ def world() -> dict[int, dict[str, Any]]:
     return run_world(_world, WORLD, args=(WORLD, free_port()), timeout=WORLD_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("case", TRAINER_CASES, ids=lambda c: c.label)
-def test_expert_parallel_trainer_matches_tp1(world, case: TrainerCase) -> None:
-    ranks = [r for r in range(case.par.world_size)]
-    for r in ranks:
-        got = world[r][case.label]
+@pytest.mark.parametrize(("case", "name"), [(c, n) for c in TRAINER_CASES for n in c.specs],
+                         ids=lambda x: x.label if isinstance(x, TrainerCase) else x)
+def test_expert_parallel_trainer_matches_tp1(world, case: TrainerCase, name: str) -> None:
+    for r in range(case.par.world_size):
+        got = world[r][case.label, name]
         assert got["logits"] <= RTOL, (r, got["logits"])
         assert got["loss"] <= 1e-5, (r, got["loss"])
         worst = max(got["grads"].items(), key=lambda kv: kv[1])
@@ -235,7 +246,49 @@ def test_expert_parallel_trainer_matches_tp1(world, case: TrainerCase) -> None:
         assert got["step"] <= STEP_ATOL, (r, got["step"])
 
 
-@pytest.mark.parametrize(("tp", "ep"), ENGINE_CASES)
-def test_expert_parallel_engine_matches_tp1(world, tp: int, ep: int) -> None:
+@pytest.mark.parametrize(("tp", "ep", "name"), [(tp, ep, n) for tp, ep, names in ENGINE_CASES for n in names])
+def test_expert_parallel_engine_matches_tp1(world, tp: int, ep: int, name: str) -> None:
     for r in range(tp):
-        assert world[r][f"engine-tp{tp}-ep{ep}"]["logits"] <= RTOL
+        assert world[r][f"engine-tp{tp}-ep{ep}", name]["logits"] <= RTOL
+
+
+def _biased(spec: ModelSpec):
+    """GLM4-MoE weights whose correction bias sends every token to experts 0-3 (EP rank 0 of 2)."""
+    src = random_source(spec, SEED)
+
+    def get(name: str) -> torch.Tensor:
+        t = src(name)
+        if name.endswith("e_score_correction_bias"):
+            t = t.clone()
+            t[: spec.num_experts // 2] += 10.0
+        return t
+    return get
+
+
+def _idle_rank_world(rank: int, world: int, port: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        spec = PRESETS["tiny-glm4-moe"]
+        par = MegatronParallel(tp=2, ep=2, etp=1)
+        groups = megatron_groups(par, timeout_s=30, moe=True)
+        inp = _inputs(spec)
+        ids, loss_fn = _batch(inp, 0, 1)
+        model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
+                             expert_dp_group=groups.expert_dp, source=_biased(spec), timeout_s=30)
+        model.forward_backward(ids, loss_fn)  # rank 1's experts see no token: it must not skip the exchange
+        model.finish_grad_sync()
+        ref = TrainerModel(spec, MegatronParallel(), source=_biased(spec))
+        ref.forward_backward(ids, loss_fn)
+        ref.finish_grad_sync()
+        want = load_rank(model.layout, rank, _to_hf(ref.layout, 0, {n: p.grad for n, p in ref.named_parameters()}).__getitem__)
+        idle = [n for n, p in model.named_parameters() if ".experts." in n and not p.grad.any()]
+        out.put((rank, {"idle": len(idle), "err": max(_rel(p.grad, want[n]) for n, p in model.named_parameters()
+                                                      if want[n].abs().max() > 0)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_rank_without_tokens_still_exchanges() -> None:
+    got = run_world(_idle_rank_world, 2, args=(2, free_port()), timeout=120)
+    assert got[1]["idle"] > 0 and got[0]["idle"] == 0  # rank 1's experts really got nothing
+    assert max(g["err"] for g in got.values()) <= 1e-4

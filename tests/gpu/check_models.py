@@ -309,6 +309,7 @@ def gpt_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
+        rotary_percent=spec.partial_rotary_factor,
         rope_scaling=scaling.get("rope_type") == "llama3",
         rope_scaling_factor=float(scaling.get("factor", 8.0)),
     )
