@@ -6,7 +6,8 @@
     python examples/run.py run Qwen3-4B --mode p2p|broadcast|delta [--nodes N --node-rank R --head-ip IP]
 
 Without CUDA (``--size auto``) every recipe runs the tiny variant of its family on CPU
-(Qwen3 -> tiny-qwen3, Llama -> tiny-llama, Qwen2.5 -> tiny-qwen2) with a CPU-sized topology.
+(Qwen3 -> tiny-qwen3, Llama -> tiny-llama, Qwen2.5 -> tiny-qwen2, Qwen3-MoE -> tiny-qwen3-moe,
+GLM4-MoE -> tiny-glm4-moe) with a CPU-sized topology.
 Environment knobs: ``SHARDSYNC_BUCKET_MB`` (bucket size, MiB) and ``SHARDSYNC_SKIP_VERIFY=1``
 (skip the bitwise checksum after each update).  See docs/examples.md and docs/ray.md.
 """
@@ -84,6 +85,8 @@ RECIPES = {r.model: r for r in (
     Recipe("Qwen3-235B-A22B", "tiny-qwen3-moe",
            Topo(4, 4, (8, 8), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8, pp_layers=(24, 24, 24, 22)),
            Topo(1, 2, (2,), trainer_dp=2, trainer_ep=2, engine_ep=2)),
+    Recipe("GLM-4.5-Air", "tiny-glm4-moe", Topo(4, 2, (8, 8), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8),
+           Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
 )}
 
 

@@ -177,7 +177,7 @@ class _Experts(nn.Module):
         chosen = ex.gather_ids(chosen, rows)
         # tied to the gathered tokens and weights even when none reach this rank's experts: every
         # member's backward then runs the exchange's collectives (else the others wait forever)
-        out = tokens * 0.0 + weights[:, :1] * 0.0
+        out = tokens * 0.0 + (weights[:, :1] * 0.0).to(tokens.dtype)
         for j, (fc1, fc2) in enumerate(self._local):
             tok, slot = torch.nonzero(chosen == self.first + j, as_tuple=True)
             if tok.numel():

@@ -45,6 +45,10 @@ def test_list():
     assert rows["Qwen3-4B"]["nodes"] == 1 and rows["Qwen3-4B"]["tiny"] == "tiny-qwen3"
     assert (rows["Qwen3-4B"]["gpu_trainer_tp"], rows["Qwen3-4B"]["gpu_engine_tp"]) == (4, [4])
     assert rows["Llama-3.1-70B"]["nodes"] > 1
+    # mixture of experts: experts over the trainer's DP ranks, EP = TP on the engines
+    for model, tiny in (("Qwen3-30B-A3B", "tiny-qwen3-moe"), ("Qwen3-235B-A22B", "tiny-qwen3-moe"),
+                        ("GLM-4.5-Air", "tiny-glm4-moe")):
+        assert rows[model]["tiny"] == tiny and rows[model]["gpu_trainer_ep"] == rows[model]["gpu_engine_ep"] == 8
 
 
 def test_prepare_random_tiny(tiny_ckpt):

@@ -292,3 +292,15 @@ def test_expert_parallel_rank_without_tokens_still_exchanges() -> None:
     got = run_world(_idle_rank_world, 2, args=(2, free_port()), timeout=120)
     assert got[1]["idle"] > 0 and got[0]["idle"] == 0  # rank 1's experts really got nothing
     assert max(g["err"] for g in got.values()) <= 1e-4
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_bf16_trainer_stays_in_bf16(name: str) -> None:
+    """An fp32 router (GLM4-MoE) beside bf16 activations: the layer hands bf16 on, forward and back."""
+    spec = PRESETS[name]
+    inp = _inputs(spec)
+    ids, loss_fn = _batch(inp, 0, 1)
+    fp32 = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED))
+    bf16 = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED), compute_dtype=torch.bfloat16)
+    assert _rel(bf16.logits(ids), fp32.logits(ids)) <= 5e-2
+    assert abs(bf16.forward_backward(ids, loss_fn) - fp32.forward_backward(ids, loss_fn)) <= 5e-2

@@ -12,6 +12,17 @@ GLM4 (``Glm4ForCausalLM``) is not in LAYOUTS.md; its rules here follow the HF ch
 replicated, and the fused tensor is chunked into gate and up before the usual §5 / §7.2
 narrow, so Megatron ``linear_fc1`` and engine ``gate_up_proj`` keep ``[gate_r; up_r]``.
 
+GLM4-MoE (``Glm4MoeForCausalLM``, GLM-4.5) is LAYOUTS.md §8 with the DeepSeek-style rows of
+the §8.1 table: its dense layers are the first ``first_k_dense_replace`` (no sparse step);
+a sparse layer's router has the correction bias ``mlp.gate.e_score_correction_bias [E]``
+(Megatron ``mlp.router.expert_bias``, replicated like the router), and after the routed
+experts come the shared experts ``mlp.shared_experts.{gate,up,down}_proj`` (``Is`` =
+``moe_intermediate_size * n_shared_experts``), a dense gated MLP split over the *attention*
+TP by the §5 / §7.2 rules (Megatron ``shared_experts.linear_fc1/fc2``, engine
+``shared_experts.gate_up_proj/down_proj``), never over ETP / EP.  Its attention bias and
+q/k norms are config keys (``attention_bias``, ``use_qk_norm``), read from the spec's raw
+fields ``attention_bias`` / ``qk_layernorm`` (``None``: the family default below).
+
 ``synthetic_full`` fills every logical tensor with distinct positive integers (exact in
 float32 below 2**24), so a value names its own tensor and coordinates and zero means
 padding (or "never written").
@@ -27,10 +38,15 @@ from shardsync.spec import ModelSpec
 # Qwen3-MoE has Qwen3's attention (q/k norm, no bias).  GLM4 (HF ``Glm4ForCausalLM``,
 # GLM-4-0414): Qwen2-style q/k/v bias, plus a norm after attention and after the MLP, and
 # one fused ``mlp.gate_up_proj`` checkpoint tensor ``[gate; up]`` instead of two.
-QKV_BIAS = {"qwen2": True, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True}
-QK_NORM = {"qwen2": False, "qwen3": True, "llama": False, "qwen3_moe": True, "glm4": False}
-POST_NORMS = {"qwen2": False, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True}
-FUSED_GATE_UP = {"qwen2": False, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True}
+# GLM4-MoE: the defaults of the published GLM-4.5-Air config (attention bias, no q/k norm);
+# a spec's explicit ``attention_bias`` / ``qk_layernorm`` wins (``qkv_bias``/``qk_norm`` below).
+QKV_BIAS = {"qwen2": True, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True, "glm4_moe": True}
+QK_NORM = {"qwen2": False, "qwen3": True, "llama": False, "qwen3_moe": True, "glm4": False, "glm4_moe": False}
+POST_NORMS = {"qwen2": False, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True, "glm4_moe": False}
+FUSED_GATE_UP = {"qwen2": False, "qwen3": False, "llama": False, "qwen3_moe": False, "glm4": True,
+                 "glm4_moe": False}
+# MoE router flavour per family: GLM4-MoE's sigmoid router carries ``e_score_correction_bias``.
+CORRECTION_BIAS = {"qwen3_moe": False, "glm4_moe": True}
 
 # GLM4's extra norms: HF / engine name (same spelling in Megatron under ``decoder.layers.N.``),
 # after the attention output projection and after the MLP down projection.
@@ -49,6 +65,26 @@ def _ceil_to(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def qkv_bias(spec: ModelSpec) -> bool:
+    """Whether q/k/v have biases: the config's ``attention_bias`` if given, else the family's."""
+    return QKV_BIAS[spec.family] if spec.attention_bias is None else bool(spec.attention_bias)
+
+
+def qk_norm(spec: ModelSpec) -> bool:
+    """Whether attention has q/k norms: the config's ``use_qk_norm`` if given, else the family's."""
+    return QK_NORM[spec.family] if spec.qk_layernorm is None else bool(spec.qk_layernorm)
+
+
+def shared_size(spec: ModelSpec) -> int:
+    """``Is``, the shared experts' intermediate size (0: no shared experts)."""
+    return spec.shared_expert_intermediate_size if spec.num_experts else 0
+
+
+def shared_gate_and_up(full: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a = f"model.layers.{layer}.mlp.shared_experts."
+    return full[a + "gate_proj.weight"], full[a + "up_proj.weight"]
+
+
 def gate_and_up(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense layer's full HF gate and up weights ``[F, H]`` each.  GLM4 checkpoints hold them
     as one ``gate_up_proj [2F, H]``; its loaders chunk it in two halves (gate first), which
@@ -62,14 +98,25 @@ def gate_and_up(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int) -> t
 
 
 def is_sparse(spec: ModelSpec, layer: int) -> bool:
-    """HF Qwen3-MoE's rule for which decoder layers have experts (the rest keep a dense MLP)."""
-    return (spec.num_experts > 0 and layer not in spec.mlp_only_layers
-            and (layer + 1) % spec.decoder_sparse_step == 0)
+    """Which decoder layers have experts (the rest keep a dense MLP).
+
+    HF Qwen3-MoE: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``.  HF
+    GLM4-MoE: every layer from ``first_k_dense_replace`` on (the spec spells the first k dense
+    layers as ``mlp_only_layers = (0, ..., k-1)``).
+    """
+    if spec.num_experts <= 0:
+        return False
+    if spec.family == "glm4_moe":
+        first_k_dense = len(spec.mlp_only_layers)
+        assert tuple(spec.mlp_only_layers) == tuple(range(first_k_dense)), spec.mlp_only_layers
+        return layer >= first_k_dense
+    return layer not in spec.mlp_only_layers and (layer + 1) % spec.decoder_sparse_step == 0
 
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """HF tensor names and full shapes ([out, in] linears), in checkpoint order; a tied
-    lm_head is absent.  A sparse layer has the router then each expert's gate, up, down."""
+    lm_head is absent.  A sparse layer has the router (GLM4-MoE: and its correction bias), then
+    each expert's gate, up, down, then (GLM4-MoE, ``Is > 0``) the shared experts'."""
     H, h, ng, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     F, V = spec.intermediate_size, spec.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
@@ -79,11 +126,11 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         out[a + "self_attn.q_proj.weight"] = (h * d, H)
         out[a + "self_attn.k_proj.weight"] = (ng * d, H)
         out[a + "self_attn.v_proj.weight"] = (ng * d, H)
-        if QKV_BIAS[spec.family]:
+        if qkv_bias(spec):
             out[a + "self_attn.q_proj.bias"] = (h * d,)
             out[a + "self_attn.k_proj.bias"] = (ng * d,)
             out[a + "self_attn.v_proj.bias"] = (ng * d,)
-        if QK_NORM[spec.family]:
+        if qk_norm(spec):
             out[a + "self_attn.q_norm.weight"] = (d,)
             out[a + "self_attn.k_norm.weight"] = (d,)
         out[a + "self_attn.o_proj.weight"] = (H, h * d)
@@ -93,10 +140,17 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if is_sparse(spec, n):
             E, Fe = spec.num_experts, spec.moe_intermediate_size
             out[a + "mlp.gate.weight"] = (E, H)
+            if CORRECTION_BIAS[spec.family]:
+                out[a + "mlp.gate.e_score_correction_bias"] = (E,)
             for e in range(E):
                 out[a + f"mlp.experts.{e}.gate_proj.weight"] = (Fe, H)
                 out[a + f"mlp.experts.{e}.up_proj.weight"] = (Fe, H)
                 out[a + f"mlp.experts.{e}.down_proj.weight"] = (H, Fe)
+            Fs = shared_size(spec)
+            if Fs:
+                out[a + "mlp.shared_experts.gate_proj.weight"] = (Fs, H)
+                out[a + "mlp.shared_experts.up_proj.weight"] = (Fs, H)
+                out[a + "mlp.shared_experts.down_proj.weight"] = (H, Fs)
             continue
         if FUSED_GATE_UP[spec.family]:
             out[a + "mlp.gate_up_proj.weight"] = (2 * F, H)
@@ -183,7 +237,9 @@ def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, ep: i
     """What each engine TP rank holds after ``load_weights`` of ``full`` (engine-local names).
 
     MoE expert stacks (``mlp.experts.w13_weight`` / ``w2_weight``) are the 3-D tensors the
-    engine holds; ``ep`` is SGLang's ``--ep-size`` inside the TP group.
+    engine holds; ``ep`` is SGLang's ``--ep-size`` inside the TP group.  GLM4-MoE's correction
+    bias is replicated with the router; its shared experts are a plain ``MergedColumnParallel``
+    ``gate_up_proj`` + ``RowParallel`` ``down_proj`` over all ``tp`` ranks (whatever ``ep``).
     """
     h, ng, d, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     nq, f = h // tp, F // tp
@@ -200,12 +256,12 @@ def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, ep: i
         for n in range(spec.num_layers):
             a = f"model.layers.{n}."
             out[a + "input_layernorm.weight"] = full[a + "input_layernorm.weight"].clone()
-            for suffix in ("weight", "bias") if QKV_BIAS[spec.family] else ("weight",):
+            for suffix in ("weight", "bias") if qkv_bias(spec) else ("weight",):
                 q = full[a + "self_attn.q_proj." + suffix].narrow(0, r * nq * d, nq * d)
                 k = full[a + "self_attn.k_proj." + suffix].narrow(0, k0 * d, nkv * d)
                 v = full[a + "self_attn.v_proj." + suffix].narrow(0, k0 * d, nkv * d)
                 out[a + "self_attn.qkv_proj." + suffix] = torch.cat([q, k, v], 0)
-            if QK_NORM[spec.family]:
+            if qk_norm(spec):
                 for x in ("q_norm", "k_norm"):
                     out[a + f"self_attn.{x}.weight"] = full[a + f"self_attn.{x}.weight"].clone()
             out[a + "self_attn.o_proj.weight"] = full[a + "self_attn.o_proj.weight"].narrow(
@@ -216,9 +272,19 @@ def engine_shards(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, ep: i
             if is_sparse(spec, n):
                 # Router: ReplicatedLinear, full on every rank (§7.4); then the FusedMoE stacks.
                 out[a + "mlp.gate.weight"] = full[a + "mlp.gate.weight"].clone()
+                if CORRECTION_BIAS[spec.family]:
+                    bias = a + "mlp.gate.e_score_correction_bias"
+                    out[bias] = full[bias].clone()
                 w13, w2 = sglang_fused_moe(spec, full, n, tp, ep, r)
                 out[a + "mlp.experts.w13_weight"] = w13
                 out[a + "mlp.experts.w2_weight"] = w2
+                fs = shared_size(spec) // tp
+                if fs:
+                    assert shared_size(spec) % tp == 0, (shared_size(spec), tp)
+                    s = a + "mlp.shared_experts."
+                    gate, up = (x.narrow(0, r * fs, fs) for x in shared_gate_and_up(full, n))
+                    out[s + "gate_up_proj.weight"] = torch.cat([gate, up], 0)
+                    out[s + "down_proj.weight"] = full[s + "down_proj.weight"].narrow(1, r * fs, fs).clone()
                 continue
             # MergedColumnParallelLinear: shard 0 (gate) then shard 1 (up), each narrowed to my rows.
             gate, up = (x.narrow(0, r * f, f) for x in gate_and_up(spec, full, n))
@@ -285,14 +351,17 @@ def megatron_expert_rank(g: int, tp: int, dp: int, ep: int, etp: int) -> tuple[i
 
 def megatron_moe_mlp(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int, local: int,
                      ep: int, etp: int, ep_rank: int, etp_rank: int,
-                     expert_names: str) -> dict[str, torch.Tensor]:
+                     expert_names: str, tp: int = 1, tp_rank: int = 0) -> dict[str, torch.Tensor]:
     """A sparse layer's MLP side on one Megatron rank (LAYOUTS.md §8.1-8.2), module order.
 
     ``pre_mlp_layernorm`` is always its own module (the norm cannot fuse into the router);
     the router is replicated; local expert ``k`` is global ``ep_rank*E/ep + k``, its fc1
     ``[gate_e; up_e]`` each cut to the ``etp_rank`` chunk of rows, fc2 to the chunk of down's
     columns.  SequentialMLP registers expert by expert (fc1, fc2); TEGroupedMLP registers
-    its fc1 module (``weight0..``) before its fc2 module.
+    its fc1 module (``weight0..``) before its fc2 module.  GLM4-MoE: the router's
+    ``expert_bias`` follows its weight; ``MoELayer`` builds its shared experts after the routed
+    ones, a ``SharedExpertMLP`` on the dense TP group: ``linear_fc1 [gate_r; up_r]`` over
+    (``tp``, ``tp_rank``) like a dense fc1, ``linear_fc2`` the matching columns of down.
     """
     E = spec.num_experts
     assert E % ep == 0, f"{E} experts do not split over ep={ep}"
@@ -300,6 +369,8 @@ def megatron_moe_mlp(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int,
     a, m = f"model.layers.{layer}.", f"decoder.layers.{local}."
     out = {m + "pre_mlp_layernorm.weight": full[a + "post_attention_layernorm.weight"].clone(),
            m + "mlp.router.weight": full[a + "mlp.gate.weight"].clone()}
+    if CORRECTION_BIAS[spec.family]:
+        out[m + "mlp.router.expert_bias"] = full[a + "mlp.gate.e_score_correction_bias"].clone()
     fc1_name, fc2_name = MEGATRON_EXPERTS[expert_names]
     fc1, fc2 = {}, {}
     for k in range(n):
@@ -314,6 +385,11 @@ def megatron_moe_mlp(spec: ModelSpec, full: dict[str, torch.Tensor], layer: int,
     else:
         for (n1, t1), (n2, t2) in zip(fc1.items(), fc2.items(), strict=True):
             out[n1], out[n2] = t1, t2
+    if shared_size(spec):
+        gate, up = (_part(x, tp, tp_rank, 0) for x in shared_gate_and_up(full, layer))
+        out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([gate, up], 0)
+        out[m + "mlp.shared_experts.linear_fc2.weight"] = _part(
+            full[a + "mlp.shared_experts.down_proj.weight"], tp, tp_rank, 1).clone()
     return out
 
 
@@ -371,18 +447,19 @@ def megatron_shards(
             n = starts[s] + local
             a, m = f"model.layers.{n}.", f"decoder.layers.{local}."
             out[m + attn_norm] = full[a + "input_layernorm.weight"].clone()
-            for suffix in ("weight", "bias") if QKV_BIAS[spec.family] else ("weight",):
+            for suffix in ("weight", "bias") if qkv_bias(spec) else ("weight",):
                 qkv = fused_qkv(spec, *(full[a + f"self_attn.{x}_proj." + suffix] for x in "qkv"))
                 # Plain column-parallel split of the fused rows (Case A and Case B, §4.2).
                 out[m + "self_attention.linear_qkv." + suffix] = _part(qkv, tp, r, 0).clone()
-            if QK_NORM[spec.family]:
+            if qk_norm(spec):
                 out[m + "self_attention.q_layernorm.weight"] = full[a + "self_attn.q_norm.weight"].clone()
                 out[m + "self_attention.k_layernorm.weight"] = full[a + "self_attn.k_norm.weight"].clone()
             out[m + "self_attention.linear_proj.weight"] = _part(full[a + "self_attn.o_proj.weight"], tp, r, 1).clone()
             if POST_NORMS[spec.family]:  # replicated, its own module after linear_proj
                 out[m + POST_ATTN_NORM] = full[a + POST_ATTN_NORM].clone()
             if is_sparse(spec, n):
-                out.update(megatron_moe_mlp(spec, full, n, local, ep, etp, ep_rank, etp_rank, expert_names))
+                out.update(megatron_moe_mlp(spec, full, n, local, ep, etp, ep_rank, etp_rank, expert_names,
+                                            tp, r))
                 continue
             out[m + mlp_norm] = full[a + "post_attention_layernorm.weight"].clone()
             gate, up = (_part(x, tp, r, 0) for x in gate_and_up(spec, full, n))

@@ -1,4 +1,4 @@
-"""Property tests for mixture-of-experts (Qwen3-MoE) layouts and plans.
+"""Property tests for mixture-of-experts (Qwen3-MoE, GLM4-MoE) layouts and plans.
 
 The dense property tests (``test_plan_properties``) extended to experts: random small MoE
 specs, random valid Megatron (tp, pp, dp, ep, etp, expert spelling, norm spelling) and
@@ -8,6 +8,9 @@ plans shardsync derives are executed in memory and must give, bitwise, what the 
 SGLang loader builds (its 3-D ``w13_weight``/``w2_weight`` viewed as the layout's 2-D shapes).
 The validity rules used to draw configs are written here from LAYOUTS.md, not taken from
 the layouts, and configs outside them must be refused with a ``ValueError`` naming the rule.
+GLM4-MoE specs (first k layers dense, sigmoid router with its correction bias and valid expert
+groups, shared experts on or off, attention bias and q/k norms at random) run through every
+property alongside Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ from shardsync.plan import build_plan, execute_local
 from shardsync.spec import PRESETS, ModelSpec
 from shardsync.topology import Topology
 from tests.unit.reference_rules import (
+    CORRECTION_BIAS,
     engine_shards,
     hf_shapes,
     is_sparse,
     megatron_expert_rank,
     megatron_shards,
+    qk_norm,
+    qkv_bias,
+    shared_size,
     stage_sizes,
     synthetic_full,
 )
@@ -69,6 +76,8 @@ EXPERTS_EP = ("num_experts divisible by ep", ("num_experts", "ep"))
 MOE_FFN_ETP = ("moe_intermediate_size divisible by etp", ("moe_intermediate_size", "etp"))
 ENGINE_EP_TP = ("ep divides tp", ("ep", "tp"))
 MOE_FFN_MOE_TP = ("moe_intermediate_size divisible by tp/ep", ("moe_intermediate_size",))
+# GLM4-MoE: shared experts are a dense MLP over the attention TP (trainer tp, engine tp).
+SHARED_FFN = ("shared_expert_intermediate_size divisible by tp", ("shared_expert_intermediate_size", "tp"))
 
 
 def names_rule(message: str, rule) -> bool:
@@ -94,10 +103,18 @@ def attention_violations(spec: ModelSpec, tp: int, *, megatron: bool) -> list:
     return out
 
 
+def tp_violations(spec: ModelSpec, tp: int, *, megatron: bool) -> list:
+    """Every rule on the (attention) TP size alone: attention, dense MLP, shared experts."""
+    out = attention_violations(spec, tp, megatron=megatron)
+    if shared_size(spec) % tp:
+        out.append(SHARED_FFN)
+    return out
+
+
 def megatron_violations(spec: ModelSpec, tp: int, pp: int, dp: int, ep: int, etp: int | None,
                         pp_layers: tuple[int, ...] | None = None) -> list:
     etp = tp if etp is None else etp
-    out = attention_violations(spec, tp, megatron=True)
+    out = tp_violations(spec, tp, megatron=True)
     if pp_layers is None and spec.num_layers % pp:
         out.append(PP_SPLIT)
     if (tp * dp) % (etp * ep):
@@ -110,7 +127,7 @@ def megatron_violations(spec: ModelSpec, tp: int, pp: int, dp: int, ep: int, etp
 
 
 def engine_violations(spec: ModelSpec, tp: int, ep: int) -> list:
-    out = attention_violations(spec, tp, megatron=False)
+    out = tp_violations(spec, tp, megatron=False)
     if tp % ep:
         out.append(ENGINE_EP_TP)
     if spec.num_experts % ep:
@@ -124,8 +141,33 @@ def engine_violations(spec: ModelSpec, tp: int, ep: int) -> list:
 # Strategies
 # ---------------------------------------------------------------------------------------
 
+MOE_FAMILIES = ["qwen3_moe", "glm4_moe"]
+
+
 @st.composite
-def moe_specs(draw) -> ModelSpec:
+def glm4_moe_fields(draw, layers: int, moe_ffn: int) -> dict:
+    """GLM4-MoE's MoE config as HF ``Glm4MoeConfig`` spells it, drawn valid: ``n_group``
+    divides the experts into groups of >= 2 (the router sums each group's top-2 scores),
+    ``topk_group <= n_group``, top-k within the chosen groups' experts; the first
+    ``first_k_dense_replace`` layers dense; ``n_shared_experts`` shared experts of
+    ``moe_intermediate_size`` each (0: none)."""
+    experts = draw(st.sampled_from([2, 4, 4, 6, 8, 8]))
+    n_group = draw(st.sampled_from([g for g in range(1, experts + 1) if experts % g == 0 and experts // g >= 2]))
+    topk_group = draw(st.integers(1, n_group))
+    top_k = draw(st.integers(1, topk_group * (experts // n_group)))
+    first_k_dense = draw(st.integers(0, min(layers - 1, 2)))
+    n_shared = draw(st.sampled_from([0, 1, 1, 2]))
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_ffn,
+                mlp_only_layers=tuple(range(first_k_dense)), router="sigmoid", n_group=n_group,
+                topk_group=topk_group, routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
+                norm_topk_prob=draw(st.booleans()), shared_expert_intermediate_size=moe_ffn * n_shared,
+                attention_bias=draw(st.booleans()), qk_layernorm=draw(st.booleans()),
+                partial_rotary_factor=0.5)
+
+
+@st.composite
+def moe_specs(draw, families: list[str] = MOE_FAMILIES) -> ModelSpec:
+    family = draw(st.sampled_from(families))
     ng = draw(st.sampled_from([1, 1, 2, 2, 4]))
     heads = ng * draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([2, 4]))
@@ -133,25 +175,30 @@ def moe_specs(draw) -> ModelSpec:
     ffn = draw(st.sampled_from([3, 4, 6, 8, 12]))  # 3: only all-sparse models split it over tp > 1
     vocab = draw(st.integers(1, 200))
     layers = draw(st.integers(1, 4))
-    experts = draw(st.sampled_from([1, 2, 3, 4, 4, 6, 8, 8]))
-    top_k = draw(st.integers(1, experts))
     moe_ffn = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))
-    step = draw(st.sampled_from([1, 1, 1, 2, 3]))
-    mlp_only = tuple(sorted(draw(st.lists(st.integers(0, layers - 1), unique=True,
-                                          max_size=min(layers - 1, 2)))))
     tied = draw(st.booleans())
-    name = (f"rand-moe-h{heads}g{ng}d{head_dim}H{hidden}F{ffn}V{vocab}L{layers}E{experts}k{top_k}"
-            f"I{moe_ffn}s{step}m{''.join(map(str, mlp_only))}{'t' if tied else 'u'}")
-    return ModelSpec(name=name, family="qwen3_moe", hidden_size=hidden, num_layers=layers,
+    if family == "glm4_moe":
+        moe = draw(glm4_moe_fields(layers, moe_ffn))
+        tag = (f"G{moe['n_group']}.{moe['topk_group']}S{moe['shared_expert_intermediate_size']}"
+               f"{'b' if moe['attention_bias'] else ''}{'n' if moe['qk_layernorm'] else ''}")
+    else:
+        experts = draw(st.sampled_from([1, 2, 3, 4, 4, 6, 8, 8]))
+        moe = dict(num_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)),
+                   moe_intermediate_size=moe_ffn, decoder_sparse_step=draw(st.sampled_from([1, 1, 1, 2, 3])),
+                   mlp_only_layers=tuple(sorted(draw(st.lists(st.integers(0, layers - 1), unique=True,
+                                                              max_size=min(layers - 1, 2))))))
+        tag = f"s{moe['decoder_sparse_step']}"
+    name = (f"rand-{family}-h{heads}g{ng}d{head_dim}H{hidden}F{ffn}V{vocab}L{layers}E{moe['num_experts']}"
+            f"k{moe['num_experts_per_tok']}I{moe_ffn}{tag}m{''.join(map(str, moe['mlp_only_layers']))}"
+            f"{'t' if tied else 'u'}")
+    return ModelSpec(name=name, family=family, hidden_size=hidden, num_layers=layers,
                      num_heads=heads, num_kv_heads=ng, head_dim=head_dim, intermediate_size=ffn,
-                     vocab_size=vocab, tie_word_embeddings=tied, dtype="float32",
-                     num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_ffn,
-                     decoder_sparse_step=step, mlp_only_layers=mlp_only)
+                     vocab_size=vocab, tie_word_embeddings=tied, dtype="float32", **moe)
 
 
 @st.composite
 def moe_trainers(draw, spec: ModelSpec, max_dp: int = 3) -> MegatronParallel:
-    tp = pick_tp(draw, [t for t in range(1, 9) if not attention_violations(spec, t, megatron=True)])
+    tp = pick_tp(draw, [t for t in range(1, 9) if not tp_violations(spec, t, megatron=True)])
     dp = draw(st.integers(1, max_dp))
     L = spec.num_layers
     pp = draw(st.integers(1, min(L, 3)))
@@ -213,6 +260,15 @@ def _small_spec(E: int, L: int = 2, mlp_only: tuple[int, ...] = (), *, h: int = 
                      num_experts=E, num_experts_per_tok=1, moe_intermediate_size=moe_ffn, mlp_only_layers=mlp_only)
 
 
+def _small_glm(E: int, L: int = 2, first_k_dense: int = 1, *, h: int = 8, ng: int = 2, d: int = 2, F: int = 8,
+               moe_ffn: int = 4, n_shared: int = 1, bias: bool = True, norms: bool = False) -> ModelSpec:
+    return _small_spec(E, L, tuple(range(first_k_dense)), h=h, ng=ng, d=d, F=F, moe_ffn=moe_ffn).replace(
+        name=f"example-glm4-moe-h{h}g{ng}d{d}F{F}E{E}I{moe_ffn}L{L}k{first_k_dense}S{n_shared}",
+        family="glm4_moe", router="sigmoid", n_group=2 if E % 4 == 0 else 1, topk_group=1,
+        routed_scaling_factor=2.5, shared_expert_intermediate_size=moe_ffn * n_shared,
+        attention_bias=bias, qk_layernorm=norms, partial_rotary_factor=0.5)
+
+
 # Always-run examples: the tiny preset (dense layer 0, tied, 8 experts) with EP spanning DP and
 # grouped names, into an EP engine and a pure-TP engine; LAYOUTS.md §8.4's placement scaled
 # down (Megatron ep=8, etp=1 over tp=2 x dp=4; SGLang t'=8, moe_ep=8: experts line up); and
@@ -226,6 +282,15 @@ ALIGNED_8_4 = MoECase(_small_spec(16),
 DEFAULT_ETP = MoECase(_small_spec(4, L=3, mlp_only=(1,)),
                       MegatronParallel(tp=2, pp=3, dp=2, ep=2, make_vocab_size_divisible_by=16),
                       (EngineParallel(tp=4, ep=2), EngineParallel(tp=1)))
+# GLM4-MoE: the tiny preset (dense layer 0, groups, shared expert, bias and q/k norms) as
+# TINY_EP; and shared experts whose TP split differs from the experts' (tp=4, etp=2, ep=2
+# over dp=2; engine tp=8 with moe_tp=2, and tp=2 with EP 2, so moe_tp=1), no bias, q/k norms.
+TINY_GLM_EP = MoECase(PRESETS["tiny-glm4-moe"],
+                      MegatronParallel(tp=2, pp=2, dp=2, ep=4, etp=1, expert_names="grouped"),
+                      (EngineParallel(tp=4, ep=4), EngineParallel(tp=2)))
+GLM_SHARED_TP = MoECase(_small_glm(4, L=3, n_shared=2, bias=False, norms=True),
+                        MegatronParallel(tp=4, pp=2, pp_layers=(1, 2), dp=2, ep=2, etp=2, norm_names="separate"),
+                        (EngineParallel(tp=8, ep=4), EngineParallel(tp=2, ep=2)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -286,7 +351,10 @@ def test_reference_expert_rules_follow_index_formulas(case: MoECase) -> None:
     """Element by element from LAYOUTS.md §8.1-8.3, not narrow/cat: Megatron local expert k of
     EP rank q is global ``q*E/ep + k`` with fc1 row ``j`` = gate (j < I/etp) or up row
     ``etp_rank*I/etp + j mod I/etp``; SGLang ``w13[k, j]`` likewise over moe_tp, ``w2[k, :, j]``
-    = down column ``moe_tp_rank*I/moe_tp + j``."""
+    = down column ``moe_tp_rank*I/moe_tp + j``.  GLM4-MoE: the router's correction bias whole
+    on every rank; shared-expert fc1 / ``gate_up_proj`` row ``j`` = gate (j < Is/t) or up row
+    ``tp_rank*Is/t + j mod Is/t`` over the *attention* TP ``t`` (trainer tp, engine tp, not
+    etp / moe_tp), fc2 / ``down_proj`` column ``j`` = down column ``tp_rank*Is/t + j``."""
     spec, t, (eng,) = case.spec, case.trainer, case.engines
     layer = next((n for n in range(spec.num_layers) if is_sparse(spec, n)), None)
     if layer is None:
@@ -298,9 +366,29 @@ def test_reference_expert_rules_follow_index_formulas(case: MoECase) -> None:
     sizes = stage_sizes(spec.num_layers, t.pp, t.pp_layers)
     stage = next(s for s in range(t.pp) if sum(sizes[:s]) <= layer < sum(sizes[:s + 1]))
     local = layer - sum(sizes[:stage])
+    bias = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    sh = f"model.layers.{layer}.mlp.shared_experts."
+
+    def check_shared(fc1: torch.Tensor, fc2: torch.Tensor, tp: int, tp_rank: int, what) -> None:
+        fs = shared_size(spec) // tp
+        assert fc1.shape == (2 * fs, spec.hidden_size) and fc2.shape == (spec.hidden_size, fs), what
+        for j in range(2 * fs):
+            src = full[sh + f"{'gate' if j < fs else 'up'}_proj.weight"]
+            assert torch.equal(fc1[j], src[tp_rank * fs + j % fs]), (what, j)
+        for j in range(fs):
+            assert torch.equal(fc2[:, j], full[sh + "down_proj.weight"][:, tp_rank * fs + j]), (what, j)
+
     for g, shard in enumerate(trainer_ref(case, full)):
         if g // (t.tp * t.dp) != stage:
             continue
+        m = f"decoder.layers.{local}.mlp."
+        assert (m + "router.expert_bias" in shard) == CORRECTION_BIAS[spec.family]
+        if CORRECTION_BIAS[spec.family]:
+            assert torch.equal(shard[m + "router.expert_bias"], full[bias])
+        assert (m + "shared_experts.linear_fc1.weight" in shard) == (shared_size(spec) > 0)
+        if shared_size(spec):
+            check_shared(shard[m + "shared_experts.linear_fc1.weight"], shard[m + "shared_experts.linear_fc2.weight"],
+                         t.tp, g % t.tp, ("megatron", g))
         ep_rank, etp_rank = (g % (t.tp * t.dp) // etp) % t.ep, g % etp
         f = Fe // etp
         for k in range(E // t.ep):
@@ -321,6 +409,12 @@ def test_reference_expert_rules_follow_index_formulas(case: MoECase) -> None:
     for r, shard in enumerate(engine_ref(spec, full, eng)):
         w13 = shard[f"model.layers.{layer}.mlp.experts.w13_weight"]
         w2 = shard[f"model.layers.{layer}.mlp.experts.w2_weight"]
+        assert (bias in shard) == CORRECTION_BIAS[spec.family]
+        if CORRECTION_BIAS[spec.family]:
+            assert torch.equal(shard[bias], full[bias])
+        assert (sh + "gate_up_proj.weight" in shard) == (shared_size(spec) > 0)
+        if shared_size(spec):
+            check_shared(shard[sh + "gate_up_proj.weight"], shard[sh + "down_proj.weight"], eng.tp, r, ("engine", r))
         assert w13.shape == (E // eng.ep, 2 * f, spec.hidden_size) and w2.shape == (E // eng.ep, spec.hidden_size, f)
         for k in range(E // eng.ep):
             e = (r // moe_tp) * (E // eng.ep) + k
@@ -329,6 +423,84 @@ def test_reference_expert_rules_follow_index_formulas(case: MoECase) -> None:
                 assert torch.equal(w13[k, j], src[(r % moe_tp) * f + j % f]), (r, k, j)
             for j in range(f):
                 assert torch.equal(w2[k, :, j], full[x + f"{e}.down_proj.weight"][:, (r % moe_tp) * f + j])
+
+
+def hf_config(spec: ModelSpec) -> dict:
+    """The HF ``config.json`` of a drawn spec, written here from the raw fields (not the spec's
+    own ``to_hf_config``), as ``Qwen3MoeConfig`` / ``Glm4MoeConfig`` spell it."""
+    cfg = dict(hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+               num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+               head_dim=spec.head_dim, intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+               tie_word_embeddings=spec.tie_word_embeddings, num_experts_per_tok=spec.num_experts_per_tok,
+               moe_intermediate_size=spec.moe_intermediate_size, pad_token_id=None)
+    if spec.family == "glm4_moe":
+        assert spec.shared_expert_intermediate_size % spec.moe_intermediate_size == 0
+        return dict(cfg, model_type="glm4_moe", n_routed_experts=spec.num_experts,
+                    n_shared_experts=spec.shared_expert_intermediate_size // spec.moe_intermediate_size,
+                    first_k_dense_replace=len(spec.mlp_only_layers), n_group=spec.n_group,
+                    topk_group=spec.topk_group, routed_scaling_factor=spec.routed_scaling_factor,
+                    attention_bias=spec.attention_bias, use_qk_norm=spec.qk_layernorm,
+                    partial_rotary_factor=spec.partial_rotary_factor)
+    return dict(cfg, model_type="qwen3_moe", num_experts=spec.num_experts,
+                decoder_sparse_step=spec.decoder_sparse_step, mlp_only_layers=list(spec.mlp_only_layers))
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@settings(FEW, max_examples=8)
+@given(moe_specs())
+@example(PRESETS["tiny-glm4-moe"])
+@example(_small_glm(4, n_shared=0, bias=False, norms=True))
+def test_reference_shapes_are_transformers_checkpoint_tensors(spec: ModelSpec) -> None:
+    """The reference's HF tensors are the ``transformers`` model's state dict (meta device, its
+    fused ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` unfolded to per-expert
+    checkpoint names; zero-size tensors, as HF builds for ``n_shared_experts = 0``, dropped)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(**hf_config(spec))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    theirs: dict[str, tuple[int, ...]] = {}
+    for name, x in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            pre, E = name.rsplit(".", 1)[0] + ".", x.shape[0]
+            for e in range(E):
+                if name.endswith("gate_up_proj"):
+                    assert x.shape[1] % 2 == 0
+                    theirs[f"{pre}{e}.gate_proj.weight"] = theirs[f"{pre}{e}.up_proj.weight"] = (
+                        x.shape[1] // 2, x.shape[2])
+                else:
+                    theirs[f"{pre}{e}.down_proj.weight"] = tuple(x.shape[1:])
+        elif x.numel():
+            theirs[name] = tuple(x.shape)
+    if spec.tie_word_embeddings:
+        theirs.pop("lm_head.weight", None)
+    assert hf_shapes(spec) == theirs
+
+
+@FEW
+@given(moe_specs(families=["glm4_moe"]), st.data())
+def test_glm4_moe_optional_tensors_follow_the_config(spec: ModelSpec, data) -> None:
+    """Attention bias and q/k norms follow ``attention_bias`` / ``use_qk_norm`` in both layouts;
+    every sparse layer has the correction bias, shared experts iff ``Is > 0``; dense layers are
+    the first k, none of them with router or shared experts."""
+    t = data.draw(moe_trainers(spec, max_dp=1))
+    e = data.draw(moe_engines(spec))
+    assert qkv_bias(spec) == spec.attention_bias and qk_norm(spec) == spec.qk_layernorm
+    engine = {x.name for rl in engine_layout(spec, e).ranks for x in rl.tensors}
+    trainer = {x.name for rl in megatron_layout(spec, t).ranks for x in rl.tensors}
+    for n in range(spec.num_layers):
+        a = f"model.layers.{n}."
+        assert (a + "self_attn.qkv_proj.bias" in engine) == spec.attention_bias
+        assert (a + "self_attn.q_norm.weight" in engine) == (a + "self_attn.k_norm.weight" in engine) == spec.qk_layernorm
+        sparse = n >= len(spec.mlp_only_layers)
+        assert (a + "mlp.gate.e_score_correction_bias" in engine) == sparse
+        assert (a + "mlp.shared_experts.gate_up_proj.weight" in engine) == (sparse and shared_size(spec) > 0)
+        assert (a + "mlp.gate_up_proj.weight" in engine) == (not sparse)
+    for local in range(max(t.pp_layers or [spec.num_layers // t.pp])):
+        m = f"decoder.layers.{local}."
+        assert (m + "self_attention.linear_qkv.bias" in trainer) == spec.attention_bias
+        assert (m + "self_attention.q_layernorm.weight" in trainer) == spec.qk_layernorm
+    assert any(n.endswith("mlp.router.expert_bias") for n in trainer)
+    assert any(".mlp.shared_experts." in n for n in trainer) == (shared_size(spec) > 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -340,6 +512,8 @@ def test_reference_expert_rules_follow_index_formulas(case: MoECase) -> None:
 @example(TINY_EP)
 @example(ALIGNED_8_4)
 @example(DEFAULT_ETP)
+@example(TINY_GLM_EP)
+@example(GLM_SHARED_TP)
 def test_layouts_match_reference_names_shapes_and_pieces(case: MoECase) -> None:
     spec, t = case.spec, case.trainer
     full = synthetic_full(spec)
@@ -368,6 +542,8 @@ def test_layouts_match_reference_names_shapes_and_pieces(case: MoECase) -> None:
 @example(TINY_EP)
 @example(ALIGNED_8_4)
 @example(DEFAULT_ETP)
+@example(TINY_GLM_EP)
+@example(GLM_SHARED_TP)
 def test_p2p_matches_reference(case: MoECase) -> None:
     full = synthetic_full(case.spec)
     sources = trainer_ref(case, full, pad_value=MEGATRON_PAD)
@@ -393,6 +569,7 @@ def test_p2p_matches_reference(case: MoECase) -> None:
 @given(moe_cases())
 @example(TINY_EP)
 @example(DEFAULT_ETP)
+@example(GLM_SHARED_TP)
 def test_broadcast_composition_matches_reference(case: MoECase) -> None:
     spec, t = case.spec, case.trainer
     topo = case.topology
@@ -491,6 +668,7 @@ MEGATRON_SINGLE = [
     (EXPERT_GRID, _small_spec(4), dict(tp=2, ep=2, etp=2)),
     (EXPERTS_EP, _small_spec(3), dict(tp=2, dp=2, ep=2, etp=1)),
     (MOE_FFN_ETP, _small_spec(4, moe_ffn=3), dict(tp=2)),
+    (SHARED_FFN, _small_glm(4, moe_ffn=2, n_shared=3), dict(tp=4, etp=1)),  # Is=6: etp=1 / ep=1 do not help
 ]
 ENGINE_SINGLE = [
     (HEADS, _small_spec(4, h=6, ng=1), dict(tp=4)),
@@ -499,6 +677,7 @@ ENGINE_SINGLE = [
     (ENGINE_EP_TP, _small_spec(4), dict(tp=2, ep=4)),
     (EXPERTS_EP, _small_spec(3), dict(tp=2, ep=2)),
     (MOE_FFN_MOE_TP, _small_spec(4, moe_ffn=3), dict(tp=2)),
+    (SHARED_FFN, _small_glm(4, moe_ffn=2, n_shared=3), dict(tp=4, ep=4)),  # moe_tp=1, but Is=6 over tp=4
 ]
 
 
