@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.spec import load_spec
 from shardsync.topology import Topology
 
@@ -43,9 +43,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     spec = load_spec(args.model, dtype=args.dtype)
     try:
-        trainer = MegatronParallel(tp=args.trainer_tp, pp=args.trainer_pp, dp=args.trainer_dp, ep=args.trainer_ep,
-                                   etp=args.trainer_etp, pp_layers=_ints(args.trainer_pp_layers),
-                                   expert_names=args.expert_names, make_vocab_size_divisible_by=args.vocab_divisible_by)
+        if args.trainer == "fsdp2":  # --trainer-dp ranks shard every tensor; --trainer-replicate copies (HSDP)
+            trainer = Fsdp2Parallel(shard=args.trainer_dp, replicate=args.trainer_replicate)
+        else:
+            trainer = MegatronParallel(tp=args.trainer_tp, pp=args.trainer_pp, dp=args.trainer_dp, ep=args.trainer_ep,
+                                       etp=args.trainer_etp, pp_layers=_ints(args.trainer_pp_layers),
+                                       expert_names=args.expert_names,
+                                       make_vocab_size_divisible_by=args.vocab_divisible_by)
         engines = tuple(EngineParallel(tp=t, ep=args.engine_ep) for t in _engine_tps(args.engine_tp, args.engines))
         topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind)
         t0 = time.perf_counter()
@@ -64,10 +68,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    experts = f" EP{trainer.ep} ETP{trainer.expert_tp}" if spec.is_moe else ""
+    if trainer.kind == "fsdp2":
+        desc = f"FSDP2 shard {trainer.shard}" + (f" x replicate {trainer.replicate}" if trainer.replicate > 1 else "")
+    else:
+        experts = f" EP{trainer.ep} ETP{trainer.expert_tp}" if spec.is_moe else ""
+        desc = f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}{experts}"
     engine_ep = f" EP{args.engine_ep}" if spec.is_moe else ""
     print(f"model {spec.name} ({spec.num_parameters() / 1e9:.3f} B params, {spec.dtype}); trainer "
-          f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}{experts} -> engines TP {list(report['engines'])}{engine_ep}; "
+          f"{desc} -> engines TP {list(report['engines'])}{engine_ep}; "
           f"buckets of {args.bucket_mb:g} MiB; planned in {report['plan_s']:.2f} s")
     head = f"{'path':<10} {'total':>12} {'per receiver':>13} {'busiest link':>13} {'buckets':>8} {'copies':>8}  busiest"
     print(head)
@@ -139,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="Qwen3-4B", help="preset name or path to config.json")
     p.add_argument("--trainer-tp", type=int, default=1)
     p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--trainer", default="megatron", choices=["megatron", "fsdp2"],
+                   help="trainer layout: Megatron-core, or FSDP2 (--trainer-dp ranks shard every tensor)")
     p.add_argument("--trainer-dp", type=int, default=1)
+    p.add_argument("--trainer-replicate", type=int, default=1, help="fsdp2: HSDP copies of the shard group")
     p.add_argument("--trainer-pp-layers", default=None, help="uneven stages: layers per stage, comma list")
     p.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE)")
     p.add_argument("--trainer-etp", type=int, default=None, help="expert tensor parallel (default: trainer TP)")

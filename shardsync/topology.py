@@ -21,17 +21,21 @@ from shardsync.layout import (
     megatron_layout,
     stage_sources,
 )
+from shardsync.layout.fsdp2 import Fsdp2Parallel, fsdp2_layout
 from shardsync.layout.logical import is_expert
 from shardsync.plan import Plan, build_plan
 from shardsync.spec import ModelSpec
 
 ENGINE_KINDS = ("reference", "sglang", "vllm")
+TrainerParallel = MegatronParallel | Fsdp2Parallel
+# trainer kind -> its layout (Megatron-core GPTModel shards, or FSDP2 row blocks of HF tensors)
+TRAINER_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp2_layout}
 
 
 @dataclass(frozen=True)
 class Topology:
     spec: ModelSpec
-    trainer: MegatronParallel
+    trainer: MegatronParallel | Fsdp2Parallel
     engines: tuple[EngineParallel, ...] = field(default=(EngineParallel(),))
     engine_kind: str = "reference"
     engine_pp: int = 1
@@ -44,7 +48,7 @@ class Topology:
 
     @cached_property
     def trainer_layout(self) -> Layout:
-        return megatron_layout(self.spec, self.trainer)
+        return TRAINER_LAYOUTS[self.trainer.kind](self.spec, self.trainer)
 
     @cached_property
     def engine_layouts(self) -> tuple[Layout, ...]:
@@ -64,14 +68,8 @@ class Topology:
         return sum(e.tp for e in self.engines)
 
     def stage_ranks(self, stage: int) -> list[int]:
-        """A stage's broadcast members, its source first: the ranks that together hold each of
-        the stage's tensors, DP replica 0's TP ranks and, for experts, expert-DP replica 0's."""
-        t = self.trainer
-        ranks = [t.rank(tp_rank=r, dp_rank=0, pp_rank=stage) for r in range(t.tp)]
-        if self.spec.is_moe:
-            base = stage * t.tp * t.dp
-            ranks += [base + i for i in range(t.expert_tp * t.ep) if base + i not in ranks]
-        return ranks
+        """A stage's broadcast members, its source first (each trainer kind says which)."""
+        return self.trainer.broadcast_members(self.spec, stage)
 
     @cached_property
     def p2p_plan(self) -> Plan:
@@ -114,14 +112,13 @@ class Topology:
         # Only the members take part (other ranks keep their index but hold nothing); members
         # outside DP replica 0 are there for their experts only.
         t, lay = self.trainer, self.trainer_layout
-        members = {r for s in range(t.pp) for r in self.stage_ranks(s)}
 
         def kept(i: int, rl: RankLayout) -> RankLayout:
-            if i not in members:
-                return RankLayout(rl.label, rl.tensors, ())
-            if t.coords(i)[1] == 0:
+            part = t.primary(self.spec, i)
+            if part == "all":
                 return rl
-            return RankLayout(rl.label, rl.tensors, tuple(p for p in rl.pieces if is_expert(p.logical)))
+            pieces = tuple(p for p in rl.pieces if is_expert(p.logical)) if part == "experts" else ()
+            return RankLayout(rl.label, rl.tensors, pieces)
 
         ranks = tuple(kept(i, rl) for i, rl in enumerate(lay.ranks))
         restricted = Layout(lay.kind, self.spec, lay.logical, ranks, lay.params)

@@ -31,7 +31,10 @@ class Msg(BaseModel):
 # -- HTTP bodies --
 
 class TrainerParallelMsg(Msg):
-    tp: int = Field(ge=1, le=1024)
+    kind: Literal["megatron", "fsdp2"] = "megatron"
+    shard: int = Field(1, ge=1, le=65536)  # fsdp2: the shard group, and its copies (HSDP)
+    replicate: int = Field(1, ge=1, le=65536)
+    tp: int = Field(1, ge=1, le=1024)
     pp: int = Field(1, ge=1, le=1024)
     dp: int = Field(1, ge=1, le=65536)
     pp_layers: list[Annotated[int, Field(ge=0, le=100000)]] | None = Field(None, max_length=1024)

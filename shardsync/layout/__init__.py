@@ -1,6 +1,7 @@
 """Layouts: which pieces of which logical (HF) tensors every rank holds."""
 
 from shardsync.layout.engine import EngineParallel, engine_layout
+from shardsync.layout.fsdp2 import Fsdp2Parallel, fsdp2_layout
 from shardsync.layout.full import full_layout, stage_sources
 from shardsync.layout.logical import logical_tensors
 from shardsync.layout.megatron import MegatronParallel, megatron_layout
@@ -8,6 +9,7 @@ from shardsync.layout.piece import Layout, Piece, RankLayout, TensorMeta, concat
 
 __all__ = [
     "EngineParallel",
+    "Fsdp2Parallel",
     "Layout",
     "MegatronParallel",
     "Piece",
@@ -15,6 +17,7 @@ __all__ = [
     "TensorMeta",
     "concat_layouts",
     "engine_layout",
+    "fsdp2_layout",
     "full_layout",
     "logical_tensors",
     "megatron_layout",

@@ -49,6 +49,7 @@ class MegatronParallel:
     ep: int = 1  # expert parallel
     etp: int | None = None  # expert tensor parallel (Megatron's default: tp)
     expert_names: str = "sequential"
+    kind = "megatron"
 
     @property
     def world_size(self) -> int:
@@ -62,6 +63,27 @@ class MegatronParallel:
     def expert_dp(self) -> int:
         """ETP x EP x EDP x PP = world (the expert ranks subdivide each stage's TP x DP)."""
         return self.tp * self.dp // (self.expert_tp * self.ep)
+
+    def broadcast_members(self, spec: ModelSpec, stage: int) -> list[int]:
+        """A stage's broadcast members, its source first: the ranks that together hold each of
+        the stage's tensors, DP replica 0's TP ranks and, for experts, expert-DP replica 0's."""
+        ranks = [self.rank(tp_rank=r, dp_rank=0, pp_rank=stage) for r in range(self.tp)]
+        if spec.is_moe:
+            base = stage * self.tp * self.dp
+            ranks += [base + i for i in range(self.expert_tp * self.ep) if base + i not in ranks]
+        return ranks
+
+    def primary(self, spec: ModelSpec, rank: int) -> str:
+        """Which of ``rank``'s pieces a broadcast gather reads: all (DP replica 0), its experts
+        (a member for them only) or none."""
+        if self.coords(rank)[1] == 0:
+            return "all"
+        members = self.broadcast_members(spec, self.coords(rank)[0])
+        return "experts" if rank in members else "none"
+
+    def describe(self) -> dict[str, int]:
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        return {**out, "ep": self.ep, "etp": self.expert_tp} if self.ep > 1 or self.etp is not None else out
 
     def expert_coords(self, rank: int) -> tuple[int, int, int, int]:
         """(pp_rank, edp_rank, ep_rank, etp_rank) of a global rank."""

@@ -50,8 +50,9 @@ def summarize(topo: Topology, bucket_bytes: int) -> dict:
         paths.insert(0, _p2p(topo, bucket_bytes))
     return {
         "model": topo.spec.name,
-        "trainer": {"tp": topo.trainer.tp, "pp": topo.trainer.pp, "dp": topo.trainer.dp,
-                    **({"ep": topo.trainer.ep, "etp": topo.trainer.expert_tp} if topo.spec.is_moe else {})},
+        "trainer": {"kind": topo.trainer.kind, **topo.trainer.describe(),
+                    **({"ep": topo.trainer.ep, "etp": topo.trainer.expert_tp}
+                       if topo.spec.is_moe and topo.trainer.kind == "megatron" else {})},
         "engines": [e.tp for e in topo.engines],
         **({"engine_ep": [e.ep for e in topo.engines]} if topo.spec.is_moe else {}),
         "bucket_bytes": bucket_bytes,

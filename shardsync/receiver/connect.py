@@ -8,7 +8,7 @@ from typing import Any
 
 from shardsync.control.session import Conflict, Invalid
 from shardsync.control.wire import PROTOCOL_VERSION, ConnectRequest
-from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
@@ -32,12 +32,16 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
                     verify: bool = False) -> ConnectRequest:
     """What trainer rank 0 sends engine ``index`` of ``topo``."""
     t = topo.trainer
+    if t.kind == "fsdp2":
+        trainer = {"kind": "fsdp2", "shard": t.shard, "replicate": t.replicate, "dtype": t.dtype}
+    else:
+        trainer = {"tp": t.tp, "pp": t.pp, "dp": t.dp, "pp_layers": list(t.pp_layers) if t.pp_layers else None,
+                   "make_vocab_size_divisible_by": t.make_vocab_size_divisible_by,
+                   "norm_names": t.norm_names, "dtype": t.dtype, "ep": t.ep, "etp": t.etp,
+                   "expert_names": t.expert_names}
     return ConnectRequest.model_validate({
         "spec": spec_to_dict(topo.spec),
-        "trainer": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "pp_layers": list(t.pp_layers) if t.pp_layers else None,
-                    "make_vocab_size_divisible_by": t.make_vocab_size_divisible_by,
-                    "norm_names": t.norm_names, "dtype": t.dtype, "ep": t.ep, "etp": t.etp,
-                    "expert_names": t.expert_names},
+        "trainer": trainer,
         "engines": [e.tp for e in topo.engines], "engine_index": index, "fingerprints": fingerprints,
         "whole": [e.whole for e in topo.engines] if any(e.whole for e in topo.engines) else [],
         "engine_ep": [e.ep for e in topo.engines] if any(e.ep > 1 for e in topo.engines) else [],
@@ -50,9 +54,11 @@ def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
     """The topology a connect request describes, with this engine's wire dtype."""
     spec = spec_from_dict(req.spec).replace(dtype=dtype)
     t = req.trainer.model_dump()
+    kind, shard, replicate = t.pop("kind"), t.pop("shard"), t.pop("replicate")
     if t.get("pp_layers") is not None:
         t["pp_layers"] = tuple(t["pp_layers"])
-    trainer = MegatronParallel(**t)
+    trainer = (Fsdp2Parallel(shard=shard, replicate=replicate, dtype=t["dtype"]) if kind == "fsdp2"
+               else MegatronParallel(**t))
     whole = req.whole or [False] * len(req.engines)
     if len(whole) != len(req.engines):
         raise ValueError(f"whole names {len(whole)} engines, engines {len(req.engines)}")
