@@ -47,7 +47,7 @@ def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[
 def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.Namespace, model: str,
              out) -> None:
     from shardsync.config import SyncConfig, TransportConfig
-    from shardsync.layout import MegatronParallel
+    from shardsync.layout import Fsdp2Parallel, MegatronParallel
     from shardsync.models.weights import load_rank, random_source
     from shardsync.placement import rank_device
     from shardsync.spec import load_spec
@@ -58,7 +58,10 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     spec = load_spec(model, dtype=args.dtype)
-    par = MegatronParallel(tp=args.trainer_tp, dp=args.trainer_dp, ep=args.trainer_ep, dtype=args.dtype or "float32")
+    if args.trainer == "fsdp2":  # FSDP2's row blocks (the layout tests/dist/test_fsdp2.py checks on real DTensors)
+        par = Fsdp2Parallel(shard=args.trainer_dp, dtype=args.dtype or "float32")
+    else:
+        par = MegatronParallel(tp=args.trainer_tp, dp=args.trainer_dp, ep=args.trainer_ep, dtype=args.dtype or "float32")
     device = rank_device(args.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -91,7 +94,7 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
     try:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        world, port = args.trainer_tp * args.trainer_dp, free_port()
+        world, port = (1 if args.trainer == "fsdp2" else args.trainer_tp) * args.trainer_dp, free_port()
         procs = [ctx.Process(target=_trainer, args=(r, world, port, urls, args, model, out)) for r in range(world)]
         for p in procs:
             p.start()
@@ -127,6 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", help="preset or config.json (repeatable)")
     ap.add_argument("--trainer-tp", type=int, default=2)
+    ap.add_argument("--trainer", default="megatron", choices=["megatron", "fsdp2"],
+                    help="fsdp2: --trainer-dp ranks hold FSDP2 row blocks; broadcast is then gather-then-broadcast")
     ap.add_argument("--trainer-dp", type=int, default=1)
     ap.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE models)")
     ap.add_argument("--engine-tp", type=int, default=2)
@@ -146,7 +151,9 @@ def main() -> None:
     models = args.model or ["tiny-qwen3", "Qwen2.5-0.5B"]
     results = [bench_model(m, args) for m in models]
     MiB = 2**20
-    print(f"trainer TP{args.trainer_tp} DP{args.trainer_dp} EP{args.trainer_ep} -> {args.engines} engine(s) of "
+    trainer = (f"FSDP2 shard {args.trainer_dp}" if args.trainer == "fsdp2"
+               else f"TP{args.trainer_tp} DP{args.trainer_dp} EP{args.trainer_ep}")
+    print(f"trainer {trainer} -> {args.engines} engine(s) of "
           f"TP{args.engine_tp} EP{args.engine_ep}, bucket {args.bucket_mb} MiB, "
           f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")
     print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'pack':>7} {'xfer':>7} {'unpack':>7} "

@@ -113,8 +113,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from shardsync.demo import DemoConfig, run_demo
 
     tps = _engine_tps(args.engine_tp or ("1" if args.engine == "vllm" else "2"), args.engines)
-    cfg = DemoConfig(model=args.model, trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp,
+    trainer_tp = args.trainer_tp if args.trainer_tp is not None else (1 if args.trainer == "fsdp2" else 2)
+    cfg = DemoConfig(model=args.model, trainer_tp=trainer_tp, trainer_pp=args.trainer_pp,
                      trainer_dp=args.trainer_dp, trainer_ep=args.trainer_ep, trainer_etp=args.trainer_etp,
+                     trainer_kind=args.trainer,
                      engine_ep=args.engine_ep, engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
                      engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine)
@@ -172,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="GRPO steps between a reference trainer and engine servers")
     p.add_argument("--model", default="tiny-qwen3")
-    p.add_argument("--trainer-tp", type=int, default=2)
+    p.add_argument("--trainer-tp", type=int, default=None, help="default 2 (1 with --trainer fsdp2)")
     p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--trainer", default="megatron", choices=["megatron", "fsdp2"],
+                   help="the reference Megatron-layout trainer, or a transformers model under FSDP2 fully_shard")
     p.add_argument("--trainer-dp", type=int, default=1)
     p.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE models)")
     p.add_argument("--trainer-etp", type=int, default=None, help="expert tensor parallel (default: trainer TP)")

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from shardsync.demo import report
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
-from shardsync.layout import MegatronParallel
+from shardsync.layout import Fsdp2Parallel, MegatronParallel
 from shardsync.transport.group import free_port
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class DemoConfig:
     trainer_pp_layers: tuple[int, ...] | None = None  # uneven pipeline stages
     engine_tp: tuple[int, ...] = (2,)
     engine_ep: int = 1
+    trainer_kind: str = "megatron"  # or "fsdp2": trainer_dp ranks fully_shard a transformers model
     steps: int = 5
     mode: str = "both"
     bucket_mb: float = 1.0
@@ -58,11 +59,17 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.engine not in ("reference", "vllm"):
             raise ValueError(f"engine must be reference or vllm, got {self.engine!r}")
+        if self.trainer_kind not in ("megatron", "fsdp2"):
+            raise ValueError(f"trainer must be megatron or fsdp2, got {self.trainer_kind!r}")
+        if self.trainer_kind == "fsdp2" and (self.device != "cpu" or self.trainer_tp > 1 or self.trainer_pp > 1):
+            raise ValueError("--trainer fsdp2 runs on CPU with --trainer-dp ranks only (no --trainer-tp/--trainer-pp)")
         if self.engine == "vllm" and (self.device != "cpu" or self.ipc):
             raise ValueError("--engine vllm runs vLLM's CPU build here: no --device cuda or --ipc")
 
     @property
-    def trainer(self) -> MegatronParallel:
+    def trainer(self) -> MegatronParallel | Fsdp2Parallel:
+        if self.trainer_kind == "fsdp2":
+            return Fsdp2Parallel(shard=self.trainer_dp, dtype="float32")
         return MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp, dp=self.trainer_dp, ep=self.trainer_ep,
                                 etp=self.trainer_etp, pp_layers=self.trainer_pp_layers, dtype="float32")
 
@@ -175,8 +182,12 @@ def run_demo(cfg: DemoConfig) -> int:
         for p in procs:
             p.start()
         t = cfg.trainer
-        experts = f" EP{t.ep} ETP{t.expert_tp}" if cfg.trainer_ep > 1 or cfg.trainer_etp else ""
-        print(f"shardsync demo: {cfg.model}, trainer TP{t.tp} PP{t.pp} DP{t.dp}{experts} -> "
+        if t.kind == "fsdp2":
+            desc = f"FSDP2 shard {t.shard}"
+        else:
+            experts = f" EP{t.ep} ETP{t.expert_tp}" if cfg.trainer_ep > 1 or cfg.trainer_etp else ""
+            desc = f"TP{t.tp} PP{t.pp} DP{t.dp}{experts}"
+        print(f"shardsync demo: {cfg.model}, trainer {desc} -> "
               f"{'vLLM' if cfg.engine == 'vllm' else 'engines'} TP {list(cfg.engine_tp)}"
               f"{f' EP{cfg.engine_ep}' if cfg.engine_ep > 1 else ''}, {cfg.steps} GRPO steps, modes {cfg.modes}")
         modes: list[str] = cfg.modes

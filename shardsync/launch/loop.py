@@ -106,8 +106,8 @@ def engine_logprobs(url: str, seqs: list[list[int]], cfg: DemoConfig) -> torch.T
 
 def _dp_rows(n: int, par, rank: int) -> slice:
     """The rollouts DP replica ``rank``'s belongs to trains on (contiguous, near-equal)."""
-    d = par.coords(rank)[1]
-    return slice(d * n // par.dp, (d + 1) * n // par.dp)
+    d, size = par.data_rank(rank)
+    return slice(d * n // size, (d + 1) * n // size)
 
 
 def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> Iterator[StepResult]:
@@ -138,13 +138,19 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     sync = None
     try:
         spec, source = initial_weights(cfg)
-        groups = megatron_groups(par, timeout_s=cfg.timeout_s, moe=spec.is_moe)
         device = torch.device(rank_device(cfg.device, rank))
-        model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
-                             expert_dp_group=groups.expert_dp, source=source, optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s,
-                             device=device)
-        # detached views: the same storage, read in place, never part of an autograd graph
-        params = {n: p.detach() for n, p in model.named_parameters()}
+        if par.kind == "fsdp2":  # a real transformers model under fully_shard; the sync reads its shards
+            from shardsync.models.fsdp2_trainer import Fsdp2Trainer
+
+            model = Fsdp2Trainer(spec, par, source, optim=OptimConfig(lr=cfg.learning_rate))
+            params = model.local_shards()
+        else:
+            groups = megatron_groups(par, timeout_s=cfg.timeout_s, moe=spec.is_moe)
+            model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
+                                 expert_dp_group=groups.expert_dp, source=source,
+                                 optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s, device=device)
+            # detached views: the same storage, read in place, never part of an autograd graph
+            params = {n: p.detach() for n, p in model.named_parameters()}
         sync = WeightSync(spec, par, rank, params, list(where.engines),
                           SyncConfig(mode="auto" if cfg.mode in ("both", "delta") else cfg.mode,
                                      transport=TransportConfig(bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,

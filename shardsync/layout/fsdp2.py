@@ -41,6 +41,10 @@ class Fsdp2Parallel:
         lo = min(shard_rank * c, n)
         return lo, min(c, n - lo)
 
+    def data_rank(self, rank: int) -> tuple[int, int]:
+        """Every rank trains on its own rows (FSDP2 averages the gradients over all of them)."""
+        return rank, self.world_size
+
     def broadcast_members(self, spec: ModelSpec, stage: int) -> list[int]:
         """Replicate group 0 holds each element once; its first rank is the source."""
         return list(range(self.shard))

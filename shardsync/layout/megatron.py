@@ -64,6 +64,10 @@ class MegatronParallel:
         """ETP x EP x EDP x PP = world (the expert ranks subdivide each stage's TP x DP)."""
         return self.tp * self.dp // (self.expert_tp * self.ep)
 
+    def data_rank(self, rank: int) -> tuple[int, int]:
+        """(DP replica, DP size): which share of a batch ``rank`` trains on."""
+        return self.coords(rank)[1], self.dp
+
     def broadcast_members(self, spec: ModelSpec, stage: int) -> list[int]:
         """A stage's broadcast members, its source first: the ranks that together hold each of
         the stage's tensors, DP replica 0's TP ranks and, for experts, expert-DP replica 0's."""
