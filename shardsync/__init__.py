@@ -22,7 +22,8 @@ _NAMES = {
     "Mode": "shardsync.mode", "Stats": "shardsync.runtime.stats",
     # metadata: models, layouts, plans
     "PRESETS": "shardsync.spec", "ModelSpec": "shardsync.spec", "load_spec": "shardsync.spec",
-    "EngineParallel": "shardsync.layout", "MegatronParallel": "shardsync.layout",
+    "EngineParallel": "shardsync.layout", "MegatronParallel": "shardsync.layout", "Fsdp2Parallel": "shardsync.layout",
+    "fsdp2_parallel": "shardsync.fsdp2", "local_shards": "shardsync.fsdp2",
     "engine_layout": "shardsync.layout", "full_layout": "shardsync.layout", "megatron_layout": "shardsync.layout",
     "Plan": "shardsync.plan", "PlanError": "shardsync.plan", "build_plan": "shardsync.plan",
     "make_buckets": "shardsync.plan", "Topology": "shardsync.topology",
