@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardsync.config import SyncConfig, TransportConfig
+from shardsync.config import DeltaConfig, SyncConfig, TransportConfig
 from shardsync.fsdp2 import fsdp2_parallel, local_shards
 from shardsync.layout import Fsdp2Parallel, fsdp2_layout
 from shardsync.models.weights import random_source
@@ -106,11 +106,13 @@ def _sync(rank: int, world: int, port: int, url: str, mode: str, out) -> None:
         model = _fsdp2_model(spec, (world,))
         par = fsdp2_parallel(model, dtype="float32")
         shards = local_shards(model)
+        delta = DeltaConfig(transport="p2p") if mode == "delta" else None
         sync = WeightSync(spec, par, rank, shards, [url],
-                          SyncConfig(mode=mode, transport=TransportConfig(bucket_mb=0.05, timeout_s=30)),
+                          SyncConfig(mode="auto" if delta else mode, delta=delta,
+                                     transport=TransportConfig(bucket_mb=0.05, timeout_s=30)),
                           trainer_group=dist.group.WORLD)
         sync.connect()
-        res = {"mode": sync.mode, "verify": [], "score_diff": None}
+        res = {"mode": sync.mode.value, "verify": [], "score_diff": None}
         rec = sync.update(1)
         res["verify"].append(sync.verify())
         # one AdamW step on the FSDP2 model (in place on the local shards), then sync it
@@ -121,7 +123,7 @@ def _sync(rank: int, world: int, port: int, url: str, mode: str, out) -> None:
         opt.step()
         res["same_storage"] = all(local_shards(model)[n].data_ptr() == t.data_ptr() for n, t in shards.items())
         rec = sync.update(2)
-        res["ok"] = rec.ok
+        res["ok"], res["second"] = rec.ok, rec.mode
         res["verify"].append(sync.verify())
         with torch.no_grad():
             mine = torch.log_softmax(model(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -135,15 +137,18 @@ def _sync(rank: int, world: int, port: int, url: str, mode: str, out) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["p2p", "broadcast"])
+@pytest.mark.parametrize("mode", ["p2p", "broadcast", "delta"])
 def test_sync_from_fsdp2_shards_is_bitwise(mode: str) -> None:
-    proc, url = start_engine("tiny-qwen3", 2, seed=99)  # other weights than the trainer's
+    # other weights than the trainer's; delta: a bf16 engine receives only the changed elements
+    proc, url = start_engine("tiny-qwen3", 2, seed=99, **({"dtype": "bfloat16"} if mode == "delta" else {}))
     try:
         got = run_world(_sync, 2, args=(2, free_port(), url, mode), timeout=180)
         for rank, res in got.items():
-            assert res["mode"] == mode and res["ok"]
+            assert res["ok"] and res["mode"] == ("p2p" if mode == "delta" else mode)
+            assert res["second"] == ("delta-p2p" if mode == "delta" else mode)
             assert res["verify"] == [[], []], (rank, res["verify"])
             assert res["same_storage"], "the optimizer step must update the shards the sync reads"
-        assert got[0]["score_diff"] is not None and got[0]["score_diff"] < 1e-4
+        # the engine scores like the FSDP2 model (bf16 engine: to bf16's precision)
+        assert got[0]["score_diff"] is not None and got[0]["score_diff"] < (5e-2 if mode == "delta" else 1e-4)
     finally:
         stop_engine(proc)
