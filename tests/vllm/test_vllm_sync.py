@@ -3,21 +3,24 @@ weight-transfer plug-in point: p2p, broadcast and a 1 % delta.  After every upda
 greedy tokens equal ``transformers`` on the trainer's weights and logprobs agree within
 1e-5 (float32); shardsync's checksums of what every worker holds equal the trainer's.  A
 trainer that dies mid-update leaves vLLM paused on its previous weights; a new connect and
-a full update bring it back."""
+a full update bring it back.  An FSDP2 trainer syncs its own shards into the same servers."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 import time
 
 import httpx
 import pytest
+import torch
 import torch.distributed as dist
 
 from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportConfig
 from shardsync.control.client import SyncError
 from shardsync.engines.vllm import serve
+from shardsync.fsdp2 import fsdp2_parallel, local_shards
 from shardsync.layout import MegatronParallel
 from shardsync.models.checkpoint import write_checkpoint
 from shardsync.models.weights import load_rank
@@ -190,3 +193,67 @@ def test_connect_signed_with_another_token_is_refused(vllm) -> None:
         sync.connect()
     sync.close()
     assert vllm["proc"].poll() is None
+
+
+# --- an FSDP2 trainer ---------------------------------------------------------------------------
+
+
+def _fsdp2(spec, source, world: int):
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(source(name))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp2_trainer(rank: int, world: int, port: int, url: str, model_dir: str, out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    spec = PRESETS[MODEL]
+    model = _fsdp2(spec, version_source(spec, 1), world)
+    sync = WeightSync(spec, fsdp2_parallel(model, dtype="float32"), rank, local_shards(model), [url],
+                      SyncConfig(control=ControlConfig(channel="vllm", token=TOKEN),
+                                 transport=TransportConfig(bucket_mb=0.5, timeout_s=60)),
+                      trainer_group=dist.group.WORLD)
+    sync.connect()
+    res = {"connected": sync.mode.value, "steps": []}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, spec.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    for version, mode in ((1, None), (2, "broadcast")):
+        if version == 2:  # one AdamW step on the FSDP2 model: its shards change in place
+            logits = model(ids).logits.float()
+            (-torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).mean()).backward()
+            opt.step()
+        rec = sync.update(version, mode=mode)
+        full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}  # the test's reference only
+        step = {"mode": rec.mode, "ok": rec.ok, "mismatched": sync.verify()}
+        if rank == 0:
+            step["diff"] = compare(vllm_generate(url, model_dir), hf_reference(spec, full.__getitem__))
+        res["steps"].append(step)
+        dist.barrier()
+    sync.close()
+    dist.destroy_process_group()
+    out.put((rank, res))
+
+
+def test_fsdp2_trainer_into_vllm(vllm) -> None:
+    """An FSDP2 trainer (real fully_shard on a transformers model, 2 ranks) syncs its own shards:
+    p2p, then an AdamW step and a broadcast; vLLM matches transformers on the trainer's weights."""
+    got = run_world(_fsdp2_trainer, 2, args=(2, free_port(), vllm["url"], vllm["model"]), timeout=400)
+    r0 = got[0]
+    assert r0["connected"] == "p2p"
+    assert [s["mode"] for s in r0["steps"]] == ["p2p", "broadcast"]
+    for rank, res in got.items():
+        for s in res["steps"]:
+            assert s["ok"] and s["mismatched"] == [], (rank, s)
+    for s in r0["steps"]:
+        assert s["diff"] is None, (s["mode"], s["diff"])
