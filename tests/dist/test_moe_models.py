@@ -24,6 +24,7 @@ from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megat
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import PRESETS, ModelSpec
+from tests.dist._compare import rel, to_hf
 from tests.dist._world import free_port, run_world
 
 SPECS = ("tiny-qwen3-moe", "tiny-glm4-moe")
@@ -64,19 +65,6 @@ TRAINER_CASES = [
 ENGINE_CASES = [(2, 1, SPECS), (2, 2, SPECS[:1]), (4, 2, SPECS), (4, 4, SPECS[:1])]  # (tp, ep, specs)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
-
-
-def _to_hf(layout: Layout, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    full: dict[str, torch.Tensor] = {}
-    for p in layout.ranks[rank].pieces:
-        t = full.setdefault(p.logical, torch.zeros(layout.logical[p.logical]))
-        t[region(p.offsets, p.sizes)] = tensors[p.local][region(p.local_offsets, p.sizes)]
-    return full
-
-
 def _inputs(spec: ModelSpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=g)
@@ -99,9 +87,9 @@ def _reference(spec: ModelSpec, inp: dict[str, torch.Tensor], dp: int) -> dict[s
         ids, loss_fn = _batch(inp, d, dp)
         losses.append(dp * model.forward_backward(ids, lambda lp, f=loss_fn: f(lp) / dp))
     model.finish_grad_sync()
-    grads = _to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
+    grads = to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
     norm = model.optimizer_step()
-    params = _to_hf(model.layout, 0, {n: p.detach() for n, p in model.named_parameters()})
+    params = to_hf(model.layout, 0, {n: p.detach() for n, p in model.named_parameters()})
     return {"logits": logits, "losses": losses, "grads": grads, "norm": norm, "params": params}
 
 
@@ -160,13 +148,13 @@ def test_trainer_matches_transformers(name: str, expert_names: str) -> None:
     loss_fn(logp).backward()
     want = _hf_grads(spec, hf)
     model = TrainerModel(spec, MegatronParallel(expert_names=expert_names), source=random_source(spec, SEED))
-    assert _rel(model.logits(ids), hf(ids).logits) <= RTOL
+    assert rel(model.logits(ids), hf(ids).logits) <= RTOL
     model.forward_backward(ids, loss_fn)
     model.finish_grad_sync()
-    got = _to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
+    got = to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
     # every parameter of transformers; a buffer there (GLM4-MoE's correction bias) has no gradient here
     assert set(want) <= set(got) and all(not got[n].any() for n in set(got) - set(want))
-    errs = {n: _rel(got[n], want[n]) for n in want if want[n].abs().max() > 0}
+    errs = {n: rel(got[n], want[n]) for n in want if want[n].abs().max() > 0}
     assert max(errs.values()) <= 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
     routed = [n for n in want if ".experts." in n and want[n].abs().max() > 0]
     assert len(routed) > spec.num_experts, "the batch routed tokens to too few experts to test"
@@ -178,7 +166,7 @@ def test_engine_matches_transformers(name: str) -> None:
     ids = _inputs(spec)["ids"]
     hf = _hf_model(spec)
     engine = EngineModel.from_source(spec, random_source(spec, SEED))
-    assert _rel(engine(ids), hf(ids).logits) <= RTOL
+    assert rel(engine(ids), hf(ids).logits) <= RTOL
 
 
 # --- the parallel worlds ----------------------------------------------------------------------
@@ -192,12 +180,12 @@ def _trainer_case(spec: ModelSpec, case: TrainerCase, groups, inp, refs) -> dict
         refs[spec.name, par.dp] = _reference(spec, inp, par.dp)
     ref = refs[spec.name, par.dp]
     _, dp_rank, _ = par.coords(rank)
-    out: dict[str, Any] = {"logits": _rel(model.logits(inp["ids"]), ref["logits"])}
+    out: dict[str, Any] = {"logits": rel(model.logits(inp["ids"]), ref["logits"])}
     ids, loss_fn = _batch(inp, dp_rank, par.dp)
     out["loss"] = abs(model.forward_backward(ids, loss_fn) - ref["losses"][dp_rank])
     model.finish_grad_sync()
     want = load_rank(model.layout, rank, ref["grads"].__getitem__)
-    out["grads"] = {n: _rel(p.grad, want[n]) for n, p in model.named_parameters() if want[n].abs().max() > 0}
+    out["grads"] = {n: rel(p.grad, want[n]) for n, p in model.named_parameters() if want[n].abs().max() > 0}
     out["norm"] = abs(model.optimizer_step() - ref["norm"]) / ref["norm"]
     want = load_rank(model.layout, rank, ref["params"].__getitem__)
     out["step"] = max(float((p.detach() - want[n]).abs().max()) for n, p in model.named_parameters())
@@ -222,7 +210,7 @@ def _world(rank: int, world: int, port: int, out) -> None:
                 if rank < tp:
                     spec = PRESETS[name]
                     engine = EngineModel.from_source(spec, random_source(spec, SEED), rank, tp, group, ep=ep)
-                    results[f"engine-tp{tp}-ep{ep}", name] = {"logits": _rel(engine(inputs[name]["ids"]), wants[name])}
+                    results[f"engine-tp{tp}-ep{ep}", name] = {"logits": rel(engine(inputs[name]["ids"]), wants[name])}
         out.put((rank, results))
     finally:
         dist.destroy_process_group()
@@ -280,9 +268,9 @@ def _idle_rank_world(rank: int, world: int, port: int, out) -> None:
         ref = TrainerModel(spec, MegatronParallel(), source=_biased(spec))
         ref.forward_backward(ids, loss_fn)
         ref.finish_grad_sync()
-        want = load_rank(model.layout, rank, _to_hf(ref.layout, 0, {n: p.grad for n, p in ref.named_parameters()}).__getitem__)
+        want = load_rank(model.layout, rank, to_hf(ref.layout, 0, {n: p.grad for n, p in ref.named_parameters()}).__getitem__)
         idle = [n for n, p in model.named_parameters() if ".experts." in n and not p.grad.any()]
-        out.put((rank, {"idle": len(idle), "err": max(_rel(p.grad, want[n]) for n, p in model.named_parameters()
+        out.put((rank, {"idle": len(idle), "err": max(rel(p.grad, want[n]) for n, p in model.named_parameters()
                                                       if want[n].abs().max() > 0)}))
     finally:
         dist.destroy_process_group()
@@ -302,5 +290,5 @@ def test_bf16_trainer_stays_in_bf16(name: str) -> None:
     ids, loss_fn = _batch(inp, 0, 1)
     fp32 = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED))
     bf16 = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED), compute_dtype=torch.bfloat16)
-    assert _rel(bf16.logits(ids), fp32.logits(ids)) <= 5e-2
+    assert rel(bf16.logits(ids), fp32.logits(ids)) <= 5e-2
     assert abs(bf16.forward_backward(ids, loss_fn) - fp32.forward_backward(ids, loss_fn)) <= 5e-2

@@ -23,6 +23,7 @@ from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megat
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import PRESETS, ModelSpec
+from tests.dist._compare import rel, to_hf
 from tests.dist._world import free_port, run_world
 
 SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-glm4")
@@ -69,19 +70,6 @@ PHASES = [
 CASES = [c for phase in PHASES for c in phase]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
-
-
-def _to_hf(layout: Layout, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Place one rank's local tensors into full HF-shaped tensors (what its pieces cover)."""
-    full: dict[str, torch.Tensor] = {}
-    for p in layout.ranks[rank].pieces:
-        t = full.setdefault(p.logical, torch.zeros(layout.logical[p.logical]))
-        t[region(p.offsets, p.sizes)] = tensors[p.local][region(p.local_offsets, p.sizes)]
-    return full
-
-
 def _batch(grpo: dict[str, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.Tensor, Callable]:
     """DP replica ``dp_rank``'s rows and its GRPO loss."""
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
@@ -98,9 +86,9 @@ def _reference(spec: ModelSpec, grpo: dict[str, torch.Tensor], dp: int = 1) -> d
         ids, loss_fn = _batch(grpo, d, dp)
         losses.append(dp * model.forward_backward(ids, lambda lp, f=loss_fn: f(lp) / dp))
     model.finish_grad_sync()
-    grads = _to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
+    grads = to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
     norm = model.optimizer_step()
-    params = _to_hf(model.layout, 0, {n: p.detach() for n, p in model.named_parameters()})
+    params = to_hf(model.layout, 0, {n: p.detach() for n, p in model.named_parameters()})
     return {"losses": losses, "grads": grads, "norm": norm, "params": params, "model": model}
 
 
@@ -141,7 +129,7 @@ def _run_case(case: Case, name: str, rank: int, groups: Any, grpo: dict[str, tor
         want_params = load_rank(model.layout, rank, ref["params"].__getitem__)
         out["loss_ref"] = ref["losses"][dp_rank]
         out["norm_ref"] = ref["norm"]
-        out["grad_err"] = {n: _rel(grads[n], want_grads[n]) for n in grads}
+        out["grad_err"] = {n: rel(grads[n], want_grads[n]) for n in grads}
         out["step_err"] = {n: float((after[n] - want_params[n]).abs().max()) for n in after}
     return out
 
@@ -251,13 +239,13 @@ def test_tp1_matches_transformers(hf_ref):
         ref = _reference(spec, want["grpo"])
         model: TrainerModel = ref["model"]
         fresh = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED))
-        assert _rel(fresh.logits(want["grpo"]["ids"]), want["logits"]) <= RTOL, name
-        assert _rel(fresh.policy_logprobs(want["grpo"]["ids"]), want["logprobs"]) <= RTOL, name
+        assert rel(fresh.logits(want["grpo"]["ids"]), want["logits"]) <= RTOL, name
+        assert rel(fresh.policy_logprobs(want["grpo"]["ids"]), want["logprobs"]) <= RTOL, name
         assert ref["losses"][0] == pytest.approx(want["loss"], rel=1e-6), name
         assert ref["norm"] == pytest.approx(want["norm"], rel=1e-6), name
         assert ref["grads"].keys() == want["grads"].keys()
         for key, grad in want["grads"].items():
-            assert _rel(ref["grads"][key], grad) <= RTOL, (name, key)
+            assert rel(ref["grads"][key], grad) <= RTOL, (name, key)
             assert (ref["params"][key] - want["params"][key]).abs().max() <= STEP_ATOL, (name, key)
         assert [n for n, _ in model.named_parameters()] == [
             t.name for t in megatron_layout(spec, MegatronParallel()).ranks[0].tensors]
@@ -275,8 +263,8 @@ def test_parameters_are_the_megatron_layout(world):
 def test_logits_and_logprobs_match_transformers(world, hf_ref):
     for case, name, rank, res in _fp32_results(world):
         where = (case.label, name, rank)
-        assert _rel(res["logits"], hf_ref[name]["logits"]) <= RTOL, where
-        assert _rel(res["logprobs"], hf_ref[name]["logprobs"]) <= RTOL, where
+        assert rel(res["logits"], hf_ref[name]["logits"]) <= RTOL, where
+        assert rel(res["logprobs"], hf_ref[name]["logprobs"]) <= RTOL, where
 
 
 def test_loss_gradients_and_norm_match_tp1(world):
@@ -338,7 +326,7 @@ def test_bf16_compute_close_to_transformers_bf16(world, hf_ref):
         expected = _hf_model(PRESETS[name], torch.bfloat16)(hf_ref[name]["grpo"]["ids"]).logits
     for _, res in _results(world, case, name):
         assert all(dtype == torch.float32 for _, _, dtype in res["params"])  # master weights
-        assert _rel(res["logits"], expected.float()) <= 2e-2
+        assert rel(res["logits"], expected.float()) <= 2e-2
         assert torch.isfinite(torch.tensor(res["loss"])) and res["grad_norm"] > 0
         assert all(res["changed"].values())
 

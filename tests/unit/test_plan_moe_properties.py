@@ -50,6 +50,7 @@ from tests.unit.reference_rules import (
 from tests.unit.test_plan_properties import (
     MEGATRON_PAD,
     assert_shards_equal,
+    check_gather,
     check_plan_covers,
     pick_tp,
 )
@@ -576,23 +577,7 @@ def test_broadcast_composition_matches_reference(case: MoECase) -> None:
     full = synthetic_full(spec)
     sources = trainer_ref(case, full, pad_value=MEGATRON_PAD)
 
-    gathered = execute_local(topo.gather_plan, sources)
-    assert len(gathered) == t.pp
-    bounds = [0]
-    for n in t.pp_layers or [spec.num_layers // t.pp] * t.pp:
-        bounds.append(bounds[-1] + n)
-
-    def owner(name: str) -> int:
-        if name == "model.embed_tokens.weight":
-            return 0
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            return next(s for s in range(t.pp) if bounds[s] <= layer < bounds[s + 1])
-        return t.pp - 1
-
-    want_gathered = [{n: x for n, x in full.items() if owner(n) == s} for s in range(t.pp)]
-    assert_shards_equal(gathered, want_gathered, full, "gather")
-    check_plan_covers(topo.gather_plan, sources, want_gathered, full)
+    gathered = check_gather(topo, sources, full)
     etp = t.expert_tp
     for c in topo.gather_plan.copies:
         stage, dp_rank, within = c.src // (t.tp * t.dp), (c.src // t.tp) % t.dp, c.src % (t.tp * t.dp)

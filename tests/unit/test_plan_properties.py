@@ -386,6 +386,29 @@ def test_megatron_to_engines_p2p_matches_reference(case: Case) -> None:
 # 4. Broadcast path: gather per stage, broadcast full tensors, narrow on every engine rank
 # ---------------------------------------------------------------------------------------
 
+def check_gather(topo, sources: Shards, full: dict[str, torch.Tensor]) -> Shards:
+    """Broadcast step 1 run locally: one source per stage holding exactly what that stage owns."""
+    spec, t = topo.spec, topo.trainer
+    gathered = execute_local(topo.gather_plan, sources)
+    assert len(gathered) == t.pp
+    bounds = [0]
+    for n in t.pp_layers or [spec.num_layers // t.pp] * t.pp:
+        bounds.append(bounds[-1] + n)
+
+    def owner(name: str) -> int:
+        if name == "model.embed_tokens.weight":
+            return 0
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            return next(s for s in range(t.pp) if bounds[s] <= layer < bounds[s + 1])
+        return t.pp - 1
+
+    want = [{n: x for n, x in full.items() if owner(n) == s} for s in range(t.pp)]
+    assert_shards_equal(gathered, want, full, "gather")
+    check_plan_covers(topo.gather_plan, sources, want, full)
+    return gathered
+
+
 @PROPS
 @given(cases())
 @example(CASE_B)
@@ -400,23 +423,7 @@ def test_broadcast_composition_matches_reference(case: Case) -> None:
 
     # Step 1: one source per stage, holding exactly what that stage owns, from DP replica 0.
     gather = topo.gather_plan
-    gathered = execute_local(gather, sources)
-    assert len(gathered) == t.pp
-    bounds = [0]
-    for n in t.pp_layers or [spec.num_layers // t.pp] * t.pp:
-        bounds.append(bounds[-1] + n)
-
-    def owner(name: str) -> int:
-        if name == "model.embed_tokens.weight":
-            return 0
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            return next(s for s in range(t.pp) if bounds[s] <= layer < bounds[s + 1])
-        return t.pp - 1
-
-    want_gathered = [{n: x for n, x in full.items() if owner(n) == s} for s in range(t.pp)]
-    assert_shards_equal(gathered, want_gathered, full, "gather")
-    check_plan_covers(gather, sources, want_gathered, full)
+    gathered = check_gather(topo, sources, full)
     for c in gather.copies:
         pp_rank, dp_rank, _ = t.coords(c.src)
         assert dp_rank == 0 and pp_rank == c.dst, f"gather copy leaves its stage / DP replica 0: {c}"
