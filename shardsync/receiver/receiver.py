@@ -47,15 +47,20 @@ class Receiver:
                                     EngineParallel(tp=tp_size, ep=ep, dtype=self.dtype_name, whole=whole))
         self.rank_layout = self.layout.ranks[tp_rank]
         self._meta = {t.name: t for t in self.rank_layout.tensors}
+        self._views: tuple[object, dict[str, torch.Tensor]] | None = None
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
         self._disk = DiskApply(self.rank_layout)
         self.sync_rank: int | None = None
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        """The destination's tensors as the views the layout addresses (3-D expert stacks as 2-D)."""
-        meta = self._meta
-        return {n: addressed(t, meta[n]) if n in meta else t for n, t in self.destination.tensors().items()}
+        """The destination's tensors as the views the layout addresses (3-D expert stacks as 2-D);
+        built once per destination mapping, not once per update."""
+        src = self.destination.tensors()
+        if self._views is None or self._views[0] is not src:
+            meta = self._meta
+            self._views = (src, {n: addressed(t, meta[n]) if n in meta else t for n, t in src.items()})
+        return self._views[1]
 
     @property
     def connected(self) -> bool:

@@ -24,7 +24,7 @@ from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megat
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import PRESETS, ModelSpec
-from tests.dist._compare import rel, to_hf
+from tests.dist._compare import rel, to_hf, tp1_reference
 from tests.dist._world import free_port, run_world
 
 SPECS = ("tiny-qwen3-moe", "tiny-glm4-moe")
@@ -79,18 +79,7 @@ def _batch(inp: dict[str, torch.Tensor], dp_rank: int, dp: int):
 
 
 def _reference(spec: ModelSpec, inp: dict[str, torch.Tensor], dp: int) -> dict[str, Any]:
-    """The TP 1 trainer doing what a DP ``dp`` world does (mean of the replicas' losses)."""
-    model = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED), optim=OPTIM)
-    logits = model.logits(inp["ids"])
-    losses = []
-    for d in range(dp):
-        ids, loss_fn = _batch(inp, d, dp)
-        losses.append(dp * model.forward_backward(ids, lambda lp, f=loss_fn: f(lp) / dp))
-    model.finish_grad_sync()
-    grads = to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
-    norm = model.optimizer_step()
-    params = to_hf(model.layout, 0, {n: p.detach() for n, p in model.named_parameters()})
-    return {"logits": logits, "losses": losses, "grads": grads, "norm": norm, "params": params}
+    return tp1_reference(spec, lambda d, n: _batch(inp, d, n), dp, seed=SEED, optim=OPTIM)
 
 
 # --- transformers (in process) ----------------------------------------------------------------

@@ -23,7 +23,7 @@ from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megat
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import PRESETS, ModelSpec
-from tests.dist._compare import rel, to_hf
+from tests.dist._compare import rel, to_hf, tp1_reference
 from tests.dist._world import free_port, run_world
 
 SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-glm4")
@@ -80,16 +80,7 @@ def _batch(grpo: dict[str, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.
 
 def _reference(spec: ModelSpec, grpo: dict[str, torch.Tensor], dp: int = 1) -> dict[str, Any]:
     """TP 1 / PP 1 trainer doing what a DP ``dp`` world does: mean of the replicas' losses."""
-    model = TrainerModel(spec, MegatronParallel(), source=random_source(spec, SEED), optim=OPTIM)
-    losses = []
-    for d in range(dp):
-        ids, loss_fn = _batch(grpo, d, dp)
-        losses.append(dp * model.forward_backward(ids, lambda lp, f=loss_fn: f(lp) / dp))
-    model.finish_grad_sync()
-    grads = to_hf(model.layout, 0, {n: p.grad for n, p in model.named_parameters()})
-    norm = model.optimizer_step()
-    params = to_hf(model.layout, 0, {n: p.detach() for n, p in model.named_parameters()})
-    return {"losses": losses, "grads": grads, "norm": norm, "params": params, "model": model}
+    return tp1_reference(spec, lambda d, n: _batch(grpo, d, n), dp, seed=SEED, optim=OPTIM)
 
 
 # --- what every rank of the world computes ---------------------------------------------------
