@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 MODES = ("auto", "p2p", "broadcast")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
 IPC_KINDS = ("map", "slots")
-CHANNELS = ("store", "http", "vllm")
+CHANNELS = ("store", "http", "vllm", "sglang")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +64,8 @@ class ColocatedConfig:
 class ControlConfig:
     """Where each update's begin/finish go: ``store`` (keys in the sync group's store, ~0.2 ms)
     or ``http`` (two POSTs per engine, ~1.5 ms each).  Connect and verify use HTTP.
-    ``vllm``: the engines are vLLM servers, driven through vLLM's own weight-transfer
-    endpoints (``control.vllm``)."""
+    ``vllm`` / ``sglang``: the engines are vLLM / SGLang servers, driven through their own
+    endpoints (``control.vllm``, ``control.sglang``)."""
 
     channel: str = "store"
     http_timeout_s: float = 60.0

@@ -22,7 +22,9 @@ from shardsync.config import SyncConfig
 from shardsync.control import ranks
 from shardsync.control.auth import load_token
 from shardsync.control.client import Engines, HttpChannel, StoreChannel, SyncError, UpdateChannel
-from shardsync.control.vllm import LAYOUT_MISMATCH, VllmEngines
+from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines
+from shardsync.control.sglang import SglangEngines
+from shardsync.control.vllm import VllmEngines
 from shardsync.control.wire import (
     BeginRequest,
     Decision,
@@ -57,6 +59,10 @@ from shardsync.transport.group import free_port, open_store
 log = logging.getLogger("shardsync")
 
 __all__ = ["SyncConfig", "SyncError", "WeightSync"]
+
+# control channels whose engines host the receiver behind their own endpoints (answers
+# through the sync group's store)
+HOSTED: dict[str, type[HostedEngines]] = {"vllm": VllmEngines, "sglang": SglangEngines}
 
 
 def _error(e: BaseException) -> str:
@@ -102,11 +108,12 @@ class WeightSync:
 
     # -- helpers --
 
-    def _client(self) -> Engines | VllmEngines:
+    def _client(self) -> Engines | HostedEngines:
         ctl = self.config.control
-        if ctl.channel == "vllm":
-            return VllmEngines(self.urls, ctl.http_timeout_s, self._secret,
-                               update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s)
+        hosted = HOSTED.get(ctl.channel)
+        if hosted is not None:
+            return hosted(self.urls, ctl.http_timeout_s, self._secret,
+                          update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s)
         return Engines(self.urls, ctl.http_timeout_s, self._secret)
 
     @property
@@ -140,6 +147,13 @@ class WeightSync:
             raise SyncError(f"connect failed on trainer rank 0: {decision.error}")
         dtype = decision.dtype
         layout_reason = None
+        rdv = Rendezvous(cfg.transport.host, decision.port, self.parallel.world_size + sum(decision.tps),
+                         decision.name, cfg.transport.backend, cfg.transport.timeout_s)
+        store, self._keys = None, Keys(rdv.name)
+        if self.rank == 0:  # hosted engines answer through the store from their first check on
+            store = open_store(rdv, is_master=True)
+            if isinstance(self._engines, HostedEngines):
+                self._engines.bind(store, self._keys)
         for whole in (False, True):  # whole: the engines' own loaders shard whole tensors
             topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
                             tuple(EngineParallel(tp=t, ep=ep, dtype=dtype, whole=whole)
@@ -154,10 +168,8 @@ class WeightSync:
                 raise SyncError(f"colocated IPC needs the p2p path, but {self.fallback_reason}")
             self.modes = connection_modes(self.mode, cfg.delta.transport if cfg.delta else None)
             fingerprints = {m.value: topo.fingerprint(m.value) for m in self.modes if not m.is_delta}
-            rdv = Rendezvous(cfg.transport.host, decision.port, topo.trainer.world_size + topo.num_engine_ranks,
-                             decision.name, cfg.transport.backend, cfg.transport.timeout_s)
 
-            def offer(topo=topo, fingerprints=fingerprints, rdv=rdv) -> Note:
+            def offer(topo=topo, fingerprints=fingerprints) -> Note:
                 self._engines.connect([connect_request(topo, i, fingerprints, rdv,
                                                        bucket_bytes=cfg.transport.bucket_bytes,
                                                        credits=cfg.transport.credits, ipc=cfg.ipc,
@@ -177,10 +189,8 @@ class WeightSync:
         self.topo = topo
         if cfg.delta is not None and self._snapshot is None:
             self._snapshot = Snapshot(self.params, getattr(torch, topo.wire_dtype), pin=cfg.delta.pin_memory)
-        store = open_store(rdv, is_master=self.rank == 0)
-        self._keys = Keys(rdv.name)
-        if self.rank == 0 and cfg.control.channel == "vllm":
-            self._engines.bind(store, self._keys)  # vLLM's workers answer through the store
+        if self.rank != 0:
+            store = open_store(rdv, is_master=False)
         if self.rank == 0:
             with ThreadPoolExecutor(1) as pool:
                 joined = pool.submit(self._engines.join)
@@ -189,7 +199,7 @@ class WeightSync:
         else:
             self._join(topo, rdv, store)
         if self.rank == 0:
-            if cfg.control.channel == "vllm":
+            if isinstance(self._engines, HostedEngines):
                 self._channel = self._engines.channel()
             elif cfg.control.channel == "store":
                 self._channel = StoreChannel(store, self._keys, self.urls, cfg.control.http_timeout_s, self._secret)

@@ -71,7 +71,7 @@ class ConnectRequest(Msg):
     relay: bool = False
     ipc: Literal[False, "map", "slots"] = False
     verify: bool = False  # every sync-group message followed by its digest (both sides must agree)
-    control: Literal["http", "store", "vllm"] = "http"  # where begin/finish arrive (vllm: its own endpoints)
+    control: Literal["http", "store", "vllm", "sglang"] = "http"  # where begin/finish arrive (engines: their own)
     rendezvous: RendezvousMsg
 
 

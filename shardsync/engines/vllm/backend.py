@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,15 +26,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from shardsync.control import auth
-from shardsync.control.report import rank_report
-from shardsync.control.vllm import ENV_LAYOUT, LAYOUT_MISMATCH, MAC_KEY, UPDATE_FAILED, connect_body
-from shardsync.control.wire import ConnectRequest, Joined, Keys, RankReport, RankSums, put
+from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY
 from shardsync.engines.vllm import params
-from shardsync.mode import Mode
-from shardsync.paths import UpdateArgs
 from shardsync.plan.local import region
-from shardsync.receiver import Loader, Params, Receiver, Slice, check_connect
-from shardsync.runtime.stats import Stats
+from shardsync.receiver import Loader, Params, Receiver, Slice
+from shardsync.receiver.hosted import Call, HostedRank
 from shardsync.spec import spec_from_config
 
 log = logging.getLogger(__name__)
@@ -128,15 +123,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.secret = auth.load_token()
         self.dtype = self.model_config.dtype
-        self.receiver: Receiver | None = None  # the connected one
         self._receivers: dict[bool, Receiver] = {}  # by whole
         self.problem: str | None = None  # why this worker cannot receive at all
-        self.layout_reason: str | None = None
-        self.keys: Keys | None = None
-        self.fingerprints: dict[str, str] = {}
-        self.engine_index = 0
-        self.version: int | None = None  # last version applied through shardsync
-        self.stale = False  # staging no longer holds ``version`` (a delta cannot apply)
+        self.host: HostedRank | None = None
         self.session_open = False  # mirrors vLLM's "weight update active" flag of this worker
         try:
             self._build()
@@ -152,11 +141,14 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                              "syncs unquantized weights")
         self.spec = spec_from_config(self.model_config.hf_config.to_dict(), name=str(self.model_config.model))
         probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), dtype=self.dtype, device=self.device)
-        self.kind, self.layout_reason = params.choose(probe.rank_layout, self.model, self.dtype)
+        self.kind, layout_reason = params.choose(probe.rank_layout, self.model, self.dtype)
         if os.environ.get(ENV_LAYOUT) == "whole":
-            self.kind, self.layout_reason = "loader", f"{ENV_LAYOUT}=whole in vLLM's environment"
+            self.kind, layout_reason = "loader", f"{ENV_LAYOUT}=whole in vLLM's environment"
         log.info("shardsync: vLLM tp%d/%d receives into %s%s", self.tp_rank, self.tp_size, self.kind,
-                 f" (whole tensors only: {self.layout_reason})" if self.layout_reason else "")
+                 f" (whole tensors only: {layout_reason})" if layout_reason else "")
+        self.host = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
+                               mac_key=MAC_KEY, engine="vLLM", layout_reason=layout_reason,
+                               dtype_name=str(self.dtype).removeprefix("torch."))
 
     def _receiver(self, whole: bool) -> Receiver:
         """This worker's receiver for engine-layout shards or for whole tensors (built once)."""
@@ -207,85 +199,33 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     def _init(self, init_info: ShardsyncInitInfo) -> None:
         if self.problem:
             raise ValueError(f"shardsync: {self.problem}")
-        if self.secret is not None:
-            if not init_info.mac or not auth.verify_mac(self.secret, MAC_KEY, connect_body(init_info.connect),
-                                                        init_info.mac):
-                raise PermissionError("shardsync: connect not signed with this engine's token; refused")
-        req = ConnectRequest.model_validate(init_info.connect)
-        if self.secret is None and not auth.is_loopback(req.rendezvous.host):
-            raise PermissionError(f"shardsync: rendezvous at {req.rendezvous.host} is not loopback and this "
-                                  f"engine has no token (${auth.ENV_TOKEN}); refused")
-        whole = bool(req.whole) and req.engine_index < len(req.whole) and req.whole[req.engine_index]
-        if self.layout_reason and not whole:
-            raise ValueError(f"shardsync: {LAYOUT_MISMATCH}: {self.layout_reason}")
-        rx = self._receiver(whole)
-        fingerprints = check_connect(req, self.spec, self.tp_size, str(self.dtype).removeprefix("torch."))
-        if not init_info.join:
-            return
-        if self.receiver is not None and self.receiver is not rx:
-            self.receiver.leave()
-        rx.join(req)
-        self.receiver, self.fingerprints = rx, fingerprints
-        self.keys, self.engine_index = Keys(req.rendezvous.name), req.engine_index
-        self.stale = True  # the first update of a connection is a full one
-        # a session a gone trainer left open: the new one closes it before its first update
-        put(rx.group.store, self.keys.rank_joined(self.engine_index, self.tp_rank),
-            Joined(session_open=self.session_open), self.secret)
+        if init_info.join:
+            # a session a gone trainer left open: the new one closes it before its first update
+            self.host.join(init_info.connect, init_info.mac, session_open=self.session_open)
+        else:
+            self.host.check(init_info.connect, init_info.mac)
 
     # -- update --
 
     # The update lifecycle never raises into vLLM: vLLM keeps a per-worker "update active"
     # flag that an exception resets on that worker alone, and an exception on one worker
     # desynchronizes the answers of every later call (``_agree``).  Failures travel as
-    # ``RankReport(ok=False)`` through the sync group's store instead.
+    # ``RankReport(ok=False)`` through the sync group's store instead (``HostedRank``).
 
     def start_weight_update(self) -> None:
         self.session_open = True
 
     def receive_weights(self, update: ShardsyncUpdateInfo) -> None:
-        t0 = time.perf_counter()
-        rx = self.receiver
-        if rx is None or not rx.connected or self.keys is None:
-            log.warning("shardsync: tp%d: update %d without a connection; ignored (the trainer times out "
-                        "waiting for this rank's report)", self.tp_rank, update.version)
+        if self.host is None:
+            log.warning("shardsync: tp%d cannot receive (%s); update ignored", self.tp_rank, self.problem)
             return
-        store = rx.group.store
-        if update.op == "checksum":
-            put(store, self.keys.rank_checksums(update.seq, self.engine_index, self.tp_rank),
-                RankSums.of(rx.checksums()), self.secret)
-            return
-        key = self.keys.rank_result(update.seq, self.engine_index, self.tp_rank)
-        try:
-            report = rank_report(self._receive(rx, update), t0, rx.destination.name)
-        except Exception as e:
-            log.warning("shardsync: tp%d: update %d (%s) failed: %s", self.tp_rank, update.version, update.mode, e)
-            report = RankReport(ok=False, error=f"{UPDATE_FAILED}: version {update.version} on tp{self.tp_rank}: "
-                                                f"{e}; vLLM keeps its previous weights; reconnect and send a full update")
-        try:
-            put(store, key, report, self.secret)
-        except Exception as e:  # the trainer is gone: nobody to tell
-            log.warning("shardsync: tp%d: cannot report update %d: %s", self.tp_rank, update.version, e)
-
-    def _receive(self, rx: Receiver, update: ShardsyncUpdateInfo) -> Stats:
-        mode = Mode(update.mode)
-        if mode.is_delta and (self.stale or update.base_version != self.version):
-            raise ValueError(f"delta against version {update.base_version}, but this worker "
-                             f"{'is stale' if self.stale else f'holds {self.version}'}: send a full update")
-        if mode is not Mode.DELTA_DISK and self.fingerprints.get(mode.plan.value) != update.fingerprint:
-            raise ValueError(f"{mode} plan fingerprint differs from the connected one")
-        self.stale = True
-        if mode is Mode.DELTA_DISK:
-            stats = rx.pull(update.root, update.version, update.base_version)
-        else:
-            stats = rx.receive(mode, UpdateArgs(version=update.version, base_version=update.base_version))
-        self.version, self.stale = update.version, False
-        return stats
+        self.host.update(Call(seq=update.seq, version=update.version, mode=update.mode,
+                              fingerprint=update.fingerprint, base_version=update.base_version, root=update.root,
+                              op=update.op))
 
     def finish_weight_update(self) -> None:
         self.session_open = False
 
     def shutdown(self) -> None:
-        if self.receiver is not None:
-            self.receiver.leave()
-        self.keys = None
-
+        if self.host is not None:
+            self.host.leave()

@@ -10,13 +10,10 @@ reason is returned.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from shardsync.layout.piece import RankLayout
-
-Shapes = Mapping[str, tuple[int, ...]]
+from shardsync.receiver.match import layout_difference, live_difference
 
 
 def at_load_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -33,27 +30,9 @@ def at_load_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def layout_difference(rank: RankLayout, shapes: Shapes, dtypes: Mapping[str, torch.dtype],
-                      dtype: torch.dtype) -> str | None:
-    """Why ``shapes`` (name -> shape) is not ``rank``'s engine layout, or None when it is."""
-    mine = {t.name: tuple(t.shape) for t in rank.tensors}
-    missing, extra = sorted(set(mine) - set(shapes)), sorted(set(shapes) - set(mine))
-    if missing or extra:
-        return (f"parameter names differ: shardsync expects {missing[:3]} ({len(missing)} in all), "
-                f"vLLM has {extra[:3]} ({len(extra)} in all) that shardsync does not")
-    for name, shape in mine.items():
-        if shapes[name] != shape:
-            return f"{name}: vLLM holds shape {list(shapes[name])}, shardsync's engine layout {list(shape)}"
-        if dtypes[name] != dtype:
-            return f"{name}: vLLM holds {dtypes[name]}, the sync runs {dtype}"
-    return None
-
-
 def choose(rank: RankLayout, model: torch.nn.Module, dtype: torch.dtype) -> tuple[str, str | None]:
     """(``params`` | ``loader``, None) or (``loader``, the reason the layouts differ)."""
-    live = dict(model.named_parameters())
-    dtypes = {n: p.dtype for n, p in live.items()}
-    if layout_difference(rank, {n: tuple(p.shape) for n, p in live.items()}, dtypes, dtype) is None \
-            and all(type(p.data) is torch.Tensor and p.is_contiguous() for p in live.values()):
+    if live_difference(rank, model, dtype, "vLLM") is None:
         return "params", None
-    return "loader", layout_difference(rank, at_load_shapes(model), dtypes, dtype)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    return "loader", layout_difference(rank, at_load_shapes(model), dtypes, dtype, "vLLM")

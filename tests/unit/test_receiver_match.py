@@ -1,12 +1,12 @@
-"""The vLLM layout check (``engines.vllm.params``) without vLLM: shardsync's engine layout
+"""The engine layout check (``receiver.match``) without an engine: shardsync's engine layout
 against parameter tables shaped like vLLM's (live, repacked to ``[0]``, or different)."""
 
 from __future__ import annotations
 
 import torch
 
-from shardsync.engines.vllm.params import layout_difference
 from shardsync.layout import EngineParallel, engine_layout
+from shardsync.receiver.match import layout_difference
 from shardsync.spec import PRESETS
 
 

@@ -1,0 +1,186 @@
+"""The trainer's client of engines that host shardsync's receiver behind their own endpoints
+(vLLM, SGLang): their HTTP answers carry no results, so every engine rank writes its report
+into the sync group's store (``receiver.hosted``), signed, and rank 0 reads them there.
+
+An engine kind says how to open, feed and close one update session through its endpoints
+(``start``, ``send``, ``end``, ``close_session``); the reports, the success rule (every rank
+ok, else the engine stays paused on its previous version) and checksums are shared here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch.distributed as dist
+
+from shardsync.control.client import SyncError
+from shardsync.control.report import reduce_reports
+from shardsync.control.wire import (
+    BeginRequest,
+    ChecksumResponse,
+    ConnectRequest,
+    Joined,
+    Keys,
+    RankReport,
+    RankSums,
+    UpdateResult,
+    VersionResponse,
+    get,
+)
+from shardsync.mode import Mode
+from shardsync.runtime.checksum import combine
+
+UPDATE_FAILED = "shardsync update failed"  # how a rank's failed receive starts its error
+LAYOUT_MISMATCH = "parameters are not shardsync's engine layout"  # a refused connect says why
+
+
+def connect_body(connect: dict) -> str:
+    """The canonical JSON of a connect request, as signed and as checked."""
+    return json.dumps(connect, sort_keys=True, separators=(",", ":"))
+
+
+class HostedEngines:
+    """Trainer rank 0's client of every engine of one hosted kind (the surface of
+    ``control.Engines``).  Subclasses speak the engine's endpoints."""
+
+    kind = "hosted"
+    name = "the engine"  # in messages a user reads
+
+    def __init__(self, urls: Sequence[str], update_timeout_s: float, token: str | None) -> None:
+        self.urls, self.secret, self.update_timeout_s = list(urls), token, update_timeout_s
+        self.requests: list[ConnectRequest] = []
+        self.store: dist.Store | None = None
+        self.keys: Keys | None = None
+        self.seq = 0  # updates and checks on this connection (store keys)
+
+    # -- what an engine kind provides --
+
+    def start(self) -> None:
+        """Pause generation and open an update session on every engine."""
+        raise NotImplementedError
+
+    def send(self, info: dict) -> None:
+        """Hand every engine one call (returns once every rank ran it)."""
+        raise NotImplementedError
+
+    def end(self, version: int) -> None:
+        """Every rank succeeded: the engine takes ``version`` and generates again."""
+        raise NotImplementedError
+
+    def close_session(self) -> None:
+        """End the update session without a version, leaving the engine paused."""
+        raise NotImplementedError
+
+    def versions(self) -> list[VersionResponse]:
+        raise NotImplementedError
+
+    def checksum_round(self, info: dict) -> None:
+        """Run ``info`` (op checksum) on every rank without changing a weight."""
+        raise NotImplementedError
+
+    # -- shared --
+
+    @property
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.update_timeout_s)
+
+    def bind(self, store: dist.Store, keys: Keys) -> None:
+        self.store, self.keys, self.seq = store, keys, 0
+
+    def ranks(self):
+        """(engine index, rank) of every engine rank."""
+        return [(i, r) for i, req in enumerate(self.requests) for r in range(req.engines[i])]
+
+    def joined(self) -> bool:
+        """Every rank's join note: whether any reported an update session left open."""
+        return any(get(self.store, self.keys.rank_joined(i, r), Joined, self._timeout, self.secret).session_open
+                   for i, r in self.ranks())
+
+    def update_info(self, version: int, mode: Mode, **extra) -> dict:
+        return {"seq": self.seq, "version": version, "mode": mode.value, **extra}
+
+    def results(self, version: int, mode: Mode) -> list[UpdateResult]:
+        out = []
+        for i, req in enumerate(self.requests):
+            reports = [get(self.store, self.keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret)
+                       for r in range(req.engines[i])]
+            out.append(reduce_reports(version, mode.value, reports))
+        return out
+
+    def settle(self, version: int, mode: Mode) -> list[UpdateResult]:
+        """Every rank's report; on success the engines move to ``version`` and resume, on any
+        failure they stay paused on their previous weights (``SyncError`` says which rank)."""
+        try:
+            results = self.results(version, mode)
+        except Exception as err:
+            self.close_session_quietly()
+            raise SyncError(f"{self.name} update {version}: no report from every rank ({err}); {self.name} "
+                            "stays paused until a full update succeeds") from None
+        bad = next((r for r in results if not r.ok), None)
+        if bad is not None:
+            self.close_session_quietly()
+            raise SyncError(f"{bad.error}; {self.name} stays paused until a full update succeeds")
+        self.end(version)
+        return results
+
+    def close_session_quietly(self) -> None:
+        """``close_session``, when a failure is already being reported."""
+        try:
+            self.close_session()
+        except Exception:  # the engine may be gone too; the next connect closes what is left
+            pass
+
+    def channel(self) -> HostedChannel:
+        return HostedChannel(self)
+
+    def pull(self, root: str, version: int) -> list[UpdateResult]:
+        """A disk delta: one round whose receive reads the published parts."""
+        self.seq += 1
+        self.start()
+        self.send(self.update_info(version, Mode.DELTA_DISK, root=root, base_version=None))
+        return self.settle(version, Mode.DELTA_DISK)
+
+    def checksums(self) -> list[ChecksumResponse]:
+        """Each rank's checksums of what it holds (a round that changes no weight)."""
+        self.seq += 1
+        version = self.versions()[0].weight_version
+        self.checksum_round(self.update_info(version, Mode.BROADCAST, op="checksum"))
+        out = []
+        for i, req in enumerate(self.requests):
+            parts = [get(self.store, self.keys.rank_checksums(self.seq, i, r), RankSums, self._timeout,
+                         self.secret).keyed() for r in range(req.engines[i])]
+            sums = {k: (None if v is None else str(v)) for k, v in combine(parts).items()}
+            out.append(ChecksumResponse(weight_version=version, stale=False, checksums=sums))
+        return out
+
+
+class HostedChannel:
+    """Begin and finish of one update on every hosted engine (``control.UpdateChannel``):
+    the engines' receive call runs in the background while the trainer ranks send."""
+
+    def __init__(self, engines: HostedEngines) -> None:
+        self.engines = engines
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{engines.kind}-update")
+        self._sending: Future | None = None
+        self._mode: Mode | None = None
+
+    def begin(self, req: BeginRequest) -> None:
+        e = self.engines
+        e.seq += 1
+        e.start()
+        info = e.update_info(req.version, Mode(req.mode), fingerprint=req.fingerprint, base_version=req.base_version)
+        self._mode = Mode(req.mode)
+        self._sending = self._pool.submit(e.send, info)  # returns once every rank received
+
+    def finish(self, version: int) -> list[UpdateResult]:
+        e = self.engines
+        try:
+            self._sending.result(timeout=e.update_timeout_s + 30)
+        except Exception as err:
+            e.close_session_quietly()
+            raise SyncError(f"{e.name} update {version} failed: {err}; {e.name} stays paused on its previous "
+                            "weights until a full update succeeds") from None
+        return e.settle(version, self._mode)

@@ -1,0 +1,235 @@
+"""The trainer's client of SGLang engines, through SGLang's own endpoints only.
+
+SGLang (started with ``--custom-weight-loader shardsync.engines.sglang.load``) calls that
+function in every TP rank's scheduler with its live model whenever
+``/update_weights_from_tensor`` names it as ``load_format``; the function's answer is
+ignored, so every rank writes its report into the sync group's store (``receiver.hosted``).
+One shardsync call rides in each request as a signed JSON message (``SglangCall``) packed
+into the one tensor SGLang hands the loader.  Per update, O(1) calls per engine whatever
+the bucket count: ``/pause_generation`` -> ``/begin_weight_update`` ->
+``/update_weights_from_tensor`` (runs while the trainer sends) -> ``/end_weight_update``
+-> on success ``/update_weight_version`` and ``/continue_generation``; a failed update ends
+the session and SGLang stays paused until a full update succeeds.  docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import pickle
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from shardsync.control import auth
+from shardsync.control.client import Engines, SyncError
+from shardsync.control.hosted import HostedEngines
+from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, VersionResponse, get
+
+ENTRY = "shardsync.engines.sglang.load"  # --custom-weight-loader and load_format
+MAC_KEY = "shardsync/sglang/call"  # what a rank checks a call's signature under
+TENSOR_NAME = "shardsync"  # the one named tensor a call travels as
+MAX_CALL_BYTES = 1 << 20  # a connect names a spec and four fingerprints: far below
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class SglangCall(Msg):
+    """One shardsync call as an SGLang rank reads it (signed over everything but ``mac``)."""
+
+    op: Literal["check", "join", "update", "checksum", "leave"]
+    name: str = Field(min_length=1, max_length=128)  # the sync (the rendezvous name)
+    attempt: int = Field(0, ge=0, le=1 << 20)  # check: which connect attempt answers
+    connect: dict | None = Field(None, max_length=32)  # check / join: a ConnectRequest
+    update: dict | None = Field(None, max_length=16)  # update / checksum: a ``receiver.hosted.Call``
+    mac: str | None = Field(None, max_length=128)
+
+    def body(self) -> str:
+        """The canonical JSON a signature covers."""
+        return json.dumps(self.model_dump(exclude={"mac"}, mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def signed(self, secret: str | None) -> SglangCall:
+        return self.model_copy(update={"mac": auth.mac(secret, MAC_KEY, self.body()) if secret else None})
+
+    def verify(self, secret: str | None) -> bool:
+        return secret is None or (self.mac is not None and auth.verify_mac(secret, MAC_KEY, self.body(), self.mac))
+
+
+class Checked(Msg):
+    """One rank's answer to a connect check: None, or what is wrong."""
+
+    error: str | None = Field(None, max_length=4096)
+
+
+class _Bytes:
+    """Pickles as ``torch.ByteTensor([...])``: the only tensor constructor SGLang's safe
+    unpickler admits that takes plain data (a storage pickle would need ``torch.load``)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        return torch.ByteTensor, (list(self.data),)
+
+
+def payload(call: SglangCall) -> str:
+    """``serialized_named_tensors[i]`` for every TP rank: base64 of ``[("shardsync", bytes)]``."""
+    raw = call.model_dump_json().encode()
+    if len(raw) > MAX_CALL_BYTES:
+        raise ValueError(f"shardsync call of {len(raw)} bytes exceeds {MAX_CALL_BYTES}")
+    return base64.b64encode(pickle.dumps([(TENSOR_NAME, _Bytes(raw))], protocol=4)).decode()
+
+
+def read_call(named_tensors) -> SglangCall:
+    """The call in what SGLang hands the loader; a ``ValueError`` for anything else."""
+    items = list(named_tensors)
+    if len(items) != 1 or items[0][0] != TENSOR_NAME:
+        raise ValueError(f"expected one tensor named {TENSOR_NAME!r}, got {[n for n, _ in items][:4]}")
+    t = items[0][1]
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_CALL_BYTES:
+        raise ValueError("the shardsync call is not a 1-D uint8 tensor within the size bound")
+    return SglangCall.model_validate_json(bytes(t.cpu().tolist()))
+
+
+def checked_key(name: str, attempt: int, engine: int, rank: int) -> str:
+    return f"{name}/checked/{attempt}/{engine}/{rank}"
+
+
+class SglangEngines(HostedEngines):
+    """Trainer rank 0's client of every SGLang engine (same surface as ``control.Engines``)."""
+
+    kind = "sglang"
+    name = "SGLang"
+
+    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
+                 update_timeout_s: float = 600.0, pause_mode: str = "abort",
+                 api_key: str | None = None) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"SGLang pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.http = Engines(urls, timeout_s, api_key, keepalive=False)
+        super().__init__(self.http.urls, update_timeout_s, token)
+        self.pause_mode = pause_mode
+        self.attempt = 0
+
+    def _all(self, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> list[dict]:
+        """POST ``path`` to every engine; an answer ``success: false`` is a ``SyncError``."""
+        answers = self.http.call("POST", path, [body or {}] * len(self.urls), timeout_s=timeout_s)
+        for url, a in zip(self.urls, answers, strict=True):
+            if isinstance(a, dict) and a.get("success") is False:
+                raise SyncError(f"{url}{path}: {a.get('message', a)}")
+        return answers
+
+    def _call(self, call: SglangCall, *, timeout_s: float | None = None) -> None:
+        """Hand every rank of every engine one shardsync call (each engine gets its own)."""
+        bodies = []
+        for i in range(len(self.urls)):
+            c = call
+            if call.connect is not None:  # each engine its own connect request
+                c = call.model_copy(update={"connect": self.requests[i].model_dump(mode="json")})
+            body = payload(c.signed(self.secret))
+            bodies.append({"serialized_named_tensors": [body] * self.requests[i].engines[i], "load_format": ENTRY,
+                           "flush_cache": True})
+        answers = self.http.call("POST", "/update_weights_from_tensor", bodies,
+                                 timeout_s=timeout_s or self.update_timeout_s)
+        for url, a in zip(self.urls, answers, strict=True):
+            if isinstance(a, dict) and a.get("success") is False:
+                raise SyncError(f"{url}/update_weights_from_tensor: {a.get('message', a)}")
+
+    # -- connect-time --
+
+    def info(self) -> list[InfoResponse]:
+        out = []
+        for url, raw, ver in zip(self.urls, self.http.call("GET", "/get_server_info"),
+                                 self.http.call("GET", "/get_weight_version"), strict=True):
+            loaders = raw.get("custom_weight_loader") or []
+            if ENTRY not in loaders:
+                raise SyncError(f"{url}: SGLang without shardsync's weight loader; start it with "
+                                f"--custom-weight-loader {ENTRY} (docs/sglang.md)")
+            dp = int(raw.get("dp_size") or 1)
+            if dp != 1:
+                raise SyncError(f"{url}: SGLang runs --dp-size {dp}; give each data-parallel replica its own "
+                                "server (one engine URL per replica)")
+            out.append(InfoResponse(spec={}, tp=int(raw.get("tp_size") or 1), pp=int(raw.get("pp_size") or 1),
+                                    ep=int(raw.get("ep_size") or 1), dtype=_dtype(raw.get("dtype")), kind="sglang",
+                                    quantization=raw.get("quantization"), weight_version=_version(ver), stale=False))
+        return out
+
+    def _session(self, fn, *args) -> None:
+        """``fn`` inside an update session on every engine (SGLang refuses loads outside one)."""
+        self._all("/begin_weight_update", {"selector": "target"})
+        try:
+            fn(*args)
+        finally:
+            self._all("/end_weight_update", {"selector": "target"})
+
+    def connect(self, requests: Sequence[ConnectRequest]) -> None:
+        """Every rank checks the plans and its own layout (answers in the store); nothing is joined."""
+        self.requests = list(requests)
+        self.attempt += 1
+        name = self.requests[0].rendezvous.name
+        self._session(self._call, SglangCall(op="check", name=name, attempt=self.attempt, connect={}))
+        timeout = datetime.timedelta(seconds=self.http.timeout_s)
+        for i, r in self.ranks():
+            try:
+                answer = get(self.store, checked_key(name, self.attempt, i, r), Checked, timeout, self.secret)
+            except Exception:
+                raise SyncError(f"{self.urls[i]}: tp{r} did not answer the connect check in {timeout.seconds}s "
+                                f"(SGLang started with --custom-weight-loader {ENTRY} and the same "
+                                "$SHARDSYNC_TOKEN? its log says why)") from None
+            if answer.error:
+                raise SyncError(f"{self.urls[i]}: {answer.error}")
+
+    def join(self) -> None:
+        """Every rank joins the sync group (the call returns once the group is whole)."""
+        name = self.requests[0].rendezvous.name
+        self._session(self._call, SglangCall(op="join", name=name, connect={}))
+        self.joined()
+
+    # -- per update --
+
+    def start(self) -> None:
+        self._all("/pause_generation", {"mode": self.pause_mode})
+        self._all("/begin_weight_update", {"selector": "target"})
+
+    def send(self, info: dict) -> None:
+        name = self.requests[0].rendezvous.name
+        self._call(SglangCall(op="checksum" if info.get("op") == "checksum" else "update", name=name, update=info))
+
+    def end(self, version: int) -> None:
+        self._all("/end_weight_update", {"selector": "target"})
+        self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        self._all("/continue_generation", {})
+
+    def close_session(self) -> None:
+        self._all("/end_weight_update", {"selector": "target"})
+
+    def checksum_round(self, info: dict) -> None:
+        self._session(self.send, info)
+
+    # -- occasional --
+
+    def versions(self) -> list[VersionResponse]:
+        return [VersionResponse(weight_version=_version(v), stale=False, connected=True)
+                for v in self.http.call("GET", "/get_weight_version")]
+
+    def disconnect(self) -> None:
+        name = self.requests[0].rendezvous.name if self.requests else "-"
+        self._session(self._call, SglangCall(op="leave", name=name))
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _dtype(raw: object) -> str:
+    return str(raw or "bfloat16").removeprefix("torch.")
+
+
+def _version(raw: object) -> int:
+    """SGLang's weight version is a string (``"default"`` before any update)."""
+    value = raw.get("weight_version") if isinstance(raw, dict) else raw
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0

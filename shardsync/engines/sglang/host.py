@@ -1,0 +1,161 @@
+"""One SGLang TP rank's receiver, built from the live model on its first call.
+
+SGLang's parameters are shardsync's engine layout (fused ``qkv_proj`` / ``gate_up_proj``,
+64-padded vocab, FusedMoE ``w13_weight`` / ``w2_weight`` under the triton backend), so a
+receive lands in ``param.data`` in place; when they are not (another MoE backend, another
+padding), the rank says why and takes whole tensors through SGLang's own ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from shardsync.control import auth
+from shardsync.control.sglang import MAC_KEY, Checked, SglangCall, checked_key
+from shardsync.control.wire import ConnectRequest, put
+from shardsync.receiver import Loader, Params, Receiver, Slice
+from shardsync.receiver.hosted import Call, HostedRank
+from shardsync.receiver.match import live_difference
+from shardsync.spec import spec_from_config
+from shardsync.transport.group import Rendezvous, open_store
+
+log = logging.getLogger(__name__)
+
+# MoE runner backends whose expert tensors are shardsync's engine layout (gate then up per
+# expert, [E/ep, 2I/moe_tp, H] and [E/ep, H, I/moe_tp]); others repack or interleave.
+MOE_BACKENDS = ("auto", "triton")
+
+
+def moe_backend() -> str:
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    backend = get_moe_runner_backend()
+    return str(getattr(backend, "value", backend))
+
+
+def parallel() -> dict[str, int]:
+    """This process's place in SGLang's parallel layout."""
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    return {k: int(getattr(par, k, default)) for k, default in
+            (("tp_rank", 0), ("tp_size", 1), ("pp_rank", 0), ("pp_size", 1), ("moe_ep_size", 1))}
+
+
+def sglang_loader(model: torch.nn.Module, dtype: torch.dtype):
+    """SGLang's own ``load_weights``, fed whole checkpoint tensors (every rank keeps its shard)."""
+
+    def load(slices: Iterator[Slice]) -> None:
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for s in slices:  # whole layouts: every slice is a whole tensor
+                yield s.name, s.tensor
+        with torch.no_grad():
+            model.load_weights(tensors())
+
+    return load
+
+
+class SglangHost:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        p = parallel()
+        self.tp_rank, self.tp_size, self.pp_size, self.ep = p["tp_rank"], p["tp_size"], p["pp_size"], p["moe_ep_size"]
+        self.secret = auth.load_token()
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self._receivers: dict[bool, Receiver] = {}
+        self.problem: str | None = None
+        self.rank: HostedRank | None = None
+        try:
+            self._build()
+        except Exception as e:  # refuse at connect, with the reason
+            self.problem = f"{type(e).__name__}: {e}"
+            log.warning("shardsync: this SGLang rank cannot receive updates: %s", self.problem)
+
+    def _build(self) -> None:
+        if self.pp_size != 1:
+            raise ValueError(f"SGLang runs pipeline parallel {self.pp_size}; shardsync receives into PP 1 engines")
+        if getattr(self.model, "quant_config", None) is not None:
+            raise ValueError("SGLang runs a quantized model; shardsync syncs unquantized weights")
+        cfg = self.model.config
+        self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
+        probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), dtype=self.dtype, ep=self.ep)
+        reason = live_difference(probe.rank_layout, self.model, self.dtype, "SGLang")
+        if reason is None and self.spec.num_experts and moe_backend() not in MOE_BACKENDS:
+            reason = (f"SGLang's MoE runner backend {moe_backend()!r} holds experts in its own layout; shardsync's "
+                      f"is that of {MOE_BACKENDS} (--moe-runner-backend triton)")
+        self.rank = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
+                               mac_key=MAC_KEY, engine="SGLang", layout_reason=reason,
+                               dtype_name=str(self.dtype).removeprefix("torch."), ep=self.ep)
+        log.info("shardsync: SGLang tp%d/%d receives %s", self.tp_rank, self.tp_size,
+                 f"whole tensors only ({reason})" if reason else "into its parameters in place")
+
+    def _receiver(self, whole: bool) -> Receiver:
+        if whole not in self._receivers:
+            kw = dict(dtype=self.dtype, device=self.device, whole=whole, ep=self.ep)
+            if whole:
+                probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), **kw)
+                dest = Loader(probe.rank_layout, probe.layout.logical, sglang_loader(self.model, self.dtype),
+                              dtype=self.dtype, device=self.device)
+            else:
+                dest = Params({n: p.data for n, p in self.model.named_parameters()})
+            self._receivers[whole] = Receiver(self.spec, self.tp_rank, self.tp_size, dest, secret=self.secret, **kw)
+        return self._receivers[whole]
+
+    # -- calls --
+
+    def run(self, call: SglangCall) -> None:
+        if not call.verify(self.secret):
+            log.warning("shardsync: tp%d: %s call not signed with this engine's token; refused", self.tp_rank, call.op)
+            return
+        if call.op == "check":
+            self._check(call)
+        elif call.op == "join":
+            if self.rank is None:
+                log.warning("shardsync: tp%d cannot join: %s", self.tp_rank, self.problem)
+                return
+            self.rank.join(call.connect, self._connect_mac(call))
+        elif call.op == "leave":
+            if self.rank is not None and self.rank.keys is not None and self.rank.keys.name == call.name:
+                self.rank.leave()
+        else:
+            self._update(call)
+
+    def _connect_mac(self, call: SglangCall) -> str | None:
+        """The call's signature already covers its connect: sign the connect for the check."""
+        from shardsync.control.hosted import connect_body
+
+        return auth.mac(self.secret, MAC_KEY, connect_body(call.connect)) if self.secret else None
+
+    def _check(self, call: SglangCall) -> None:
+        """Check the connect and answer in the trainer's store (only a signed or loopback one)."""
+        req = ConnectRequest.model_validate(call.connect)
+        rdv = Rendezvous(**req.rendezvous.model_dump())
+        if self.secret is None and not auth.is_loopback(rdv.host):
+            log.warning("shardsync: tp%d: rendezvous at %s is not loopback and this engine has no token ($%s); "
+                        "refused", self.tp_rank, rdv.host, auth.ENV_TOKEN)
+            return
+        error = None
+        try:
+            if self.rank is None:
+                raise ValueError(f"shardsync: {self.problem}")
+            self.rank.check(call.connect, self._connect_mac(call))
+        except Exception as e:
+            error = str(e) or type(e).__name__
+        store = open_store(rdv, is_master=False)
+        put(store, checked_key(call.name, call.attempt, req.engine_index, self.tp_rank), Checked(error=error[:4000]
+            if error else None), self.secret)
+
+    def _update(self, call: SglangCall) -> None:
+        rank = self.rank
+        if rank is None or rank.keys is None or rank.keys.name != call.name:
+            log.warning("shardsync: tp%d: %s for sync %s, not this rank's connection; ignored", self.tp_rank,
+                        call.op, call.name)
+            return
+        rank.update(Call.model_validate(call.update))
+        post = getattr(self.model, "post_load_weights", None)
+        if call.op == "update" and not rank.stale and callable(post):
+            post()  # SGLang runs it only when no load ran in the session; a custom loader counts as one

@@ -1,0 +1,160 @@
+"""One engine rank's ``Receiver`` inside an engine that relays no answer (vLLM's workers,
+SGLang's schedulers): connect and update calls arrive through the engine's own plug-in
+point, signed; every outcome goes back to the trainer through the sync group's store.
+
+``update`` never raises: an exception kills SGLang's scheduler and desynchronizes vLLM's
+workers.  A failed receive is reported (``RankReport(ok=False)``) and leaves this rank
+stale until a full update succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import Field
+
+from shardsync.control import auth
+from shardsync.control.hosted import LAYOUT_MISMATCH, UPDATE_FAILED, connect_body
+from shardsync.control.report import rank_report
+from shardsync.control.wire import (
+    MAX_VERSION,
+    ConnectRequest,
+    Joined,
+    Keys,
+    Msg,
+    RankReport,
+    RankSums,
+    Version,
+    put,
+)
+from shardsync.mode import Mode
+from shardsync.paths import UpdateArgs
+from shardsync.receiver.connect import check_connect
+from shardsync.receiver.receiver import Receiver
+from shardsync.runtime.stats import Stats
+from shardsync.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+class Call(Msg):
+    """One update (or checksum round) as the trainer's client names it."""
+
+    seq: int = Field(ge=1, le=MAX_VERSION)  # this call's number on the connection (store keys)
+    version: Version
+    mode: Literal[tuple(m.value for m in Mode)]
+    fingerprint: str = Field("", max_length=64)
+    base_version: Version | None = None
+    root: str | None = Field(None, max_length=4096)  # delta-disk: the published directory
+    op: Literal["update", "checksum"] = "update"  # checksum: report this rank's checksums, change nothing
+
+
+class HostedRank:
+    """The connection state one engine rank keeps between the engine's calls.
+
+    ``receiver_for(whole)`` builds (once) this rank's receiver for engine-layout shards
+    (False) or whole tensors (True); ``layout_reason`` says why shards cannot land here
+    (None when they can); ``engine`` names the engine in every message a user reads.
+    """
+
+    def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, receiver_for: Callable[[bool], Receiver], *,
+                 secret: str | None, mac_key: str, engine: str, layout_reason: str | None = None,
+                 dtype_name: str, ep: int = 1) -> None:
+        self.spec, self.tp_rank, self.tp_size, self.ep = spec, tp_rank, tp_size, ep
+        self._receiver_for, self.secret, self.mac_key, self.engine = receiver_for, secret, mac_key, engine
+        self.layout_reason, self.dtype_name = layout_reason, dtype_name
+        self.receiver: Receiver | None = None  # the connected one
+        self.keys: Keys | None = None
+        self.fingerprints: dict[str, str] = {}
+        self.engine_index = 0
+        self.version: int | None = None  # last version applied through shardsync
+        self.stale = False  # the weights may hold neither ``version`` nor the one before
+        self.seq = 0  # the last call run on this connection: a call is never run twice
+
+    # -- connect --
+
+    def check(self, connect: dict, mac: str | None) -> tuple[ConnectRequest, Receiver, dict[str, str]]:
+        """The trainer's signed connect checked against this rank; raises saying what differs."""
+        if self.secret is not None and (not mac or not auth.verify_mac(self.secret, self.mac_key,
+                                                                       connect_body(connect), mac)):
+            raise PermissionError("shardsync: connect not signed with this engine's token; refused")
+        req = ConnectRequest.model_validate(connect)
+        if self.secret is None and not auth.is_loopback(req.rendezvous.host):
+            raise PermissionError(f"shardsync: rendezvous at {req.rendezvous.host} is not loopback and this "
+                                  f"engine has no token (${auth.ENV_TOKEN}); refused")
+        whole = bool(req.whole) and req.engine_index < len(req.whole) and req.whole[req.engine_index]
+        if self.layout_reason and not whole:
+            raise ValueError(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: {self.layout_reason}")
+        rx = self._receiver_for(whole)
+        return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep)
+
+    def join(self, connect: dict, mac: str | None, *, session_open: bool = False) -> None:
+        """Check, then join the sync group (bounded); tells the trainer whether an update
+        session a gone trainer left open is still open here."""
+        req, rx, fingerprints = self.check(connect, mac)
+        if self.receiver is not None and self.receiver is not rx:
+            self.receiver.leave()
+        rx.join(req)
+        self.receiver, self.fingerprints = rx, fingerprints
+        self.keys, self.engine_index = Keys(req.rendezvous.name), req.engine_index
+        self.stale = True  # the first update of a connection is a full one
+        self.seq = 0
+        put(rx.group.store, self.keys.rank_joined(self.engine_index, self.tp_rank), Joined(session_open=session_open),
+            self.secret)
+
+    # -- update --
+
+    def update(self, call: Call) -> None:
+        """One call of the trainer's, reported through the store; never raises."""
+        t0 = time.perf_counter()
+        rx = self.receiver
+        if rx is None or not rx.connected or self.keys is None:
+            log.warning("shardsync: tp%d: update %d without a connection; ignored (the trainer times out "
+                        "waiting for this rank's report)", self.tp_rank, call.version)
+            return
+        if call.seq <= self.seq:
+            log.warning("shardsync: tp%d: call %d after call %d on this connection (a replay?); ignored",
+                        self.tp_rank, call.seq, self.seq)
+            return
+        self.seq = call.seq
+        store = rx.group.store
+        if call.op == "checksum":
+            try:
+                put(store, self.keys.rank_checksums(call.seq, self.engine_index, self.tp_rank),
+                    RankSums.of(rx.checksums()), self.secret)
+            except Exception as e:  # the trainer times out waiting for these sums
+                log.warning("shardsync: tp%d: checksums failed: %s", self.tp_rank, e)
+            return
+        try:
+            report = rank_report(self._receive(rx, call), t0, rx.destination.name)
+        except Exception as e:
+            log.warning("shardsync: tp%d: %s %d (%s) failed: %s", self.tp_rank, call.op, call.version, call.mode, e)
+            report = RankReport(ok=False, error=f"{UPDATE_FAILED}: version {call.version} on tp{self.tp_rank}: {e}; "
+                                                "reconnect and send a full update")
+        try:
+            put(store, self.keys.rank_result(call.seq, self.engine_index, self.tp_rank), report, self.secret)
+        except Exception as e:  # the trainer is gone: nobody to tell
+            log.warning("shardsync: tp%d: cannot report update %d: %s", self.tp_rank, call.version, e)
+
+    def _receive(self, rx: Receiver, call: Call) -> Stats:
+        mode = Mode(call.mode)
+        if mode.is_delta and (self.stale or call.base_version != self.version):
+            raise ValueError(f"delta against version {call.base_version}, but this rank "
+                             f"{'is stale' if self.stale else f'holds {self.version}'}: send a full update")
+        if mode is not Mode.DELTA_DISK and self.fingerprints.get(mode.plan.value) != call.fingerprint:
+            raise ValueError(f"{mode} plan fingerprint differs from the connected one")
+        self.stale = True
+        if mode is Mode.DELTA_DISK:
+            stats = rx.pull(call.root, call.version, call.base_version)
+        else:
+            stats = rx.receive(mode, UpdateArgs(version=call.version, base_version=call.base_version))
+        self.version, self.stale = call.version, False
+        return stats
+
+    def leave(self) -> None:
+        if self.receiver is not None:
+            self.receiver.leave()
+        self.keys = None
