@@ -53,19 +53,24 @@ class Engines:
         extra = {} if timeout_s is None else {"timeout": timeout_s}
 
         def one(i: int) -> dict:
-            url = self.urls[i] + path
-            body = payloads[i]
-            if isinstance(body, BaseModel):
-                body = body.model_dump(mode="json")
-            r = self._http.request(method, url, json=body, **extra)
-            if r.status_code >= 400:
-                raise SyncError(f"{method} {url} -> {r.status_code}: {r.text[:500]}")
-            return r.json() if r.content else {}
+            return self.call_one(i, method, path, payloads[i], **extra)
 
         if len(self.urls) == 1:  # the common colocated case: no thread hop on the hot path
             return [one(0)]
         with ThreadPoolExecutor(len(self.urls)) as pool:
             return list(pool.map(one, range(len(self.urls))))
+
+    def call_one(self, i: int, method: str, path: str, body: BaseModel | dict | None = None, *,
+                 timeout: float | None = None) -> dict:
+        """``method path`` on engine ``i`` alone (``SyncError`` on a status >= 400)."""
+        url = self.urls[i] + path
+        if isinstance(body, BaseModel):
+            body = body.model_dump(mode="json")
+        extra = {} if timeout is None else {"timeout": timeout}
+        r = self._http.request(method, url, json=body, **extra)
+        if r.status_code >= 400:
+            raise SyncError(f"{method} {url} -> {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else {}
 
     def info(self) -> list[InfoResponse]:
         return [InfoResponse.model_validate(r) for r in self.call("GET", "/weights/info")]

@@ -110,7 +110,7 @@ class SglangEngines(HostedEngines):
             raise ValueError(f"SGLang pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.http = Engines(urls, timeout_s, api_key, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)
-        self.pause_mode = pause_mode
+        self.pause_mode, self.timeout_s = pause_mode, timeout_s
         self.attempt = 0
 
     def _all(self, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> list[dict]:
@@ -130,7 +130,7 @@ class SglangEngines(HostedEngines):
                 c = call.model_copy(update={"connect": self.requests[i].model_dump(mode="json")})
             body = payload(c.signed(self.secret))
             bodies.append({"serialized_named_tensors": [body] * self.requests[i].engines[i], "load_format": ENTRY,
-                           "flush_cache": True})
+                           "flush_cache": True, "selector": "target"})
         answers = self.http.call("POST", "/update_weights_from_tensor", bodies,
                                  timeout_s=timeout_s or self.update_timeout_s)
         for url, a in zip(self.urls, answers, strict=True):
@@ -141,8 +141,8 @@ class SglangEngines(HostedEngines):
 
     def info(self) -> list[InfoResponse]:
         out = []
-        for url, raw, ver in zip(self.urls, self.http.call("GET", "/get_server_info"),
-                                 self.http.call("GET", "/get_weight_version"), strict=True):
+        for url, raw, ver in zip(self.urls, self.http.call("GET", "/server_info"),
+                                 self.http.call("GET", "/model_info"), strict=True):
             loaders = raw.get("custom_weight_loader") or []
             if ENTRY not in loaders:
                 raise SyncError(f"{url}: SGLang without shardsync's weight loader; start it with "
@@ -156,13 +156,23 @@ class SglangEngines(HostedEngines):
                                     quantization=raw.get("quantization"), weight_version=_version(ver), stale=False))
         return out
 
+    def _begin(self) -> None:
+        """Open an update session on every engine; one a gone trainer left open is closed first."""
+        try:
+            self._all("/begin_weight_update", {"selector": "target"})
+        except SyncError as e:
+            if "already open" not in str(e):
+                raise
+            self.close_session_quietly()
+            self._all("/begin_weight_update", {"selector": "target"})
+
     def _session(self, fn, *args) -> None:
         """``fn`` inside an update session on every engine (SGLang refuses loads outside one)."""
-        self._all("/begin_weight_update", {"selector": "target"})
+        self._begin()
         try:
             fn(*args)
         finally:
-            self._all("/end_weight_update", {"selector": "target"})
+            self._all("/end_weight_update")
 
     def connect(self, requests: Sequence[ConnectRequest]) -> None:
         """Every rank checks the plans and its own layout (answers in the store); nothing is joined."""
@@ -170,7 +180,7 @@ class SglangEngines(HostedEngines):
         self.attempt += 1
         name = self.requests[0].rendezvous.name
         self._session(self._call, SglangCall(op="check", name=name, attempt=self.attempt, connect={}))
-        timeout = datetime.timedelta(seconds=self.http.timeout_s)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         for i, r in self.ranks():
             try:
                 answer = get(self.store, checked_key(name, self.attempt, i, r), Checked, timeout, self.secret)
@@ -191,19 +201,27 @@ class SglangEngines(HostedEngines):
 
     def start(self) -> None:
         self._all("/pause_generation", {"mode": self.pause_mode})
-        self._all("/begin_weight_update", {"selector": "target"})
+        self._begin()
 
     def send(self, info: dict) -> None:
         name = self.requests[0].rendezvous.name
         self._call(SglangCall(op="checksum" if info.get("op") == "checksum" else "update", name=name, update=info))
 
     def end(self, version: int) -> None:
-        self._all("/end_weight_update", {"selector": "target"})
+        self._all("/end_weight_update")
         self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         self._all("/continue_generation", {})
 
     def close_session(self) -> None:
-        self._all("/end_weight_update", {"selector": "target"})
+        self._all("/end_weight_update")
+
+    def close_session_quietly(self) -> None:
+        """End every engine's session, whichever has one (a failure is already being reported)."""
+        for i in range(len(self.urls)):
+            try:
+                self.http.call_one(i, "POST", "/end_weight_update", {})
+            except Exception:  # no session there, or the engine is gone
+                pass
 
     def checksum_round(self, info: dict) -> None:
         self._session(self.send, info)
@@ -212,7 +230,7 @@ class SglangEngines(HostedEngines):
 
     def versions(self) -> list[VersionResponse]:
         return [VersionResponse(weight_version=_version(v), stale=False, connected=True)
-                for v in self.http.call("GET", "/get_weight_version")]
+                for v in self.http.call("GET", "/model_info")]
 
     def disconnect(self) -> None:
         name = self.requests[0].rendezvous.name if self.requests else "-"

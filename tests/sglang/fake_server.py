@@ -1,0 +1,250 @@
+"""``FakeSglang``: a stand-in for SGLang's HTTP server, which needs a GPU build that does not
+run here.  What it fakes is the front: routes, the scheduler's session rules and pause
+state, the weight version.  What it runs is SGLang's own: request bodies are validated by
+SGLang's request schemas, ``/server_info`` is a real ``ServerArgs.resolved_dict()``, and
+one process per TP rank holds SGLang's real model class and calls the custom loader
+through SGLang's real ``WeightUpdater`` (deserializing with its ``MultiprocessingSerializer``
+and its safe unpickler).  As in SGLang, an exception out of the loader kills the rank and
+the server with it.  Every call is logged in ``events`` for the tests to read.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from shardsync.control.sglang import ENTRY
+from tests.sglang import _models
+
+ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_struct)
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+}
+
+
+def _rank_main(tp_rank: int, tp_size: int, spec, dtype: str, initial: dict, env: dict, conn) -> None:
+    """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``."""
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    dt = getattr(torch, dtype)
+    model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,))
+    _models.sglang_load(model, initial)
+    updater = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=[ENTRY],
+                            get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None,
+                            get_model_runner=None)
+    conn.send(("ready", None))
+    while True:
+        op, arg = conn.recv()
+        if op == "stop":
+            return
+        try:
+            if op == "tensor":  # a scheduler deserializes its own rank's payload only
+                named = MultiprocessingSerializer.deserialize(arg["payloads"][tp_rank])
+                conn.send(("ok", updater.update_weights_from_tensor(named, load_format=arg["load_format"])))
+            elif op == "begin":
+                updater.begin_weight_update()
+                conn.send(("ok", None))
+            elif op == "end":
+                updater.end_weight_update(run_post_load=arg)
+                conn.send(("ok", None))
+            elif op == "compare":  # what SGLang's own loader makes of these full tensors, bit for bit
+                ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt), arg)
+                _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,))
+                want = dict(ref.named_parameters())
+                bad = [n for n, p in model.named_parameters() if not torch.equal(p.data, want[n].data)]
+                conn.send(("ok", bad))
+            elif op == "params":
+                conn.send(("ok", {n: p.data.clone() for n, p in model.named_parameters()}))
+        except BaseException:  # SGLang's scheduler dies on any exception of a weight update
+            conn.send(("died", traceback.format_exc()))
+            raise
+
+
+class FakeSglang:
+    """One SGLang server of ``tp`` ranks serving ``spec``, started with shardsync's loader."""
+
+    def __init__(self, spec, tp: int, initial: dict, *, dtype: str = "float32", env: dict | None = None,
+                 ctx=None) -> None:
+        from sglang.srt.server_args import ServerArgs
+
+        self.spec, self.tp, self.dtype = spec, tp, dtype
+        self.args = ServerArgs(model_path=spec.name, tp_size=tp, device="cpu", dtype=dtype,
+                               custom_weight_loader=[ENTRY])
+        self.events: list[tuple[str, object]] = []
+        self.paused = False
+        self.session: dict | None = None  # {"loaded": bool} while a weight-update session is open
+        self.weight_version = "default"
+        self.dead: str | None = None
+        self._lock = threading.Lock()
+        ctx = ctx or mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for r in range(tp):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, args=(r, tp, spec, dtype, initial, env or {}, theirs), daemon=True)
+            p.start()
+            self._conns.append(mine)
+            self._procs.append(p)
+        for r, c in enumerate(self._conns):
+            self._wait(r, c, 300, "build its model")
+            c.recv()
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+
+    # -- the ranks --
+
+    def _ranks(self, op: str, arg=None, timeout: float = 300) -> list:
+        for c in self._conns:
+            c.send((op, arg))
+        out = []
+        for r, c in enumerate(self._conns):
+            self._wait(r, c, timeout, f"answer {op}")
+            status, value = c.recv()
+            if status == "died":
+                self.dead = f"tp{r}: {value}"
+                raise RuntimeError(f"SGLang rank {r} died: {value}")
+            out.append(value)
+        return out
+
+    def _wait(self, r: int, conn, timeout: float, what: str) -> None:
+        """Until rank ``r`` answers (bounded); a rank that died takes the server down."""
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.2):
+            if not self._procs[r].is_alive():
+                self.dead = f"tp{r} exited with {self._procs[r].exitcode}"
+                raise RuntimeError(f"SGLang rank {r} died before it could {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SGLang rank {r} did not {what} in {timeout}s")
+
+    def compare(self, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+        """Per rank: the parameters that differ from SGLang's own load of ``tensors``."""
+        with self._lock:
+            return self._ranks("compare", tensors)
+
+    def compare_version(self, version: int, base: int | None = None) -> list[list[str]]:
+        """``compare`` against the full tensors of a test version (``tests.vllm._check``)."""
+        from shardsync.layout.logical import logical_tensors
+        from tests.vllm._check import version_source
+
+        source = version_source(self.spec, version, base)
+        return self.compare({n: source(n).to(getattr(torch, self.dtype)) for n in logical_tensors(self.spec)})
+
+    def params(self) -> list[dict[str, torch.Tensor]]:
+        with self._lock:
+            return self._ranks("params")
+
+    def stop(self) -> None:
+        self._http.shutdown()
+        for c, p in zip(self._conns, self._procs, strict=True):
+            if p.is_alive():
+                try:
+                    c.send(("stop", None))
+                except OSError:
+                    pass
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+    # -- the routes --
+
+    def _post(self, path: str, body: dict) -> tuple[int, dict]:
+        import pydantic
+        from sglang.srt.managers import io_struct
+
+        req = pydantic.TypeAdapter(getattr(io_struct, ROUTES[path])).validate_python(body)
+        self.events.append((path, body))
+        if path == "/pause_generation":
+            self.paused = True
+            return 200, {"message": "Generation paused successfully.", "status": "ok"}
+        if path == "/continue_generation":
+            self.paused = False
+            return 200, {"message": "Generation continued successfully.", "status": "ok"}
+        if path == "/update_weight_version":
+            self.weight_version = req.new_version
+            return 200, {"success": True, "message": f"Weight version updated to {req.new_version}",
+                         "new_version": req.new_version}
+        if path == "/begin_weight_update":
+            if self.session is not None:
+                return 400, {"success": False, "message": "a weight-update session is already open; "
+                                                          "call end_weight_update() first"}
+            self._ranks("begin")
+            self.session = {"loaded": False}
+            return 200, {"success": True, "message": "Success"}
+        if path == "/end_weight_update":
+            if self.session is None:
+                return 400, {"success": False, "message": "no weight-update session is open; call "
+                                                          "begin_weight_update() first"}
+            self._ranks("end", not self.session["loaded"])
+            self.session = None
+            return 200, {"success": True, "message": "Success"}
+        # /update_weights_from_tensor
+        if self.session is None:
+            return 400, {"success": False, "message": "update_weights_from_tensor must run between "
+                                                      "begin_weight_update() and end_weight_update()"}
+        answers = self._ranks("tensor", {"payloads": req.serialized_named_tensors, "load_format": req.load_format})
+        ok = all(a[0] for a in answers)
+        if ok:
+            self.session["loaded"] = True
+            if req.weight_version is not None:
+                self.weight_version = req.weight_version
+        return (200 if ok else 400), {"success": ok, "message": answers[0][1]}
+
+    def _get(self, path: str) -> tuple[int, dict]:
+        if path == "/health":
+            return 200, {}
+        if path == "/server_info":
+            return 200, {**json.loads(json.dumps(self.args.resolved_dict(), default=str)), "version": "0.5.23"}
+        if path == "/model_info":
+            return 200, {"model_path": self.spec.name, "weight_version": self.weight_version, "is_generation": True}
+        return 404, {"detail": "Not Found"}
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, status: int, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                if server.dead:
+                    return self._answer(502, {"detail": "server is down"})
+                self._answer(*server._get(self.path.split("?")[0]))
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                if server.dead:
+                    return self._answer(502, {"detail": "server is down"})
+                if self.path == "/fake/compare":  # the stand-in's own route, for the tests
+                    return self._answer(200, {"mismatched": server.compare_version(**body)})
+                if self.path not in ROUTES:
+                    return self._answer(404, {"detail": "Not Found"})
+                try:
+                    with server._lock:
+                        self._answer(*server._post(self.path, body))
+                except Exception as e:
+                    self._answer(500, {"detail": str(e)[:2000]})
+
+        return Handler

@@ -1,0 +1,115 @@
+"""A shardsync trainer (TP 1, TP 2, PP 2) syncs into SGLang's real models (engine TP 1, 2 and
+4 at once, KV heads replicated at 4) through SGLang's custom weight loader: p2p, broadcast
+and a 1 % delta.  After every update each rank's parameters equal, bit for bit, what
+SGLang's own ``load_weights`` makes of the trainer's full tensors; shardsync's checksums of
+what every rank holds equal the trainer's; the per-update calls are SGLang's, O(1) per
+engine.  The server is a stand-in (``FakeSglang``: SGLang's server needs a GPU build);
+models, loaders, schemas and the loader call path are SGLang's own."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import httpx
+import pytest
+import torch.distributed as dist
+
+from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportConfig
+from shardsync.layout import MegatronParallel
+from shardsync.layout.logical import logical_tensors
+from shardsync.models.weights import load_rank
+from shardsync.spec import PRESETS
+from shardsync.sync import WeightSync
+from tests.dist._world import free_port, join_trainer, run_world
+from tests.sglang import _models
+from tests.sglang.fake_server import FakeSglang
+from tests.vllm._check import version_source
+
+TOKEN = "sglang-test-token-0123456789abcdef"  # SGLang's ranks read it from $SHARDSYNC_TOKEN
+ENGINE_TPS = (1, 2, 4)
+MODELS = ("tiny-qwen3", "tiny-qwen2", "tiny-llama")  # q/k norms; bias + tied embeddings; 4 KV heads
+TRAINERS = {"tp1": MegatronParallel(tp=1, dtype="float32"), "tp2": MegatronParallel(tp=2, dtype="float32"),
+            "pp2": MegatronParallel(pp=2, dtype="float32")}
+# (version, mode for update(), base version of a delta or None)
+STEPS = ((1, None, None), (2, "broadcast", None), (3, None, 2))
+SESSION = ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]  # one call, no pause
+PER_UPDATE = ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
+              "/update_weight_version", "/continue_generation"]
+
+
+def _ctx():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_models.PRELOAD)  # every rank imports SGLang once, in the fork server
+    return ctx
+
+
+def start_servers(model: str, tps=ENGINE_TPS, **env) -> list[FakeSglang]:
+    spec = PRESETS[model]
+    source = version_source(spec, 0)
+    initial = {n: source(n) for n in logical_tensors(spec)}
+    return [FakeSglang(spec, tp, initial, env={"SHARDSYNC_TOKEN": TOKEN, **env}, ctx=_ctx()) for tp in tps]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def servers(request):
+    started = start_servers(request.param)
+    yield request.param, started
+    for s in started:
+        s.stop()
+
+
+def _load(params, lay, rank, source) -> None:
+    for k, v in load_rank(lay, rank, source).items():
+        params[k].copy_(v)  # in place: the sync reads the parameters where they live
+
+
+def _trainer(rank: int, world: int, port: int, model: str, trainer: str, urls: list[str], out) -> None:
+    spec = PRESETS[model]
+    par = TRAINERS[trainer]
+    lay, params = join_trainer(rank, world, port, spec, par, seed=0)
+    cfg = SyncConfig(delta=DeltaConfig(transport="p2p"), control=ControlConfig(channel="sglang", token=TOKEN),
+                     transport=TransportConfig(bucket_mb=0.25, timeout_s=60))
+    sync = WeightSync(spec, par, rank, params, urls, cfg, trainer_group=dist.group.WORLD)
+    sync.connect()
+    res = {"connected": sync.mode.value, "fallback": sync.fallback_reason, "steps": []}
+    for version, mode, base in STEPS:
+        _load(params, lay, rank, version_source(spec, version, base))
+        rec = sync.update(version, mode=mode)
+        step = {"version": version, "mode": rec.mode, "ok": rec.ok, "engines": rec.engines, "mismatched": sync.verify()}
+        if rank == 0:
+            step["sglang"] = [httpx.post(u + "/fake/compare", json={"version": version, "base": base},
+                                         timeout=120).json()["mismatched"] for u in urls]
+            step["weight_version"] = [httpx.get(u + "/model_info", timeout=10).json()["weight_version"] for u in urls]
+        res["steps"].append(step)
+        dist.barrier()
+    sync.close()
+    dist.destroy_process_group()
+    out.put((rank, res))
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_sync_equals_sglang_own_loader_bit_for_bit(servers, trainer) -> None:
+    model, started = servers
+    for s in started:
+        s.events.clear()
+    world = TRAINERS[trainer].world_size
+    results = run_world(_trainer, world, args=(world, free_port(), model, trainer, [s.url for s in started]),
+                        timeout=400)
+    r0 = results[0]
+    assert r0["connected"] == "p2p", r0["fallback"]
+    assert [s["mode"] for s in r0["steps"]] == ["p2p", "broadcast", "delta-p2p"]
+    full = PRESETS[model].num_parameters() * 4
+    for s in r0["steps"]:
+        assert s["ok"] and s["mismatched"] == [], (s["mode"], s["mismatched"][:5])
+        assert s["sglang"] == [[[] for _ in range(tp)] for tp in ENGINE_TPS], (s["mode"], s["sglang"])
+        assert s["weight_version"] == [str(s["version"])] * len(ENGINE_TPS)
+        for e, tp in zip(s["engines"], ENGINE_TPS, strict=True):
+            assert e["destination"] == "params"  # SGLang's parameters are shardsync's engine layout
+            if s["mode"] == "p2p":  # every rank gets only its own bytes: the model once (plus replicas)
+                assert e["bytes_received"] < full * (1.01 if tp <= 2 else 1.3), (tp, e["bytes_received"], full)
+            if s["mode"] == "broadcast":
+                assert e["bytes_received"] >= tp * full
+    for srv in started:  # O(1) SGLang calls per update, whatever the bucket count; paused -> continued
+        posts = [p for p, _ in srv.events]
+        assert posts == SESSION * 2 + (PER_UPDATE + SESSION) * len(STEPS) + SESSION, posts  # check, join;
+        assert not srv.paused and srv.dead is None  # each update and its verify; leave

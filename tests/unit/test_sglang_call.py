@@ -1,0 +1,65 @@
+"""A shardsync call as it rides SGLang's ``update_weights_from_tensor`` (``control.sglang``):
+signed over everything, packed as the one uint8 tensor SGLang hands the loader, bounded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+
+import pytest
+import torch
+
+from shardsync.control.sglang import MAX_CALL_BYTES, SglangCall, payload, read_call
+
+SECRET = "sglang-unit-secret-0123456789"
+
+
+class _Restricted(pickle.Unpickler):
+    """Admits only what the payload may need: a list, tuples, ``torch.ByteTensor``."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch", "ByteTensor"):
+            return torch.ByteTensor
+        raise pickle.UnpicklingError(f"{module}.{name} not admitted")
+
+
+def _unpack(p: str):
+    return _Restricted(io.BytesIO(base64.b64decode(p))).load()
+
+
+def _call(**kw) -> SglangCall:
+    return SglangCall(op="update", name="shardsync-1234", update={"seq": 1, "version": 3, "mode": "p2p"}, **kw)
+
+
+def test_payload_is_one_uint8_tensor_that_reads_back_signed() -> None:
+    items = _unpack(payload(_call().signed(SECRET)))
+    assert [n for n, _ in items] == ["shardsync"] and items[0][1].dtype == torch.uint8
+    call = read_call(items)
+    assert call.verify(SECRET) and call.update["version"] == 3
+    assert not call.verify("another-secret-0123456789")
+
+
+def test_tampered_call_fails_its_signature() -> None:
+    call = read_call(_unpack(payload(_call().signed(SECRET))))
+    forged = call.model_copy(update={"update": {**call.update, "version": 4}})
+    assert not forged.verify(SECRET)
+    assert not _call().verify(SECRET)  # unsigned, where the engine has a token
+    assert _call().verify(None)  # an engine without a token (loopback only, checked at connect)
+
+
+def test_read_call_refuses_anything_else() -> None:
+    with pytest.raises(ValueError, match="one tensor named"):
+        read_call([("model.embed_tokens.weight", torch.zeros(2))])
+    with pytest.raises(ValueError, match="uint8"):
+        read_call([("shardsync", torch.zeros(4))])
+    with pytest.raises(ValueError):
+        read_call([("shardsync", torch.tensor(list(b'{"op": "format_disk"}'), dtype=torch.uint8))])
+    with pytest.raises(ValueError, match="size bound"):
+        read_call([("shardsync", torch.zeros(MAX_CALL_BYTES + 1, dtype=torch.uint8))])
+
+
+def test_oversized_call_is_refused_before_sending() -> None:
+    big = SglangCall(op="check", name="x", connect={"spec": {"name": "a" * MAX_CALL_BYTES}})
+    with pytest.raises(ValueError, match="exceeds"):
+        payload(big)
