@@ -265,7 +265,9 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
 
 
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+    # transformers 5.19 writes Qwen3-MoE's expert count as num_local_experts (num_experts: null)
+    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
+            "num_experts_per_tok": cfg["num_experts_per_tok"],
             "moe_intermediate_size": cfg["moe_intermediate_size"],
             "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
             "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()),

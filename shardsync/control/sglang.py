@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import os
 import pickle
 from collections.abc import Sequence
 from typing import Literal
@@ -34,6 +35,8 @@ MAC_KEY = "shardsync/sglang/call"  # what a rank checks a call's signature under
 TENSOR_NAME = "shardsync"  # the one named tensor a call travels as
 MAX_CALL_BYTES = 1 << 20  # a connect names a spec and four fingerprints: far below
 PAUSE_MODES = ("abort", "retract", "in_place")
+ENV_API_KEY = "SHARDSYNC_SGLANG_API_KEY"  # the trainer's bearer for SGLang's --api-key / --admin-api-key
+ENV_LAYOUT = "SHARDSYNC_SGLANG_LAYOUT"  # "whole" in SGLang's environment: always receive whole tensors
 
 
 class SglangCall(Msg):
@@ -108,7 +111,7 @@ class SglangEngines(HostedEngines):
                  api_key: str | None = None) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"SGLang pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        self.http = Engines(urls, timeout_s, api_key, keepalive=False)
+        self.http = Engines(urls, timeout_s, api_key or os.environ.get(ENV_API_KEY) or None, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode, self.timeout_s = pause_mode, timeout_s
         self.attempt = 0

@@ -16,7 +16,7 @@ Shapes = Mapping[str, tuple[int, ...]]
 def layout_difference(rank: RankLayout, shapes: Shapes, dtypes: Mapping[str, torch.dtype],
                       dtype: torch.dtype, engine: str = "the engine") -> str | None:
     """Why ``shapes`` (name -> shape) is not ``rank``'s engine layout, or None when it is."""
-    mine = {t.name: tuple(t.shape) for t in rank.tensors}
+    mine = {t.name: tuple(t.stored) for t in rank.tensors}  # 3-D expert stacks as held
     missing, extra = sorted(set(mine) - set(shapes)), sorted(set(shapes) - set(mine))
     if missing or extra:
         return (f"parameter names differ: shardsync expects {missing[:3]} ({len(missing)} in all), "

@@ -16,6 +16,17 @@ MODELS = {  # HF architecture -> SGLang module
     "LlamaForCausalLM": "sglang.srt.models.llama",
     "Qwen3MoeForCausalLM": "sglang.srt.models.qwen3_moe",
 }
+
+def _specs():
+    from shardsync.spec import PRESETS
+
+    # SGLang's Qwen3-MoE makes every layer sparse and its lm_head its own (it reads neither
+    # ``mlp_only_layers`` nor ``tie_word_embeddings``; released Qwen3-MoE checkpoints use neither)
+    moe = PRESETS["tiny-qwen3-moe"].replace(mlp_only_layers=(), tie_word_embeddings=False)
+    return {**{m: PRESETS[m] for m in ("tiny-qwen3", "tiny-qwen2", "tiny-llama")}, "tiny-qwen3-moe": moe}
+
+
+SPECS = _specs()  # q/k norms; bias + tied embeddings; 4 KV heads; experts (triton layout)
 PRELOAD = ["torch", "transformers", "shardsync.receiver", "shardsync.engines.sglang", *MODELS.values()]
 
 
@@ -83,3 +94,55 @@ def hf_config(spec):
     out = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     out.architectures = list(cfg["architectures"])
     return out
+
+
+def prefill_logits(model: torch.nn.Module, spec, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SGLang's own forward of one prompt at TP 1 (its torch-native attention backend, a token
+    KV pool built here): the last token's logits over the real vocab."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    n = len(ids)
+    req_to_token = ReqToTokenPool(size=1, max_context_len=n + 8, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=n + 8, page_size=1, dtype=dtype, head_num=spec.num_kv_heads, head_dim=spec.head_dim,
+                          layer_num=spec.num_layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=req_to_token, token_to_kv_pool=kv))
+    slots = torch.arange(1, n + 1)
+    req_to_token.req_to_token[0, :n] = slots
+    one = torch.tensor([n], dtype=torch.int32)
+    batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=ids,
+                         req_pool_indices=torch.tensor([0], dtype=torch.int32), seq_lens=one, seq_lens_cpu=one,
+                         out_cache_loc=slots, seq_lens_sum=n, positions=torch.arange(n))
+    batch.extend_prefix_lens, batch.extend_prefix_lens_cpu = torch.tensor([0], dtype=torch.int32), [0]
+    batch.extend_seq_lens, batch.extend_seq_lens_cpu, batch.extend_num_tokens = one, [n], n
+    batch.return_logprob, batch.capture_hidden_mode = False, CaptureHiddenMode.NULL
+    pages = SimpleNamespace(page_size=1, get_kvcache=lambda: kv)
+    KVIndexTranslator(req_to_token=req_to_token.req_to_token, token_to_kv_pool_allocator=pages, token_to_kv_pool=kv,
+                      page_size=1, device="cpu", is_draft_worker=False).bind_own_plan(batch)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_forward_metadata(batch)
+        out = model.forward(ids, batch.positions, batch)
+    return out.next_token_logits[0, :spec.vocab_size].float()
+
+
+def transformers_model(spec, full: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """``transformers``' model holding ``full`` (HF checkpoint names; transformers 5 keeps a
+    MoE layer's experts stacked in memory)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            pre = name.split("experts.")[0]
+            if name.endswith("experts.gate_up_proj"):
+                t = torch.stack([torch.cat([full[f"{pre}experts.{e}.gate_proj.weight"],
+                                            full[f"{pre}experts.{e}.up_proj.weight"]]) for e in range(spec.num_experts)])
+            elif name.endswith("experts.down_proj"):
+                t = torch.stack([full[f"{pre}experts.{e}.down_proj.weight"] for e in range(spec.num_experts)])
+            else:
+                t = full["model.embed_tokens.weight" if name == "lm_head.weight" and spec.tie_word_embeddings else name]
+            param.copy_(t)
+    return model

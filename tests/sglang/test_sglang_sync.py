@@ -18,7 +18,6 @@ from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportCo
 from shardsync.layout import MegatronParallel
 from shardsync.layout.logical import logical_tensors
 from shardsync.models.weights import load_rank
-from shardsync.spec import PRESETS
 from shardsync.sync import WeightSync
 from tests.dist._world import free_port, join_trainer, run_world
 from tests.sglang import _models
@@ -27,9 +26,11 @@ from tests.vllm._check import version_source
 
 TOKEN = "sglang-test-token-0123456789abcdef"  # SGLang's ranks read it from $SHARDSYNC_TOKEN
 ENGINE_TPS = (1, 2, 4)
-MODELS = ("tiny-qwen3", "tiny-qwen2", "tiny-llama")  # q/k norms; bias + tied embeddings; 4 KV heads
 TRAINERS = {"tp1": MegatronParallel(tp=1, dtype="float32"), "tp2": MegatronParallel(tp=2, dtype="float32"),
             "pp2": MegatronParallel(pp=2, dtype="float32")}
+# every dense model from every trainer layout; the MoE model from TP 2 (tests/dist has the
+# expert-parallel trainers)
+COMBOS = [(m, t) for m in _models.SPECS for t in TRAINERS if t == "tp2" or not _models.SPECS[m].num_experts]
 # (version, mode for update(), base version of a delta or None)
 STEPS = ((1, None, None), (2, "broadcast", None), (3, None, 2))
 SESSION = ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]  # one call, no pause
@@ -44,13 +45,13 @@ def _ctx():
 
 
 def start_servers(model: str, tps=ENGINE_TPS, **env) -> list[FakeSglang]:
-    spec = PRESETS[model]
+    spec = _models.SPECS[model]
     source = version_source(spec, 0)
     initial = {n: source(n) for n in logical_tensors(spec)}
     return [FakeSglang(spec, tp, initial, env={"SHARDSYNC_TOKEN": TOKEN, **env}, ctx=_ctx()) for tp in tps]
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module")
 def servers(request):
     started = start_servers(request.param)
     yield request.param, started
@@ -64,7 +65,7 @@ def _load(params, lay, rank, source) -> None:
 
 
 def _trainer(rank: int, world: int, port: int, model: str, trainer: str, urls: list[str], out) -> None:
-    spec = PRESETS[model]
+    spec = _models.SPECS[model]
     par = TRAINERS[trainer]
     lay, params = join_trainer(rank, world, port, spec, par, seed=0)
     cfg = SyncConfig(delta=DeltaConfig(transport="p2p"), control=ControlConfig(channel="sglang", token=TOKEN),
@@ -87,7 +88,7 @@ def _trainer(rank: int, world: int, port: int, model: str, trainer: str, urls: l
     out.put((rank, res))
 
 
-@pytest.mark.parametrize("trainer", list(TRAINERS))
+@pytest.mark.parametrize(("servers", "trainer"), COMBOS, indirect=["servers"])
 def test_sync_equals_sglang_own_loader_bit_for_bit(servers, trainer) -> None:
     model, started = servers
     for s in started:
@@ -98,7 +99,7 @@ def test_sync_equals_sglang_own_loader_bit_for_bit(servers, trainer) -> None:
     r0 = results[0]
     assert r0["connected"] == "p2p", r0["fallback"]
     assert [s["mode"] for s in r0["steps"]] == ["p2p", "broadcast", "delta-p2p"]
-    full = PRESETS[model].num_parameters() * 4
+    full = _models.SPECS[model].num_parameters() * 4
     for s in r0["steps"]:
         assert s["ok"] and s["mismatched"] == [], (s["mode"], s["mismatched"][:5])
         assert s["sglang"] == [[[] for _ in range(tp)] for tp in ENGINE_TPS], (s["mode"], s["sglang"])

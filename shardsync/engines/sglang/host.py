@@ -9,12 +9,13 @@ padding), the rank says why and takes whole tensors through SGLang's own ``load_
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import torch
 
 from shardsync.control import auth
-from shardsync.control.sglang import MAC_KEY, Checked, SglangCall, checked_key
+from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall, checked_key
 from shardsync.control.wire import ConnectRequest, put
 from shardsync.receiver import Loader, Params, Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank
@@ -87,6 +88,8 @@ class SglangHost:
         if reason is None and self.spec.num_experts and moe_backend() not in MOE_BACKENDS:
             reason = (f"SGLang's MoE runner backend {moe_backend()!r} holds experts in its own layout; shardsync's "
                       f"is that of {MOE_BACKENDS} (--moe-runner-backend triton)")
+        if os.environ.get(ENV_LAYOUT) == "whole":
+            reason = f"{ENV_LAYOUT}=whole in SGLang's environment"
         self.rank = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
                                mac_key=MAC_KEY, engine="SGLang", layout_reason=reason,
                                dtype_name=str(self.dtype).removeprefix("torch."), ep=self.ep)
