@@ -102,7 +102,11 @@ def prefill_logits(model: torch.nn.Module, spec, ids: torch.Tensor, dtype: torch
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardBatch,
+        ForwardMode,
+    )
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     n = len(ids)
