@@ -52,7 +52,7 @@ from shardsync.runtime.checksum import combine, compare, piece_checksums
 from shardsync.runtime.record import UpdateRecord, append_jsonl, make_record
 from shardsync.runtime.schedule import subgroups
 from shardsync.spec import ModelSpec
-from shardsync.topology import Topology
+from shardsync.topology import STAGED_KINDS, Topology
 from shardsync.transport import Rendezvous, SyncGroup
 from shardsync.transport.group import free_port, open_store
 
@@ -147,7 +147,10 @@ class WeightSync:
             raise SyncError(f"connect failed on trainer rank 0: {decision.error}")
         dtype = decision.dtype
         layout_reason = None
-        rdv = Rendezvous(cfg.transport.host, decision.port, self.parallel.world_size + sum(decision.tps),
+        n = len(decision.tps)
+        eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
+        rdv = Rendezvous(cfg.transport.host, decision.port,
+                         self.parallel.world_size + sum(t * pp for t, pp in zip(decision.tps, pps, strict=True)),
                          decision.name, cfg.transport.backend, cfg.transport.timeout_s)
         store, self._keys = None, Keys(rdv.name)
         if self.rank == 0:  # hosted engines answer through the store from their first check on
@@ -156,8 +159,8 @@ class WeightSync:
                 self._engines.bind(store, self._keys)
         for whole in (False, True):  # whole: the engines' own loaders shard whole tensors
             topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
-                            tuple(EngineParallel(tp=t, ep=ep, dtype=dtype, whole=whole)
-                                  for t, ep in zip(decision.tps, decision.eps or [1] * len(decision.tps), strict=True)),
+                            tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole)
+                                  for t, ep, pp in zip(decision.tps, eps, pps, strict=True)),
                             engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
                             quantization=decision.facts["quantization"], relay=cfg.relay)
             if whole:
@@ -218,11 +221,13 @@ class WeightSync:
         dtypes = {i.dtype for i in infos}
         if len(dtypes) != 1:
             raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
-        facts = {(i.kind, i.pp, i.quantization) for i in infos}
+        staged = {i.kind for i in infos} <= set(STAGED_KINDS)  # their pipeline stages are planned per rank
+        facts = {(i.kind, 1 if staged else i.pp, i.quantization) for i in infos}
         if len(facts) != 1:
             raise SyncError(f"engines differ in (kind, pp, quantization): {sorted(facts, key=str)}")
         kind, pp, quantization = facts.pop()
-        return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos], dtype=dtypes.pop(),
+        return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos],
+                        pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(),
                         port=self.config.transport.port or free_port(self.config.transport.host),
                         name=f"shardsync-{uuid.uuid4().hex[:8]}",
                         facts={"kind": kind, "pp": pp, "quantization": quantization})

@@ -27,6 +27,7 @@ from shardsync.plan import Plan, build_plan
 from shardsync.spec import ModelSpec
 
 ENGINE_KINDS = ("reference", "sglang", "vllm")
+STAGED_KINDS = ("sglang",)  # engine kinds whose ranks receive per pipeline stage
 TrainerParallel = MegatronParallel | Fsdp2Parallel
 # trainer kind -> its layout (Megatron-core GPTModel shards, or FSDP2 row blocks of HF tensors)
 TRAINER_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp2_layout}
@@ -38,6 +39,8 @@ class Topology:
     trainer: MegatronParallel | Fsdp2Parallel
     engines: tuple[EngineParallel, ...] = field(default=(EngineParallel(),))
     engine_kind: str = "reference"
+    # pipeline depth an engine reports whose layout has no stages (its p2p is refused);
+    # engines that host stages (SGLang) carry them in ``EngineParallel.pp`` instead
     engine_pp: int = 1
     quantization: str | None = None
     relay: bool = False
@@ -61,11 +64,11 @@ class Topology:
         return concat_layouts("engine", self.engine_layouts)
 
     def engine_rank_offset(self, engine: int) -> int:
-        return sum(e.tp for e in self.engines[:engine])
+        return sum(e.world_size for e in self.engines[:engine])
 
     @property
     def num_engine_ranks(self) -> int:
-        return sum(e.tp for e in self.engines)
+        return sum(e.world_size for e in self.engines)
 
     def stage_ranks(self, stage: int) -> list[int]:
         """A stage's broadcast members, its source first (each trainer kind says which)."""

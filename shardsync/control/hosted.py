@@ -90,9 +90,14 @@ class HostedEngines:
     def bind(self, store: dist.Store, keys: Keys) -> None:
         self.store, self.keys, self.seq = store, keys, 0
 
+    def engine_ranks(self, i: int) -> int:
+        """Engine ``i``'s ranks (TP x PP stages), as its connect request declares them."""
+        req = self.requests[i]
+        return req.engines[i] * (req.engine_pp[i] if req.engine_pp else 1)
+
     def ranks(self):
         """(engine index, rank) of every engine rank."""
-        return [(i, r) for i, req in enumerate(self.requests) for r in range(req.engines[i])]
+        return [(i, r) for i in range(len(self.requests)) for r in range(self.engine_ranks(i))]
 
     def joined(self) -> bool:
         """Every rank's join note: whether any reported an update session left open."""
@@ -104,9 +109,9 @@ class HostedEngines:
 
     def results(self, version: int, mode: Mode) -> list[UpdateResult]:
         out = []
-        for i, req in enumerate(self.requests):
+        for i in range(len(self.requests)):
             reports = [get(self.store, self.keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret)
-                       for r in range(req.engines[i])]
+                       for r in range(self.engine_ranks(i))]
             out.append(reduce_reports(version, mode.value, reports))
         return out
 
@@ -149,9 +154,9 @@ class HostedEngines:
         version = self.versions()[0].weight_version
         self.checksum_round(self.update_info(version, Mode.BROADCAST, op="checksum"))
         out = []
-        for i, req in enumerate(self.requests):
+        for i in range(len(self.requests)):
             parts = [get(self.store, self.keys.rank_checksums(self.seq, i, r), RankSums, self._timeout,
-                         self.secret).keyed() for r in range(req.engines[i])]
+                         self.secret).keyed() for r in range(self.engine_ranks(i))]
             sums = {k: (None if v is None else str(v)) for k, v in combine(parts).items()}
             out.append(ChecksumResponse(weight_version=version, stale=False, checksums=sums))
         return out

@@ -65,6 +65,7 @@ class ConnectRequest(Msg):
     engine_index: int = Field(ge=0, lt=MAX_ENGINES)
     whole: list[bool] = Field(default_factory=list, max_length=MAX_ENGINES)  # per engine; [] = none
     engine_ep: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)  # [] = 1
+    engine_pp: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)  # [] = 1
     fingerprints: dict[str, Annotated[str, Field(max_length=64)]] = Field(max_length=4)
     bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)
@@ -151,6 +152,7 @@ class Decision(Msg):
 
     tps: list[int] = Field(default_factory=list)
     eps: list[int] = Field(default_factory=list)
+    pps: list[int] = Field(default_factory=list)  # engines that host pipeline stages (SGLang); [] = 1
     dtype: str = ""
     port: int = 0
     name: str = ""

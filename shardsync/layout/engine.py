@@ -25,12 +25,17 @@ from shardsync.spec import ModelSpec
 REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight")
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 POST_NORMS = ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")  # GLM4
+# families whose untied ``lm_head`` SGLang (0.5.23) builds and loads on every pipeline stage;
+# the others hold it on the last stage only
+LM_HEAD_EVERY_STAGE = ("llama", "qwen3_moe")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineParallel:
     tp: int = 1
     ep: int = 1  # expert parallel within the TP group (moe_tp = tp / ep)
+    pp: int = 1  # pipeline stages, each a TP group holding its layers (SGLang --pp-size)
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; None: SGLang's even split
     vocab_pad: int = 64
     dtype: str | None = None
     # every rank holds every logical tensor whole and the engine's own loader shards it: for
@@ -42,6 +47,22 @@ class EngineParallel:
         if (-(-vocab // pad) * pad) % self.tp:
             pad *= self.tp
         return -(-vocab // pad) * pad
+
+    @property
+    def world_size(self) -> int:
+        """Engine ranks, stage-major: rank ``s * tp + r`` is TP rank ``r`` of stage ``s``."""
+        return self.tp * self.pp
+
+    def stage_layers(self, num_layers: int, stage: int) -> range:
+        """Stage ``stage``'s layers: ``pp_layers`` (SGLang's SGLANG_PP_LAYER_PARTITION), else
+        an even split with one extra layer on each of the last ``num_layers % pp`` stages."""
+        if self.pp_layers is not None:
+            start = sum(self.pp_layers[:stage])
+            return range(start, start + self.pp_layers[stage])
+        base, extra = divmod(num_layers, self.pp)
+        first_long = self.pp - extra
+        start = stage * base + max(0, stage - first_long)
+        return range(start, start + base + (stage >= first_long))
 
     @property
     def moe_tp(self) -> int:
@@ -58,8 +79,14 @@ class EngineParallel:
 def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
     t, ng = par.tp, spec.num_kv_heads
     dense_layers = any(not spec.sparse_layer(n) for n in range(spec.num_layers))
-    if min(t, par.ep) < 1:  # before any rule divides by them
-        raise ValueError(f"engine layout of {spec.name} impossible: tp and ep must be >= 1")
+    if min(t, par.ep, par.pp) < 1:  # before any rule divides by them
+        raise ValueError(f"engine layout of {spec.name} impossible: tp, ep and pp must be >= 1")
+    if par.pp_layers is not None and (len(par.pp_layers) != par.pp or sum(par.pp_layers) != spec.num_layers
+                                      or min(par.pp_layers) < 1):
+        raise ValueError(f"engine layout of {spec.name} impossible: pp_layers={list(par.pp_layers)} must give each "
+                         f"of the {par.pp} stages >= 1 layer, {spec.num_layers} in all")
+    if par.pp > spec.num_layers:
+        raise ValueError(f"engine layout of {spec.name} impossible: pp={par.pp} exceeds the {spec.num_layers} layers")
     rules = [
         (t >= 1 and par.ep >= 1, "tp and ep must be >= 1"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
@@ -108,8 +135,11 @@ def _experts(spec: ModelSpec, par: EngineParallel, layer: int, r: int,
     return out
 
 
-def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
+def _engine_rank(spec: ModelSpec, par: EngineParallel, stage: int, r: int,
                  logical: dict[str, tuple[int, ...]], dtype: str) -> RankLayout:
+    """TP rank ``r`` of stage ``stage``: its layers (global names), the embedding on the first
+    stage, the final norm and ``lm_head`` on the last (a tied one there is its own tensor,
+    filled from the embedding; ``LM_HEAD_EVERY_STAGE``: on every stage), as SGLang holds them."""
     t, H, V, d = par.tp, spec.hidden_size, spec.vocab_size, spec.head_dim
     tensors: list[TensorMeta] = []
     pieces: list[Piece] = []
@@ -121,14 +151,17 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
     rows = par.padded_vocab(V) // t
     lo, hi = min(r * rows, V), min((r + 1) * rows, V)
 
-    def vocab(name: str) -> None:
-        add(name, (rows, H), stacked(name, [Segment(name, lo, hi - lo)], logical, 0) if hi > lo else [])
+    def vocab(name: str, source: str | None = None) -> None:
+        src = source or name
+        add(name, (rows, H), stacked(name, [Segment(src, lo, hi - lo)], logical, 0) if hi > lo else [])
 
-    vocab("model.embed_tokens.weight")
+    first, last = stage == 0, stage == par.pp - 1
+    if first:
+        vocab("model.embed_tokens.weight")
     nq = spec.num_heads // t
     k0, nkv = par.kv_heads(spec.num_kv_heads, r)
     f = spec.intermediate_size // t
-    for layer in range(spec.num_layers):
+    for layer in par.stage_layers(spec.num_layers, stage):
         p = f"model.layers.{layer}."
         add(p + REPLICATED[0], (H,), [whole(p + REPLICATED[0], p + REPLICATED[0], logical)])
         for suffix in ("weight", "bias") if spec.qkv_bias else ("weight",):
@@ -158,20 +191,27 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, r: int,
         add(name, (H, f), stacked(name, [Segment(name, r * f, f)], logical, 1))
         if spec.post_norms:
             add(p + POST_NORMS[1], (H,), [whole(p + POST_NORMS[1], p + POST_NORMS[1], logical)])
-    add("model.norm.weight", (H,), [whole("model.norm.weight", "model.norm.weight", logical)])
-    if not spec.tie_word_embeddings:
+    if last:
+        add("model.norm.weight", (H,), [whole("model.norm.weight", "model.norm.weight", logical)])
+    if spec.tie_word_embeddings:
+        if last and not first:
+            vocab("lm_head.weight", "model.embed_tokens.weight")
+    elif last or spec.family in LM_HEAD_EVERY_STAGE:
         vocab("lm_head.weight")
-    return RankLayout(f"tp{r}", tuple(tensors), tuple(pieces))
+    return RankLayout(f"pp{stage}tp{r}" if par.pp > 1 else f"tp{r}", tuple(tensors), tuple(pieces))
 
 
 @gc_paused
 def engine_layout(spec: ModelSpec, par: EngineParallel) -> Layout:
-    """One engine's layout over its ``par.tp`` ranks (tied models have no ``lm_head`` param)."""
+    """One engine's layout over its ``par.world_size`` ranks, stage-major (tied models have no
+    ``lm_head`` param unless PP puts it on another stage than the embedding)."""
     dtype = par.dtype or spec.dtype
     if par.whole:
-        return full_layout(spec, replicas=par.tp, dtype=dtype)
+        return full_layout(spec, replicas=par.world_size, dtype=dtype)
     check_engine(spec, par)
     logical = logical_tensors(spec)
-    ranks = tuple(_engine_rank(spec, par, r, logical, dtype) for r in range(par.tp))
-    params: tuple[tuple[str, object], ...] = (("tp", par.tp),) + ((("ep", par.ep),) if spec.is_moe else ())
+    ranks = tuple(_engine_rank(spec, par, s, r, logical, dtype) for s in range(par.pp) for r in range(par.tp))
+    stages = tuple(len(par.stage_layers(spec.num_layers, s)) for s in range(par.pp))
+    params: tuple[tuple[str, object], ...] = ((("tp", par.tp),) + ((("ep", par.ep),) if spec.is_moe else ())
+                                              + ((("pp", stages),) if par.pp > 1 else ()))
     return Layout("engine", spec, logical, ranks, params)

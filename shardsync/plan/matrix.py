@@ -53,7 +53,8 @@ class Case:
     engine_tps: tuple[int, ...] = (1,)
     engine_ep: int = 1
     engine_kind: str = "reference"
-    engine_pp: int = 1
+    engine_pp: int = 1  # reported by an engine whose layout has no stages
+    engine_stages: int = 1  # SGLang: pipeline stages in the engine layout
     quantization: str | None = None
     spec_changes: tuple[tuple[str, int], ...] = ()
     note: str = ""
@@ -62,7 +63,8 @@ class Case:
         spec = PRESETS[self.model].replace(**dict(self.spec_changes))
         trainer = MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp, dp=self.trainer_dp, ep=self.trainer_ep,
                                    etp=self.trainer_etp)
-        return Topology(spec, trainer, tuple(EngineParallel(tp=t, ep=self.engine_ep) for t in self.engine_tps),
+        return Topology(spec, trainer, tuple(EngineParallel(tp=t, ep=self.engine_ep, pp=self.engine_stages)
+                                             for t in self.engine_tps),
                         engine_kind=self.engine_kind, engine_pp=self.engine_pp,
                         quantization=self.quantization)
 
@@ -137,6 +139,7 @@ def extra_cases() -> list[Case]:
     return [
         Case(**base, engine_kind="tensorrt-llm", note="unknown engine kind"),
         Case(**base, engine_pp=2, note="engine runs PP 2"),
+        Case(**base, engine_kind="sglang", engine_stages=2, note="SGLang PP 2: each stage's ranks get its layers"),
         Case(**base, quantization="fp8", note="engine quantizes at load time"),
         Case(**{**base, "trainer_tp": 3, "relation": "trainer non-pow2"},
              note="Megatron refuses TP 3 for 8 heads"),
@@ -201,7 +204,8 @@ def _table(entries: list[Entry], with_note: bool) -> list[str]:
         trainer = f"TP{c.trainer_tp} PP{c.trainer_pp}" + (f" DP{c.trainer_dp}" if c.trainer_dp > 1 else "")
         if PRESETS[c.model].is_moe:
             trainer += f" EP{c.trainer_ep} ETP{c.trainer_etp or c.trainer_tp}"
-        engines = "+".join(str(t) for t in c.engine_tps) + (f" EP{c.engine_ep}" if PRESETS[c.model].is_moe else "")
+        engines = ("+".join(str(t) for t in c.engine_tps) + (f" EP{c.engine_ep}" if PRESETS[c.model].is_moe else "")
+                   + (f" PP{c.engine_stages}" if c.engine_stages > 1 else ""))
         cells = [c.model, c.relation, trainer, engines, c.engine_kind,
                  *(_cell(e, m) for m in MODES), _why(e)]
         if with_note:

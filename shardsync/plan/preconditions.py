@@ -46,7 +46,8 @@ PRECONDITIONS: tuple[Precondition, ...] = (
                  lambda t: t.spec.family in FAMILY_FLAGS),
     Precondition("engine_layout_known", f"engine kind is one of {list(ENGINE_KINDS)}",
                  lambda t: t.engine_kind in ENGINE_KINDS),
-    Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1)",
+    Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1), except those "
+                 "whose stages are planned per rank (SGLang)",
                  lambda t: t.engine_pp == 1),
     Precondition("unquantized", "engines hold unquantized weights (no load-time post-processing)",
                  lambda t: t.quantization is None),

@@ -45,6 +45,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
         "engines": [e.tp for e in topo.engines], "engine_index": index, "fingerprints": fingerprints,
         "whole": [e.whole for e in topo.engines] if any(e.whole for e in topo.engines) else [],
         "engine_ep": [e.ep for e in topo.engines] if any(e.ep > 1 for e in topo.engines) else [],
+        "engine_pp": [e.pp for e in topo.engines] if any(e.pp > 1 for e in topo.engines) else [],
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc or False,
         "control": control, "verify": verify, "rendezvous": dataclasses.asdict(rdv),
     })
@@ -65,12 +66,16 @@ def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
     eps = req.engine_ep or [1] * len(req.engines)
     if len(eps) != len(req.engines):
         raise ValueError(f"engine_ep names {len(eps)} engines, engines {len(req.engines)}")
-    engines = tuple(EngineParallel(tp=tp, ep=ep, dtype=dtype, whole=w)
-                    for tp, ep, w in zip(req.engines, eps, whole, strict=True))
+    pps = req.engine_pp or [1] * len(req.engines)
+    if len(pps) != len(req.engines):
+        raise ValueError(f"engine_pp names {len(pps)} engines, engines {len(req.engines)}")
+    engines = tuple(EngineParallel(tp=tp, ep=ep, pp=pp, dtype=dtype, whole=w)
+                    for tp, ep, pp, w in zip(req.engines, eps, pps, whole, strict=True))
     return Topology(spec, trainer, engines, relay=req.relay)
 
 
-def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1) -> dict[str, str]:
+def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1,
+                  pp: int = 1) -> dict[str, str]:
     """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
     differs when trainer and engine disagree (nothing is joined or changed)."""
     if req.protocol != PROTOCOL_VERSION:
@@ -94,6 +99,10 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
     if declared_ep != ep:
         raise Conflict(f"engine {req.engine_index} declared with expert parallel {declared_ep}, this engine runs "
                        f"EP {ep}")
+    declared_pp = topo.engines[req.engine_index].pp
+    if declared_pp != pp:
+        raise Conflict(f"engine {req.engine_index} declared with pipeline parallel {declared_pp}, this engine runs "
+                       f"PP {pp}")
     if not req.fingerprints:
         raise Invalid("a connect names at least one plan fingerprint (broadcast)")
     mine = {}

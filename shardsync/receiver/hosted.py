@@ -62,8 +62,9 @@ class HostedRank:
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, receiver_for: Callable[[bool], Receiver], *,
                  secret: str | None, mac_key: str, engine: str, layout_reason: str | None = None,
-                 dtype_name: str, ep: int = 1) -> None:
-        self.spec, self.tp_rank, self.tp_size, self.ep = spec, tp_rank, tp_size, ep
+                 dtype_name: str, ep: int = 1, pp_rank: int = 0, pp: int = 1) -> None:
+        self.spec, self.tp_rank, self.tp_size, self.ep, self.pp = spec, tp_rank, tp_size, ep, pp
+        self.index = pp_rank * tp_size + tp_rank  # this rank among the engine's (its store keys)
         self._receiver_for, self.secret, self.mac_key, self.engine = receiver_for, secret, mac_key, engine
         self.layout_reason, self.dtype_name = layout_reason, dtype_name
         self.receiver: Receiver | None = None  # the connected one
@@ -89,7 +90,7 @@ class HostedRank:
         if self.layout_reason and not whole:
             raise ValueError(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: {self.layout_reason}")
         rx = self._receiver_for(whole)
-        return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep)
+        return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp)
 
     def join(self, connect: dict, mac: str | None, *, session_open: bool = False) -> None:
         """Check, then join the sync group (bounded); tells the trainer whether an update
@@ -102,7 +103,7 @@ class HostedRank:
         self.keys, self.engine_index = Keys(req.rendezvous.name), req.engine_index
         self.stale = True  # the first update of a connection is a full one
         self.seq = 0
-        put(rx.group.store, self.keys.rank_joined(self.engine_index, self.tp_rank), Joined(session_open=session_open),
+        put(rx.group.store, self.keys.rank_joined(self.engine_index, self.index), Joined(session_open=session_open),
             self.secret)
 
     # -- update --
@@ -123,7 +124,7 @@ class HostedRank:
         store = rx.group.store
         if call.op == "checksum":
             try:
-                put(store, self.keys.rank_checksums(call.seq, self.engine_index, self.tp_rank),
+                put(store, self.keys.rank_checksums(call.seq, self.engine_index, self.index),
                     RankSums.of(rx.checksums()), self.secret)
             except Exception as e:  # the trainer times out waiting for these sums
                 log.warning("shardsync: tp%d: checksums failed: %s", self.tp_rank, e)
@@ -135,7 +136,7 @@ class HostedRank:
             report = RankReport(ok=False, error=f"{UPDATE_FAILED}: version {call.version} on tp{self.tp_rank}: {e}; "
                                                 "reconnect and send a full update")
         try:
-            put(store, self.keys.rank_result(call.seq, self.engine_index, self.tp_rank), report, self.secret)
+            put(store, self.keys.rank_result(call.seq, self.engine_index, self.index), report, self.secret)
         except Exception as e:  # the trainer is gone: nobody to tell
             log.warning("shardsync: tp%d: cannot report update %d: %s", self.tp_rank, call.version, e)
 

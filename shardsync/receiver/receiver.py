@@ -37,15 +37,17 @@ class Receiver:
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu", secret: str | None = None,
-                 whole: bool = False, ep: int = 1) -> None:
+                 whole: bool = False, ep: int = 1, pp_rank: int = 0, pp: int = 1) -> None:
         self.spec, self.tp_rank, self.tp_size, self.whole, self.ep = spec, tp_rank, tp_size, whole, ep
+        self.pp_rank, self.pp = pp_rank, pp
+        self.index = pp_rank * tp_size + tp_rank  # this rank among the engine's (stage-major)
         self.destination = destination
         self._secret = secret  # the trainer signs the store values this rank acts on
         self.dtype, self.device = dtype, torch.device(device)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.layout = engine_layout(spec.replace(dtype=self.dtype_name),
-                                    EngineParallel(tp=tp_size, ep=ep, dtype=self.dtype_name, whole=whole))
-        self.rank_layout = self.layout.ranks[tp_rank]
+                                    EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=self.dtype_name, whole=whole))
+        self.rank_layout = self.layout.ranks[self.index]
         self._meta = {t.name: t for t in self.rank_layout.tensors}
         self._views: tuple[object, dict[str, torch.Tensor]] | None = None
         self.group: SyncGroup | None = None
@@ -74,7 +76,7 @@ class Receiver:
         if topo.engines[req.engine_index].whole != self.whole:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
                              f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")
-        me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.tp_rank
+        me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.index
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)

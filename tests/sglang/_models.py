@@ -42,31 +42,34 @@ class StandInGroup(SimpleNamespace):
         raise AttributeError(f"stand-in group has no {name!r}: nothing communicates in these tests")
 
 
-def publish_rank(tp_rank: int, tp_size: int, dtype: str, loaders: tuple[str, ...] = ()):
-    """Publish this process's SGLang context as TP rank ``tp_rank`` of ``tp_size`` (last
-    publish wins); returns the ``ServerArgs``."""
+def publish_rank(tp_rank: int, tp_size: int, dtype: str, loaders: tuple[str, ...] = (), pp_rank: int = 0,
+                 pp_size: int = 1):
+    """Publish this process's SGLang context as TP rank ``tp_rank`` of ``tp_size`` in stage
+    ``pp_rank`` of ``pp_size`` (last publish wins); returns the ``ServerArgs``."""
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     reset_context()
-    args = ServerArgs(model_path="dummy", tp_size=tp_size, device="cpu", dtype=dtype,
+    args = ServerArgs(model_path="dummy", tp_size=tp_size, pp_size=pp_size, device="cpu", dtype=dtype,
                       custom_weight_loader=list(loaders) or None)
-    publish(args, role="test", ranks=SpawnRanks(world_rank=tp_rank))
+    publish(args, role="test", ranks=SpawnRanks(world_rank=pp_rank * tp_size + tp_rank))
     tp, one = StandInGroup(tp_rank, tp_size), StandInGroup(0, 1)
     # as SGLang's initialize_model_parallel aliases them when the widths match
-    get_parallel().override_permanently(tp_group=tp, attn_tp_group=tp, moe_tp_group=tp, pp_group=one,
+    get_parallel().override_permanently(tp_group=tp, attn_tp_group=tp, moe_tp_group=tp,
+                                        pp_group=StandInGroup(pp_rank, pp_size),
                                         moe_ep_group=tp if tp_size == 1 else one,
                                         moe_dp_group=tp if tp_size == 1 else one, attn_cp_group=one)
     return args
 
 
 def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.float32,
-          loaders: tuple[str, ...] = ()) -> torch.nn.Module:
-    """SGLang's model of ``hf_config`` as TP rank ``tp_rank`` holds it (weights uninitialized)."""
+          loaders: tuple[str, ...] = (), pp_rank: int = 0, pp_size: int = 1) -> torch.nn.Module:
+    """SGLang's model of ``hf_config`` as TP rank ``tp_rank`` of stage ``pp_rank`` holds it
+    (weights uninitialized)."""
     import sglang.srt.layers.rotary_embedding.base as rope
 
     rope._is_cpu = True  # its CUDA path imports vllm's custom ops; the native one is exact
-    publish_rank(tp_rank, tp_size, str(dtype).removeprefix("torch."), loaders)
+    publish_rank(tp_rank, tp_size, str(dtype).removeprefix("torch."), loaders, pp_rank, pp_size)
     (arch,) = hf_config.architectures
     cls = getattr(importlib.import_module(MODELS[arch]), arch)
     before = torch.get_default_dtype()

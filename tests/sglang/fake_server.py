@@ -33,7 +33,8 @@ ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_stru
 }
 
 
-def _rank_main(tp_rank: int, tp_size: int, spec, dtype: str, initial: dict, env: dict, conn) -> None:
+def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, spec, dtype: str, initial: dict, env: dict,
+               conn) -> None:
     """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``."""
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -41,7 +42,8 @@ def _rank_main(tp_rank: int, tp_size: int, spec, dtype: str, initial: dict, env:
     from sglang.srt.utils.common import MultiprocessingSerializer
 
     dt = getattr(torch, dtype)
-    model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,))
+    stage = dict(pp_rank=pp_rank, pp_size=pp_size)
+    model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,), **stage)
     _models.sglang_load(model, initial)
     updater = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=[ENTRY],
                             get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None,
@@ -62,8 +64,8 @@ def _rank_main(tp_rank: int, tp_size: int, spec, dtype: str, initial: dict, env:
                 updater.end_weight_update(run_post_load=arg)
                 conn.send(("ok", None))
             elif op == "compare":  # what SGLang's own loader makes of these full tensors, bit for bit
-                ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt), arg)
-                _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,))
+                ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt, **stage), arg)
+                _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,), **stage)
                 want = dict(ref.named_parameters())
                 bad = [n for n, p in model.named_parameters() if not torch.equal(p.data, want[n].data)]
                 conn.send(("ok", bad))
@@ -75,14 +77,14 @@ def _rank_main(tp_rank: int, tp_size: int, spec, dtype: str, initial: dict, env:
 
 
 class FakeSglang:
-    """One SGLang server of ``tp`` ranks serving ``spec``, started with shardsync's loader."""
+    """One SGLang server of ``tp`` x ``pp`` ranks serving ``spec``, started with shardsync's loader."""
 
-    def __init__(self, spec, tp: int, initial: dict, *, dtype: str = "float32", env: dict | None = None,
+    def __init__(self, spec, tp: int, initial: dict, *, pp: int = 1, dtype: str = "float32", env: dict | None = None,
                  ctx=None) -> None:
         from sglang.srt.server_args import ServerArgs
 
-        self.spec, self.tp, self.dtype = spec, tp, dtype
-        self.args = ServerArgs(model_path=spec.name, tp_size=tp, device="cpu", dtype=dtype,
+        self.spec, self.tp, self.pp, self.dtype = spec, tp, pp, dtype
+        self.args = ServerArgs(model_path=spec.name, tp_size=tp, pp_size=pp, device="cpu", dtype=dtype,
                                custom_weight_loader=[ENTRY])
         self.events: list[tuple[str, object]] = []
         self.paused = False
@@ -92,9 +94,10 @@ class FakeSglang:
         self._lock = threading.Lock()
         ctx = ctx or mp.get_context("spawn")
         self._conns, self._procs = [], []
-        for r in range(tp):
+        for r in range(tp * pp):  # stage-major, as SGLang numbers its world
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(r, tp, spec, dtype, initial, env or {}, theirs), daemon=True)
+            p = ctx.Process(target=_rank_main, args=(r % tp, tp, r // tp, pp, spec, dtype, initial, env or {}, theirs),
+                            daemon=True)
             p.start()
             self._conns.append(mine)
             self._procs.append(p)

@@ -28,7 +28,7 @@ TRAINER = MegatronParallel(tp=2, dtype="float32")
 
 @pytest.fixture(scope="module")
 def sglang():
-    (server,) = start_servers(MODEL, tps=(2,))
+    (server,) = start_servers(MODEL, engines=((2, 1),))
     yield server
     server.stop()
 
@@ -135,7 +135,7 @@ def test_trainer_killed_mid_update_leaves_sglang_paused_then_recovers(sglang) ->
 
 
 def test_layout_mismatch_takes_whole_tensors_through_sglang_loader() -> None:
-    (server,) = start_servers(MODEL, tps=(2,), SHARDSYNC_SGLANG_LAYOUT="whole")
+    (server,) = start_servers(MODEL, engines=((2, 1),), SHARDSYNC_SGLANG_LAYOUT="whole")
     try:
         res = _sync(server.url, 8)
         assert res["mode"] == "broadcast" and "SHARDSYNC_SGLANG_LAYOUT" in res["fallback"]

@@ -1,5 +1,6 @@
 """shardsync's engine layout is SGLang's: for tiny Qwen3, Qwen2 (bias, tied embeddings),
-Llama and Qwen3-MoE (triton backend) at TP 1, 2 and 4, every rank's ``named_parameters()``
+Llama and Qwen3-MoE (triton backend) at TP 1, 2 and 4 and at PP 2 (TP 1 and 2), every rank's
+``named_parameters()``
 has shardsync's names, shapes and dtype, and SGLang's own ``load_weights`` of the full HF
 tensors equals shardsync's ``load_rank`` of them bit for bit (padded vocab rows zero).  At
 TP 1 SGLang's forward on those parameters matches ``transformers``."""
@@ -26,14 +27,15 @@ def test_sglang_parameters_are_shardsync_engine_layout(model, dtype) -> None:
     spec, dt = SPECS[model], DTYPES[dtype]
     source = random_source(spec, seed=7)
     full = {n: source(n).to(dt) for n in logical_tensors(spec)}
-    for tp in (1, 2, 4):
-        lay = engine_layout(spec, EngineParallel(tp=tp, dtype=dtype))
-        for r in range(tp):
-            m = _models.sglang_load(_models.build(_models.hf_config(spec), r, tp, dt), full)
-            assert live_difference(lay.ranks[r], m, dt, "SGLang") is None, (tp, r)
-            mine = load_rank(lay, r, source)
+    for tp, pp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
+        lay = engine_layout(spec, EngineParallel(tp=tp, pp=pp, dtype=dtype))
+        for i in range(tp * pp):  # stage-major
+            m = _models.build(_models.hf_config(spec), i % tp, tp, dt, pp_rank=i // tp, pp_size=pp)
+            _models.sglang_load(m, full)
+            assert live_difference(lay.ranks[i], m, dt, "SGLang") is None, (tp, pp, i)
+            mine = load_rank(lay, i, source)
             bad = [n for n, p in m.named_parameters() if not torch.equal(p.data.flatten(), mine[n].flatten())]
-            assert bad == [], (tp, r, bad[:4])
+            assert bad == [], (tp, pp, i, bad[:4])
 
 
 def test_tied_lm_head_is_the_embedding() -> None:

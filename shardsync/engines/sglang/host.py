@@ -63,7 +63,9 @@ class SglangHost:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         p = parallel()
-        self.tp_rank, self.tp_size, self.pp_size, self.ep = p["tp_rank"], p["tp_size"], p["pp_size"], p["moe_ep_size"]
+        self.tp_rank, self.tp_size, self.ep = p["tp_rank"], p["tp_size"], p["moe_ep_size"]
+        self.pp_rank, self.pp = p["pp_rank"], p["pp_size"]
+        self.index = self.pp_rank * self.tp_size + self.tp_rank  # SGLang's world rank rule, less its offset
         self.secret = auth.load_token()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -77,13 +79,14 @@ class SglangHost:
             log.warning("shardsync: this SGLang rank cannot receive updates: %s", self.problem)
 
     def _build(self) -> None:
-        if self.pp_size != 1:
-            raise ValueError(f"SGLang runs pipeline parallel {self.pp_size}; shardsync receives into PP 1 engines")
         if getattr(self.model, "quant_config", None) is not None:
             raise ValueError("SGLang runs a quantized model; shardsync syncs unquantized weights")
         cfg = self.model.config
         self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
-        probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), dtype=self.dtype, ep=self.ep)
+        if self.pp > 1 and os.environ.get("SGLANG_PP_LAYER_PARTITION"):
+            raise ValueError("SGLANG_PP_LAYER_PARTITION is set; shardsync plans SGLang's even layer split only")
+        probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), dtype=self.dtype, ep=self.ep,
+                         pp_rank=self.pp_rank, pp=self.pp)
         reason = live_difference(probe.rank_layout, self.model, self.dtype, "SGLang")
         if reason is None and self.spec.num_experts and moe_backend() not in MOE_BACKENDS:
             reason = (f"SGLang's MoE runner backend {moe_backend()!r} holds experts in its own layout; shardsync's "
@@ -92,13 +95,14 @@ class SglangHost:
             reason = f"{ENV_LAYOUT}=whole in SGLang's environment"
         self.rank = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
                                mac_key=MAC_KEY, engine="SGLang", layout_reason=reason,
-                               dtype_name=str(self.dtype).removeprefix("torch."), ep=self.ep)
-        log.info("shardsync: SGLang tp%d/%d receives %s", self.tp_rank, self.tp_size,
+                               dtype_name=str(self.dtype).removeprefix("torch."), ep=self.ep, pp_rank=self.pp_rank,
+                               pp=self.pp)
+        log.info("shardsync: SGLang pp%d tp%d/%d receives %s", self.pp_rank, self.tp_rank, self.tp_size,
                  f"whole tensors only ({reason})" if reason else "into its parameters in place")
 
     def _receiver(self, whole: bool) -> Receiver:
         if whole not in self._receivers:
-            kw = dict(dtype=self.dtype, device=self.device, whole=whole, ep=self.ep)
+            kw = dict(dtype=self.dtype, device=self.device, whole=whole, ep=self.ep, pp_rank=self.pp_rank, pp=self.pp)
             if whole:
                 probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), **kw)
                 dest = Loader(probe.rank_layout, probe.layout.logical, sglang_loader(self.model, self.dtype),
@@ -149,7 +153,7 @@ class SglangHost:
         except Exception as e:
             error = str(e) or type(e).__name__
         store = open_store(rdv, is_master=False)
-        put(store, checked_key(call.name, call.attempt, req.engine_index, self.tp_rank), Checked(error=error[:4000]
+        put(store, checked_key(call.name, call.attempt, req.engine_index, self.index), Checked(error=error[:4000]
             if error else None), self.secret)
 
     def _update(self, call: SglangCall) -> None:
