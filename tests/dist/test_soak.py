@@ -1,5 +1,6 @@
 """The quick soak (``benchmarks/soak.py --quick``) as a regression test: every injected fault
-is detected and recovered from, and all four totals are zero."""
+is detected and recovered from, and all four totals are zero.  Its own CI step
+(``pytest -q -m soak``): it takes about three minutes of the main suite's ten."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.soak
 def test_quick_soak_detects_and_recovers_from_every_fault(tmp_path) -> None:
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--ipc-updates", "2",

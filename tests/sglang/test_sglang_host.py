@@ -1,0 +1,56 @@
+"""The rank host SGLang's loader builds from the live model (``engines.sglang.host``): which
+destination it takes and which engines it refuses, with the reason the trainer will read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardsync.engines.sglang import host as sglang_host
+from shardsync.receiver.hosted import Call
+from tests.sglang import _models
+
+
+def _host(model: str, tp: int = 2, rank: int = 1, **stage) -> sglang_host.SglangHost:
+    return sglang_host.SglangHost(_models.build(_models.hf_config(_models.SPECS[model]), rank, tp, **stage))
+
+
+def test_live_parameters_are_received_in_place() -> None:
+    h = _host("tiny-qwen3")
+    assert h.problem is None and h.rank.layout_reason is None
+    assert (h.tp_rank, h.tp_size, h.pp, h.index) == (1, 2, 1, 1)
+    dest = h._receiver(False).destination
+    live = dict(h.model.named_parameters())
+    assert dest.name == "params" and all(dest.tensors()[n].data_ptr() == live[n].data_ptr() for n in live)
+
+
+def test_pipeline_stage_rank_index_is_sglangs_world_rank() -> None:
+    h = _host("tiny-qwen3", tp=2, rank=1, pp_rank=1, pp_size=2)
+    assert (h.pp_rank, h.pp, h.index) == (1, 2, 3) and h.rank.layout_reason is None
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_cutlass", "triton_kernel"])
+def test_moe_backend_with_its_own_layout_takes_whole_tensors_with_the_reason(monkeypatch, backend) -> None:
+    assert _host("tiny-qwen3-moe").rank.layout_reason is None  # auto: the triton layout
+    monkeypatch.setattr(sglang_host, "moe_backend", lambda: backend)
+    why = _host("tiny-qwen3-moe").rank.layout_reason
+    assert why is not None and backend in why and "--moe-runner-backend triton" in why
+
+
+def test_layout_override_and_mismatched_checkpoints_name_the_reason(monkeypatch) -> None:
+    monkeypatch.setenv("SHARDSYNC_SGLANG_LAYOUT", "whole")
+    assert "SHARDSYNC_SGLANG_LAYOUT=whole" in _host("tiny-qwen3").rank.layout_reason
+    monkeypatch.delenv("SHARDSYNC_SGLANG_LAYOUT")
+    # SGLang's Qwen3-MoE ignores mlp_only_layers: a checkpoint with a dense layer differs by name
+    spec = _models.SPECS["tiny-qwen3-moe"].replace(mlp_only_layers=(0,))
+    why = sglang_host.SglangHost(_models.build(_models.hf_config(spec), 0, 1)).rank.layout_reason
+    assert why is not None and "parameter names differ" in why and "model.layers.0.mlp" in why
+
+
+def test_calls_without_a_connection_change_nothing() -> None:
+    h = _host("tiny-qwen3")
+    for p in h.model.parameters():
+        torch.nn.init.constant_(p, 0.5)
+    before = {n: p.detach().clone() for n, p in h.model.named_parameters()}
+    h.rank.update(Call(seq=1, version=3, mode="p2p"))  # no connection: ignored, never raises
+    assert all(torch.equal(before[n], p) for n, p in h.model.named_parameters())
