@@ -54,3 +54,16 @@ def test_calls_without_a_connection_change_nothing() -> None:
     before = {n: p.detach().clone() for n, p in h.model.named_parameters()}
     h.rank.update(Call(seq=1, version=3, mode="p2p"))  # no connection: ignored, never raises
     assert all(torch.equal(before[n], p) for n, p in h.model.named_parameters())
+
+
+def test_rebound_parameters_are_followed() -> None:
+    """A session that rebinds a parameter (a repacking method may) must not leave the receive
+    writing into the old storage."""
+    h = _host("tiny-qwen3")
+    rx = h._receiver(False)
+    assert not h.follow_params()
+    name, param = next(iter(h.model.named_parameters()))
+    param.data = torch.zeros_like(param.data)  # new storage, same parameter object
+    assert h.follow_params()
+    assert rx.destination.tensors()[name].data_ptr() == param.data_ptr()
+    assert rx._tensors()[name].data_ptr() == param.data_ptr()  # the views the paths write through

@@ -156,12 +156,28 @@ class SglangHost:
         put(store, checked_key(call.name, call.attempt, req.engine_index, self.index), Checked(error=error[:4000]
             if error else None), self.secret)
 
+    def follow_params(self) -> bool:
+        """Point the in-place receiver at the parameters' current storage when SGLang rebound
+        any since the last update (a session that repacks weights may); True when it had to."""
+        rx = self._receivers.get(False)
+        if rx is None or rx.destination.name != "params":
+            return False
+        held = rx.destination.tensors()
+        live = {n: p.data for n, p in self.model.named_parameters()}
+        if all(held[n].data_ptr() == t.data_ptr() for n, t in live.items()):
+            return False
+        log.info("shardsync: tp%d: SGLang rebound parameters since the last update; receiving into the new ones",
+                 self.tp_rank)
+        rx.destination = Params(live)
+        return True
+
     def _update(self, call: SglangCall) -> None:
         rank = self.rank
         if rank is None or rank.keys is None or rank.keys.name != call.name:
             log.warning("shardsync: tp%d: %s for sync %s, not this rank's connection; ignored", self.tp_rank,
                         call.op, call.name)
             return
+        self.follow_params()
         rank.update(Call.model_validate(call.update))
         post = getattr(self.model, "post_load_weights", None)
         if call.op == "update" and not rank.stale and callable(post):
