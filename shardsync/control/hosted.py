@@ -37,6 +37,15 @@ UPDATE_FAILED = "shardsync update failed"  # how a rank's failed receive starts 
 LAYOUT_MISMATCH = "parameters are not shardsync's engine layout"  # a refused connect says why
 
 
+def weight_version(raw: object) -> int:
+    """An engine's weight version as vLLM and SGLang report it: a string, ``"default"``
+    before any update (0)."""
+    try:
+        return int(str(raw))
+    except ValueError:
+        return 0
+
+
 def connect_body(connect: dict) -> str:
     """The canonical JSON of a connect request, as signed and as checked."""
     return json.dumps(connect, sort_keys=True, separators=(",", ":"))

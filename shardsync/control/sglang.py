@@ -27,7 +27,7 @@ from pydantic import Field
 
 from shardsync.control import auth
 from shardsync.control.client import Engines, SyncError
-from shardsync.control.hosted import HostedEngines
+from shardsync.control.hosted import HostedEngines, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, VersionResponse, get
 
 ENTRY = "shardsync.engines.sglang.load"  # --custom-weight-loader and load_format
@@ -96,10 +96,6 @@ def read_call(named_tensors) -> SglangCall:
     return SglangCall.model_validate_json(bytes(t.cpu().tolist()))
 
 
-def checked_key(name: str, attempt: int, engine: int, rank: int) -> str:
-    return f"{name}/checked/{attempt}/{engine}/{rank}"
-
-
 class SglangEngines(HostedEngines):
     """Trainer rank 0's client of every SGLang engine (same surface as ``control.Engines``)."""
 
@@ -155,8 +151,8 @@ class SglangEngines(HostedEngines):
                 raise SyncError(f"{url}: SGLang runs --dp-size {dp}; give each data-parallel replica its own "
                                 "server (one engine URL per replica)")
             out.append(InfoResponse(spec={}, tp=int(raw.get("tp_size") or 1), pp=int(raw.get("pp_size") or 1),
-                                    ep=int(raw.get("ep_size") or 1), dtype=_dtype(raw.get("dtype")), kind="sglang",
-                                    quantization=raw.get("quantization"), weight_version=_version(ver), stale=False))
+                                    ep=int(raw.get("ep_size") or 1), dtype=server_dtype(url, raw.get("dtype")), kind="sglang",
+                                    quantization=raw.get("quantization"), weight_version=weight_version(ver.get("weight_version")), stale=False))
         return out
 
     def _begin(self) -> None:
@@ -186,7 +182,7 @@ class SglangEngines(HostedEngines):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         for i, r in self.ranks():
             try:
-                answer = get(self.store, checked_key(name, self.attempt, i, r), Checked, timeout, self.secret)
+                answer = get(self.store, self.keys.rank_checked(self.attempt, i, r), Checked, timeout, self.secret)
             except Exception:
                 raise SyncError(f"{self.urls[i]}: tp{r} did not answer the connect check in {timeout.seconds}s "
                                 f"(SGLang started with --custom-weight-loader {ENTRY} and the same "
@@ -232,7 +228,7 @@ class SglangEngines(HostedEngines):
     # -- occasional --
 
     def versions(self) -> list[VersionResponse]:
-        return [VersionResponse(weight_version=_version(v), stale=False, connected=True)
+        return [VersionResponse(weight_version=weight_version(v.get("weight_version")), stale=False, connected=True)
                 for v in self.http.call("GET", "/model_info")]
 
     def disconnect(self) -> None:
@@ -243,14 +239,16 @@ class SglangEngines(HostedEngines):
         self.http.close()
 
 
-def _dtype(raw: object) -> str:
-    return str(raw or "bfloat16").removeprefix("torch.")
+DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _version(raw: object) -> int:
-    """SGLang's weight version is a string (``"default"`` before any update)."""
-    value = raw.get("weight_version") if isinstance(raw, dict) else raw
-    try:
-        return int(str(value))
-    except ValueError:
-        return 0
+def server_dtype(url: str, raw: object) -> str:
+    """The weight dtype ``/server_info`` names; SGLang's default ``auto`` (resolved inside the
+    scheduler from the checkpoint) is not reported, so the trainer cannot plan from it."""
+    dtype = str(raw).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise SyncError(f"{url}: SGLang reports dtype {dtype!r}; start it with --dtype one of {list(DTYPES)} so the "
+                        "trainer can plan the wire dtype (docs/sglang.md)")
+    return dtype
+
+

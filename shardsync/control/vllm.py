@@ -16,19 +16,11 @@ from collections.abc import Sequence
 
 from shardsync.control import auth
 from shardsync.control.client import Engines, SyncError
-from shardsync.control.hosted import HostedEngines, connect_body
+from shardsync.control.hosted import HostedEngines, connect_body, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
 
 MAC_KEY = "shardsync/vllm/connect"  # what the worker checks the connect's signature under
 ENV_LAYOUT = "SHARDSYNC_VLLM_LAYOUT"  # "whole" in vLLM's environment: always receive whole tensors
-
-
-def weight_version(raw: object) -> int:
-    """vLLM's weight version is a string (``"default"`` before any update)."""
-    try:
-        return int(str(raw))
-    except ValueError:
-        return 0
 
 
 class VllmEngines(HostedEngines):

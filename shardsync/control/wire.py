@@ -248,6 +248,10 @@ class Keys:
     def rank_result(self, seq: int, engine: int, rank: int) -> str:
         return f"{self.name}/ctl/{seq}/result/{engine}/{rank}"
 
+    def rank_checked(self, attempt: int, engine: int, rank: int) -> str:
+        """A rank's answer to connect check ``attempt`` (engines whose calls return nothing: SGLang)."""
+        return f"{self.name}/checked/{attempt}/{engine}/{rank}"
+
     def rank_joined(self, engine: int, rank: int) -> str:
         return f"{self.name}/joined/{engine}/{rank}"
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import httpx
 import torch
 
-from shardsync.control.vllm import weight_version
+from shardsync.control.hosted import weight_version
 
 
 @dataclass(frozen=True)

@@ -84,19 +84,16 @@ def test_connect_signed_with_another_token_gets_no_answer(sglang) -> None:
     assert sglang.dead is None and sglang.session is None
 
 
-def test_update_failing_on_sglang_is_reported_and_not_continued(sglang) -> None:
+def test_update_failing_on_sglang_is_reported_and_not_continued(sglang, monkeypatch) -> None:
     """An update whose plan fingerprint the ranks do not know: every rank refuses it before
     touching a weight, the trainer reads why, SGLang stays paused on its weights."""
     assert _sync(sglang.url, 4)["ok"]
     sync = _one_rank_sync(sglang.url, _config(timeout_s=6))
     sync.connect()
-    real = Topology.fingerprint
-    Topology.fingerprint = lambda self, mode: "f" * 16  # what the update names, not what the ranks joined
-    try:
-        with pytest.raises(SyncError, match="fingerprint differs.*stays paused"):
-            sync.update(5)
-    finally:
-        Topology.fingerprint = real
+    monkeypatch.setattr(Topology, "fingerprint", lambda self, mode: "f" * 16)  # not what the ranks joined
+    with pytest.raises(SyncError, match="fingerprint differs.*stays paused"):
+        sync.update(5)
+    monkeypatch.undo()
     sync.close()
     assert sglang.dead is None and sglang.paused, "a failed update must not continue generation"
     assert sglang.weight_version == "4"

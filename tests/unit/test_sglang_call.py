@@ -10,7 +10,8 @@ import pickle
 import pytest
 import torch
 
-from shardsync.control.sglang import MAX_CALL_BYTES, SglangCall, payload, read_call
+from shardsync.control.client import SyncError
+from shardsync.control.sglang import MAX_CALL_BYTES, SglangCall, payload, read_call, server_dtype
 
 SECRET = "sglang-unit-secret-0123456789"
 
@@ -63,3 +64,9 @@ def test_oversized_call_is_refused_before_sending() -> None:
     big = SglangCall(op="check", name="x", connect={"spec": {"name": "a" * MAX_CALL_BYTES}})
     with pytest.raises(ValueError, match="exceeds"):
         payload(big)
+
+
+def test_server_dtype_must_be_named() -> None:
+    assert server_dtype("http://e", "bfloat16") == "bfloat16" and server_dtype("http://e", "torch.float32") == "float32"
+    with pytest.raises(SyncError, match="--dtype"):
+        server_dtype("http://e", "auto")  # SGLang's default: resolved inside its scheduler, never reported

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import torch
 
 from shardsync.control import auth
-from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall, checked_key
-from shardsync.control.wire import ConnectRequest, put
+from shardsync.control.hosted import connect_body
+from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall
+from shardsync.control.wire import ConnectRequest, Keys, put
 from shardsync.receiver import Loader, Params, Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank
 from shardsync.receiver.match import live_difference
@@ -46,7 +47,7 @@ def parallel() -> dict[str, int]:
             (("tp_rank", 0), ("tp_size", 1), ("pp_rank", 0), ("pp_size", 1), ("moe_ep_size", 1))}
 
 
-def sglang_loader(model: torch.nn.Module, dtype: torch.dtype):
+def sglang_loader(model: torch.nn.Module):
     """SGLang's own ``load_weights``, fed whole checkpoint tensors (every rank keeps its shard)."""
 
     def load(slices: Iterator[Slice]) -> None:
@@ -105,7 +106,7 @@ class SglangHost:
             kw = dict(dtype=self.dtype, device=self.device, whole=whole, ep=self.ep, pp_rank=self.pp_rank, pp=self.pp)
             if whole:
                 probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), **kw)
-                dest = Loader(probe.rank_layout, probe.layout.logical, sglang_loader(self.model, self.dtype),
+                dest = Loader(probe.rank_layout, probe.layout.logical, sglang_loader(self.model),
                               dtype=self.dtype, device=self.device)
             else:
                 dest = Params({n: p.data for n, p in self.model.named_parameters()})
@@ -133,8 +134,6 @@ class SglangHost:
 
     def _connect_mac(self, call: SglangCall) -> str | None:
         """The call's signature already covers its connect: sign the connect for the check."""
-        from shardsync.control.hosted import connect_body
-
         return auth.mac(self.secret, MAC_KEY, connect_body(call.connect)) if self.secret else None
 
     def _check(self, call: SglangCall) -> None:
@@ -153,7 +152,7 @@ class SglangHost:
         except Exception as e:
             error = str(e) or type(e).__name__
         store = open_store(rdv, is_master=False)
-        put(store, checked_key(call.name, call.attempt, req.engine_index, self.index), Checked(error=error[:4000]
+        put(store, Keys(call.name).rank_checked(call.attempt, req.engine_index, self.index), Checked(error=error[:4000]
             if error else None), self.secret)
 
     def follow_params(self) -> bool:
