@@ -100,13 +100,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _staging_bytes(text: str) -> int:
+    from shardsync.engine.worker import SHARD
+
+    if text == "shard":
+        return SHARD
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("--staging-bytes takes 0, a byte count or 'shard'")
+    return value
+
+
 def cmd_engine_serve(args: argparse.Namespace) -> int:
     from shardsync.engine.launch import EngineConfig, serve
 
     return serve(EngineConfig(model=args.model, tp=args.tp, ep=args.ep, host=args.host, port=args.port,
                               seed=args.seed, dtype=args.dtype, device=args.device,
                               threads=args.threads, log_level=args.log_level, advertise=args.advertise,
-                              token_file=args.token_file, delta_root=args.delta_root))
+                              token_file=args.token_file, delta_root=args.delta_root,
+                              staging_bytes=args.staging_bytes, crossing=args.crossing,
+                              commit_wait_s=args.commit_wait_s))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -119,7 +132,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                      trainer_kind=args.trainer,
                      engine_ep=args.engine_ep, engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
-                     engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine)
+                     engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine,
+                     staging=args.staging)
     if args.launcher == "ray" and args.engine == "vllm":
         print("error: --engine vllm runs with the local launcher only", file=sys.stderr)
         return 2
@@ -199,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ipc", action=argparse.BooleanOptionalAction, default=None,
                    help="engines read the trainer's tensors in place (CUDA IPC / shared memory); "
                         "default: on with --device cuda")
+    p.add_argument("--staging", action=argparse.BooleanOptionalAction, default=True,
+                   help="reference engines receive into staging while serving and pause only to commit "
+                        "(--no-staging: in place, the whole receive pauses them)")
     p.add_argument("--engine", default="reference", choices=["reference", "vllm"],
                    help="reference: shardsync's engine server; vllm: real vLLM servers with the shardsync "
                         "backend (bash scripts/setup_vllm.sh; docs/vllm.md)")
@@ -236,6 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "$SHARDSYNC_TOKEN_FILE); required to serve on a non-loopback host")
     p.add_argument("--delta-root", default=None,
                    help="directory disk deltas may be pulled from (pulls elsewhere are refused)")
+    p.add_argument("--staging-bytes", type=_staging_bytes, default=0, metavar="N|shard",
+                   help="memory per TP worker to receive the next version into while serving; 0 (default): "
+                        "receive in place, generation pauses for the whole receive; 'shard': exactly one "
+                        "copy of the worker's shard (what a staged receive needs)")
+    p.add_argument("--crossing", choices=("finish", "span", "abort"), default="finish",
+                   help="requests running when the weights change: finish on the old version (the change "
+                        "waits, bounded by --commit-wait-s), span both (re-prefilled, spans in the response) "
+                        "or abort (retryable error)")
+    p.add_argument("--commit-wait-s", type=float, default=30.0,
+                   help="finish: how long a weight change waits for running requests before aborting them")
     p.set_defaults(func=cmd_engine_serve)
     return parser
 

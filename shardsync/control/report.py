@@ -21,7 +21,7 @@ def reduce_reports(version: int, mode: str, reports: Sequence[RankReport | dict]
                    error: str | None = None) -> UpdateResult:
     """One engine's result; the first rank error (or ``error``) fails it as a whole."""
     rs = [r if isinstance(r, RankReport) else RankReport.model_validate(r) for r in reports]
-    error = error or next((r.error for r in rs if not r.ok), None)
+    error = error or next((r.error or f"rank {i} failed" for i, r in enumerate(rs) if not r.ok), None)
     ok = rs if error is None else []
 
     def top(k: str) -> float:

@@ -168,8 +168,9 @@ class UpdateSession:
                 raise NotFound(f"no update {version} was begun")
             return self.current
 
-    def settle(self, result: UpdateResult) -> UpdateResult:
-        """receiving -> idle (committed) or stale (failed; the connection is dropped)."""
+    def settle(self, result: UpdateResult, *, kept: bool = False) -> UpdateResult:
+        """receiving -> idle (committed) or stale (failed; the connection is dropped).  ``kept``:
+        the failure never touched the served weights (a staged receive): back to what it was."""
         with self._lock:
             if self.state is not State.RECEIVING:
                 return result  # settled already (HTTP finish and the store listener both report)
@@ -178,11 +179,17 @@ class UpdateSession:
                 self.version, self.state, self.stale_reason = result.version, State.IDLE, ""
                 key = f"updates_total_{mode.value.replace('-', '_')}"
                 self.counters[key] = self.counters.get(key, 0.0) + 1
-                self.counters["update_seconds_total"] = self.counters.get("update_seconds_total", 0.0) + result.total_s
-                self.counters["update_bytes_total"] = (self.counters.get("update_bytes_total", 0.0)
-                                                       + result.bytes_received)
+                for key, value in (("update_seconds_total", result.total_s),
+                                   ("update_bytes_total", result.bytes_received),
+                                   ("update_pause_seconds_total", result.pause_s),
+                                   ("update_stage_seconds_total", result.stage_s),
+                                   ("update_commit_seconds_total", result.commit_s)):
+                    self.counters[key] = self.counters.get(key, 0.0) + value
+            elif kept and not self._was_stale:
+                self.state = State.IDLE
             else:
                 self.state, self.stale_reason = State.STALE, f"update {result.version} failed: {result.error}"
+            if not result.ok:
                 if mode.over_group:
                     self.fingerprints = {}  # the sync group is broken after a failed collective
                 self.counters["updates_failed_total"] = self.counters.get("updates_failed_total", 0.0) + 1

@@ -108,6 +108,14 @@ class Received(BaseModel):
     buffer_bytes: int = 0
     buckets: int = 0
     destination: str = "params"
+    # serving while syncing (engine/dispatch.py): where the engine stopped generating
+    staging: Literal["in-place", "swap", "copy"] = "in-place"
+    staging_bytes: int = 0  # peak staging memory held for this update
+    stage_s: float = 0.0  # receive into staging while serving (0 in place)
+    drain_s: float = 0.0  # the commit waited this long for in-flight requests to finish on v
+    commit_s: float = 0.0  # make the received weights the served ones (swap or copy)
+    pause_s: float = 0.0  # engine not generating because of the update (in place: the receive)
+    crossed: int = 0  # in-flight sequences the update crossed (re-prefilled under span, ended under abort)
 
 
 class UpdateResult(Received):

@@ -9,7 +9,8 @@ from pathlib import Path
 def header(modes: list[str]) -> str:
     cols = [f"{'step':>4} {'reward':>7} {'grad norm':>9}"]
     for m in modes:
-        cols.append(f"{m + ' ms':>13} {'pack/xfer/unpack/ctl ms':>25} {'busiest KiB':>11} {'|lp diff|':>9}")
+        cols.append(f"{m + ' ms':>13} {'pause ms':>8} {'pack/xfer/unpack/ctl ms':>25} {'busiest KiB':>11} "
+                    f"{'|lp diff|':>9}")
     cols.append(f"{'rollout |lp diff|':>17} {'checksum':>8}")
     return " ".join(cols)
 
@@ -20,7 +21,7 @@ def row(r: dict, modes: list[str]) -> str:
         u = r["updates"][m]
         p = u["phases"]
         lp = u.get("logprob_abs_diff")
-        cols.append(f"{p['total'] * 1e3:>13.1f} "
+        cols.append(f"{p['total'] * 1e3:>13.1f} {u.get('pause_s', 0.0) * 1e3:>8.2f} "
                     f"{'/'.join(f'{p[k] * 1e3:.1f}' for k in ('pack', 'transfer', 'unpack', 'control')):>25} "
                     f"{u['busiest_link_bytes'] / 1024:>11.1f} "
                     + (f"{lp:>9.2e}" if lp is not None else f"{'-':>9}"))
@@ -39,7 +40,8 @@ def summary(rows: list[dict], modes: list[str]) -> list[str]:
     out = []
     med = {m: statistics.median(r["updates"][m]["phases"]["total"] for r in rows) for m in modes}
     for m in modes:
-        out.append(f"median {m} update: {med[m] * 1e3:.1f} ms")
+        pause = statistics.median(r["updates"][m].get("pause_s", 0.0) for r in rows)
+        out.append(f"median {m} update: {med[m] * 1e3:.1f} ms, engine pause {pause * 1e3:.2f} ms")
     if "p2p" in med and "broadcast" in med:
         out.append(f"p2p / broadcast update time: {med['p2p'] / med['broadcast']:.2f}")
     lps = {m: [r["updates"][m].get("logprob_abs_diff") for r in rows] for m in modes}

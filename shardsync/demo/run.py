@@ -55,6 +55,7 @@ class DemoConfig:
     device: str = "cpu"  # "cuda": trainer ranks and engines on the GPU(s), sharing them
     ipc: bool | None = None  # engines read the trainer's tensors in place; None: on with cuda
     engine: str = "reference"  # or "vllm": real vLLM servers (docs/vllm.md)
+    staging: bool = True  # reference engines receive while serving (one shard of staging each)
 
     def __post_init__(self) -> None:
         if self.engine not in ("reference", "vllm"):
@@ -90,7 +91,8 @@ class DemoConfig:
     def engine_config(self, tp: int, **overrides) -> EngineConfig:
         """One engine server of this demo (delta runs bf16 engines unless told otherwise)."""
         dtype = self.engine_dtype or ("bfloat16" if self.mode == "delta" else None)
-        fields = {"delta_root": str(Path(self.out).resolve() / "versions"), **overrides}
+        fields = {"delta_root": str(Path(self.out).resolve() / "versions"),
+                  "staging_bytes": -1 if self.staging else 0, **overrides}
         return EngineConfig(model=self.model, tp=tp, ep=self.engine_ep, seed=self.seed, dtype=dtype,
                             device=self.device, **fields)
 

@@ -1,9 +1,13 @@
-"""Fan-out of commands from worker 0 to every TP worker, one command at a time.
+"""The reference engine's scheduler: worker 0 fans commands out to every TP worker, one at a
+time, and between commands decodes every running sequence by one token (a step).
 
-Commands run strictly in submission order, so a weight update and a generation never
-interleave: requests that arrive during an update wait (bounded by their deadline) and
-run on the new weights.  An update's outcome is settled in the session here, in the
-dispatch thread, before the next command runs: every result carries the version it ran on.
+Weights change only between two steps.  In place (``staging_bytes=0``) an update's receive
+is one command, so generation stops for all of it; staged, the workers receive into staging
+on threads of their own while steps go on, and only the commit is a command.  When the
+weights change under running sequences, ``Serving.crossing`` decides: ``finish`` (the change
+waits, bounded, for them to end on the old version; new requests wait with it), ``span``
+(they go on, re-prefilled on the new weights, and their version spans say so) or ``abort``
+(they end with a retryable error).  Every token carries the version that produced it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,12 +38,32 @@ class WorkerError(RuntimeError):
     """A TP worker failed or did not answer; the engine cannot serve consistently."""
 
 
+class Aborted(RuntimeError):
+    """A request a weight update ended (crossing policy); retrying it runs on the new weights."""
+
+
+CROSSINGS = ("finish", "span", "abort")
 SERVING = ("generate", "score")
 UPDATES = {"update": None, "pull": "delta-disk"}  # commands that write weights -> mode (None: in args)
 # Weight commands go ahead of queued serving (an update is never starved by generation); a
 # request overtaken by an update runs on the new weights and says so (its version).
 PRIORITY = {"generate": 1, "score": 1, "checksum": 1}
-STOP = 9
+EVENT, STOP = -1, 9  # a staged receive's report goes ahead of everything
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How generation and weight updates share the engine."""
+
+    crossing: str = "finish"  # what a weight change does to running sequences (CROSSINGS)
+    commit_wait_s: float = 30.0  # finish: the longest a change waits for them, then they abort
+    max_running: int = 256  # sequences decoded per step
+
+    def __post_init__(self) -> None:
+        if self.crossing not in CROSSINGS:
+            raise ValueError(f"crossing must be one of {CROSSINGS}, got {self.crossing!r}")
+        if self.commit_wait_s < 0 or self.max_running < 1:
+            raise ValueError("commit_wait_s must be >= 0 and max_running >= 1")
 
 
 @dataclass
@@ -51,14 +76,70 @@ class Command:
     timeout_s: float = 300.0
 
 
+@dataclass
+class Seq:
+    """One prompt's generation as the scheduler sees it; ``spans``: [version, first, last]
+    token indices produced by each weight version."""
+
+    sid: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[list[int]] = field(default_factory=list)
+    done: bool = False
+
+    def add(self, token: int, logprob: float, version: int) -> None:
+        i = len(self.tokens)
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.spans and self.spans[-1][0] == version:
+            self.spans[-1][2] = i
+        else:
+            self.spans.append([version, i, i])
+
+
+@dataclass
+class Request:
+    cmd: Command
+    seqs: list[Seq]
+
+
+@dataclass
+class Pending:
+    """The update in progress: staged (receiving while steps go on), then gated (waiting on
+    the crossing policy), then applied."""
+
+    cmd: Command
+    staged: bool
+    t0: float
+    phase: str = "gate"  # staging | gate
+    reports: dict[int, dict] = field(default_factory=dict)
+    stage_s: float = 0.0
+    gate_t0: float | None = None
+    crossed: int = 0
+
+
 class Dispatcher:
     def __init__(self, worker: EngineWorker, peers: list, results, session: UpdateSession, *,
-                 max_queue: int = 256) -> None:
+                 max_queue: int = 256, serving: Serving = Serving(), events=None) -> None:
         self.worker, self.peers, self.results, self.session = worker, peers, results, session
+        self.serving = serving
         self._q: queue.PriorityQueue[tuple[int, int, Command | None]] = queue.PriorityQueue(maxsize=max_queue)
         self._order = itertools.count()
+        self._sids = itertools.count()
         self._seq = 0
-        self.current: str | None = None
+        self._events = events  # staged reports of TP workers 1..N-1 (a process queue)
+        self.requests: list[Request] = []
+        self.waiting: deque[Command] = deque()
+        self.deferred: list[Command] = []  # join/disconnect while an update is pending
+        self.pending: Pending | None = None
+        self._refill: set[int] = set()
+        self._drop: list[int] = []
+        if getattr(worker, "staged", False):
+            worker.notify = self._staged
+
+    @property
+    def staged(self) -> bool:
+        return bool(getattr(self.worker, "staged", False))
 
     def submit(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
                timeout_s: float = 300.0) -> Future:
@@ -81,70 +162,300 @@ class Dispatcher:
     def start(self) -> threading.Thread:
         t = threading.Thread(target=self._loop, name="engine-dispatch", daemon=True)
         t.start()
+        if self._events is not None:
+            threading.Thread(target=self._forward, name="engine-staged", daemon=True).start()
         return t
+
+    # -- the loop --
+
+    def _staged(self, msg: tuple[int, int, dict]) -> None:
+        self._q.put((EVENT, next(self._order), Command("staged", {"msg": msg})))
+
+    def _forward(self) -> None:
+        while True:
+            msg = self._events.get()
+            if msg is None:
+                return
+            self._staged(msg)
+
+    def _busy(self) -> bool:
+        return bool(self.requests) or (self.pending is not None and self.pending.phase == "gate") or (
+            bool(self.waiting) and not self._holding())
 
     def _loop(self) -> None:
         while True:
-            _, _, cmd = self._q.get()
-            if cmd is None:
-                for q in self.peers:
-                    q.put(None)
-                return
-            if cmd.deadline is not None and time.monotonic() > cmd.deadline:
-                self._skip(cmd, BusyError("request waited too long: a weight update was in progress; retry"))
-                continue
-            if cmd.kind in SERVING and self.session.stale:
-                self._skip(cmd, Stale(self.session.stale_message()))
-                continue
-            self._seq += 1
-            self.current = cmd.kind
-            version = self.session.version
-            cmd.started.set_result(None)
-            try:
-                results = self._run(cmd)
-            except BaseException as e:  # delivered to the waiting caller
-                if cmd.kind in UPDATES:
-                    self._settle(cmd, [], f"{type(e).__name__}: {e}")
-                if isinstance(e, WorkerError):
-                    self.session.fail(f"worker failure: {e}")
-                cmd.future.set_exception(e)
-                continue
-            finally:
-                self.current = None
-            if cmd.kind in UPDATES:
-                cmd.future.set_result((self._settle(cmd, results), self.session.version))
-            else:
-                cmd.future.set_result((results, version))
+            if self._busy():
+                got = [self._next(0)]
+            else:  # idle: sleep until a command comes (or a staged receive's deadline check)
+                got = [self._next(None if self.pending is None else 1.0)]
+            while got[-1] is not False and len(got) < 64 and not self._q.empty():
+                got.append(self._next(0))
+            for item in got:
+                if item is None:
+                    self._shutdown()
+                    return
+                if item is not False:
+                    self._accept(item)
+            self._progress()
+            self._admit()
+            if self.requests:
+                self._step()
+
+    def _next(self, timeout: float | None) -> Command | None | bool:
+        """The next command, None to stop, False when none came within ``timeout``."""
+        try:
+            return self._q.get_nowait()[2] if timeout == 0 else self._q.get(timeout=timeout)[2]
+        except queue.Empty:
+            return False
+
+    def _shutdown(self) -> None:
+        for q in self.peers:
+            q.put(None)
+        stopping = BusyError("engine stopping")
+        for r in self.requests:
+            r.cmd.future.set_exception(stopping)
+        for c in self.waiting:
+            self._skip(c, stopping)
+
+    def _accept(self, cmd: Command) -> None:
+        if cmd.kind == "staged":
+            self._on_staged(*cmd.args["msg"])
+            return
+        if cmd.deadline is not None and time.monotonic() > cmd.deadline:
+            self._skip(cmd, BusyError("request waited too long: a weight update was in progress; retry"))
+        elif cmd.kind in SERVING and self.session.stale:
+            self._skip(cmd, Stale(self.session.stale_message()))
+        elif cmd.kind == "generate":
+            self.waiting.append(cmd)
+        elif cmd.kind in UPDATES:
+            self._begin_update(cmd)
+        elif cmd.kind in ("join", "disconnect") and self.pending is not None:
+            self.deferred.append(cmd)
+        else:
+            self._now(cmd)
 
     @staticmethod
     def _skip(cmd: Command, error: Exception) -> None:
-        cmd.started.set_exception(error)
+        if not cmd.started.done():
+            cmd.started.set_exception(error)
         cmd.future.set_exception(error)
 
-    def _settle(self, cmd: Command, results: list[dict], error: str | None = None) -> UpdateResult:
-        mode = UPDATES[cmd.kind] or cmd.args["mode"]
-        res = self.session.settle(reduce_reports(cmd.args["version"], mode, results, error))
-        if not res.ok:
-            log.warning("engine stale: %s", self.session.stale_reason)
-        return res
+    def _now(self, cmd: Command) -> None:
+        """A command that runs between two steps (score, checksum, join, ...)."""
+        version = self.session.version
+        cmd.started.set_result(None)
+        try:
+            results = self._run(cmd.kind, cmd.args, cmd.timeout_s)
+        except BaseException as e:  # delivered to the waiting caller
+            self._failed(e)
+            cmd.future.set_exception(e)
+            return
+        cmd.future.set_result((results, version))
 
-    def _run(self, cmd: Command) -> list[Any]:
+    def _failed(self, e: BaseException) -> None:
+        if isinstance(e, WorkerError):
+            self.session.fail(f"worker failure: {e}")
+            self._end_running(Stale(self.session.stale_message()))
+
+    # -- generation --
+
+    def _holding(self) -> bool:
+        """New requests wait while a change waits for running ones to finish on the old version."""
+        p = self.pending
+        return p is not None and p.phase == "gate" and self.serving.crossing == "finish"
+
+    def _running(self) -> list[Seq]:
+        return [s for r in self.requests for s in r.seqs if not s.done]
+
+    def _admit(self) -> None:
+        if self._holding():
+            return
+        running = len(self._running())
+        while self.waiting and running < self.serving.max_running:
+            cmd = self.waiting.popleft()
+            if cmd.deadline is not None and time.monotonic() > cmd.deadline:
+                self._skip(cmd, BusyError("request waited too long: a weight update was in progress; retry"))
+                continue
+            if self.session.stale:
+                self._skip(cmd, Stale(self.session.stale_message()))
+                continue
+            sids = [next(self._sids) for _ in cmd.args["prompts"]]
+            cmd.started.set_result(None)
+            try:
+                self._run("admit", dict(cmd.args, sids=sids), cmd.timeout_s)
+            except BaseException as e:  # a prompt the model refuses fails its request alone
+                self._failed(e)
+                cmd.future.set_exception(e)
+                continue
+            done = cmd.args["max_new_tokens"] == 0
+            self.requests.append(Request(cmd, [Seq(sid, done=done) for sid in sids]))
+            running += 0 if done else len(sids)
+        self._complete()
+
+    def _step(self) -> None:
+        running = self._running()
+        if not running:
+            self._complete()
+            return
+        ids = {s.sid for s in running}
+        args = {"advance": [s.sid for s in running], "refill": sorted(self._refill & ids), "drop": self._drop}
+        self._refill, self._drop = set(), []
+        version = self.session.version
+        try:
+            out = self._run("step", args, 300.0)[0]
+        except BaseException as e:
+            self._failed(e)
+            self._end_running(e)
+            return
+        for s in running:
+            token, logprob, done = out[s.sid]
+            s.add(token, logprob, version)
+            s.done = done
+        self._complete()
+
+    def _complete(self) -> None:
+        for r in [r for r in self.requests if all(s.done for s in r.seqs)]:
+            self.requests.remove(r)
+            versions = [span[0] for s in r.seqs for span in s.spans]
+            r.cmd.future.set_result(([(s.tokens, s.logprobs, s.spans) for s in r.seqs],
+                                     max(versions, default=self.session.version)))
+
+    def _end_running(self, error: BaseException) -> int:
+        """End every request with a running sequence; returns how many sequences it cut."""
+        cut = 0
+        for r in [r for r in self.requests if any(not s.done for s in r.seqs)]:
+            self.requests.remove(r)
+            live = [s.sid for s in r.seqs if not s.done]
+            cut += len(live)
+            self._drop += live
+            r.cmd.future.set_exception(error)
+        return cut
+
+    # -- weight updates --
+
+    def _begin_update(self, cmd: Command) -> None:
+        self.pending = p = Pending(cmd, self.staged, time.monotonic())
+        if not p.staged:
+            return  # in place: the receive waits for the gate
+        p.phase = "staging"
+        cmd.started.set_result(None)
+        try:
+            self._run("stage", {"kind": cmd.kind, "version": cmd.args["version"], "args": cmd.args},
+                      cmd.timeout_s)
+        except BaseException as e:
+            self._failed(e)
+            self._finish(p, [], error=f"{type(e).__name__}: {e}", kept=True, exc=e)
+
+    def _on_staged(self, rank: int, version: int, report: dict) -> None:
+        p = self.pending
+        if p is None or p.phase != "staging" or p.cmd.args["version"] != version:
+            log.debug("staged report of tp%d for v%d arrived after its update ended", rank, version)
+            return
+        p.reports[rank] = report
+        if len(p.reports) < 1 + len(self.peers):
+            return
+        p.stage_s = time.monotonic() - p.t0
+        if not all(r.get("ok", True) for r in p.reports.values()):
+            self._finish(p, self._ordered(p), kept=True)  # the served weights were never touched
+            return
+        p.phase = "gate"
+
+    def _ordered(self, p: Pending) -> list[dict]:
+        return [p.reports[r] for r in sorted(p.reports)]
+
+    def _progress(self) -> None:
+        p = self.pending
+        if p is None:
+            return
+        now = time.monotonic()
+        if p.phase == "staging":
+            if now > p.t0 + p.cmd.timeout_s:
+                self._finish(p, [], error=f"the staged receive did not finish within {p.cmd.timeout_s:g}s",
+                             kept=True)
+            return
+        if p.gate_t0 is None:
+            p.gate_t0 = now
+        running = self._running()
+        to = p.cmd.args["version"]
+        if running:
+            if self.serving.crossing == "finish":
+                if now - p.gate_t0 < self.serving.commit_wait_s:
+                    return  # keep stepping them; new requests wait
+                p.crossed = self._end_running(Aborted(
+                    f"request aborted: it did not finish within commit_wait_s={self.serving.commit_wait_s:g}s "
+                    f"before weight version {to} was committed; retry it (it runs on version {to})"))
+            elif self.serving.crossing == "abort":
+                p.crossed = self._end_running(Aborted(
+                    f"request aborted by weight update to version {to} (crossing policy 'abort'); retry it"))
+            else:  # span: they go on, on fresh caches
+                p.crossed = len(running)
+                self._refill.update(s.sid for s in running)
+        self._apply(p, drain_s=now - p.gate_t0)
+
+    def _apply(self, p: Pending, *, drain_s: float) -> None:
+        """Change the weights between two steps: the commit (staged) or the whole receive."""
+        t0 = time.monotonic()
+        extra: dict[str, Any] = {"drain_s": drain_s, "crossed": p.crossed}
+        try:
+            if p.staged:
+                commits = self._run("commit", {}, 60.0)
+                reports = self._ordered(p)
+                extra.update(commit_s=max(c["commit_s"] for c in commits), stage_s=p.stage_s,
+                             staging=self.worker.destination.mode,
+                             staging_bytes=getattr(self.worker.destination, "nbytes", 0))
+            else:
+                p.cmd.started.set_result(None)
+                reports = self._run(p.cmd.kind, p.cmd.args, p.cmd.timeout_s)
+        except BaseException as e:
+            self._failed(e)
+            self._finish(p, [], error=f"{type(e).__name__}: {e}", exc=e)
+            return
+        extra["pause_s"] = time.monotonic() - t0
+        self._finish(p, reports, extra=extra)
+
+    def _finish(self, p: Pending, reports: list[dict], *, error: str | None = None, kept: bool = False,
+                extra: dict | None = None, exc: BaseException | None = None) -> None:
+        mode = UPDATES[p.cmd.kind] or p.cmd.args["mode"]
+        res: UpdateResult = reduce_reports(p.cmd.args["version"], mode, reports, error)
+        if extra:
+            res = res.model_copy(update=extra)
+        res = self.session.settle(res, kept=kept)
+        self.pending = None
+        if not res.ok:
+            log.warning("update %d failed (%s): %s", res.version,
+                        "engine stale" if self.session.stale else "served weights kept", res.error)
+            if self.session.stale:
+                self._end_running(Stale(self.session.stale_message()))
+        if not p.cmd.started.done():
+            p.cmd.started.set_result(None)
+        if exc is not None:
+            p.cmd.future.set_exception(exc)
+        else:
+            p.cmd.future.set_result((res, self.session.version))
+        deferred, self.deferred = self.deferred, []
+        for cmd in deferred:
+            self._accept(cmd)
+
+    # -- fan-out --
+
+    def _run(self, kind: str, args: dict[str, Any], timeout_s: float) -> list[Any]:
         """Results of every worker, by TP rank."""
+        self._seq += 1
         for q in self.peers:
-            q.put((self._seq, cmd.kind, cmd.args))
+            q.put((self._seq, kind, args))
         mine: Any = None
         error: BaseException | None = None
         try:
-            mine = self.worker.handle(cmd.kind, cmd.args)
+            mine = self.worker.handle(kind, args)
         except BaseException as e:
             error = e
         out: list[Any] = [mine] + [None] * len(self.peers)
-        deadline = time.monotonic() + cmd.timeout_s
+        deadline = time.monotonic() + timeout_s
         for _ in self.peers:
             try:
                 rank, seq, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise WorkerError(f"a TP worker did not finish {cmd.kind!r} within {cmd.timeout_s}s") from None
+                raise WorkerError(f"a TP worker did not finish {kind!r} within {timeout_s}s") from None
             if seq != self._seq:
                 raise WorkerError(f"TP worker {rank} answered command {seq}, expected {self._seq}")
             if not ok and error is None:
@@ -155,8 +466,11 @@ class Dispatcher:
         return out
 
 
-def peer_loop(worker: EngineWorker, commands, results) -> None:
-    """Main loop of TP workers 1..N-1: run what worker 0 sends until it sends None."""
+def peer_loop(worker: EngineWorker, commands, results, events=None) -> None:
+    """Main loop of TP workers 1..N-1: run what worker 0 sends until it sends None; a staged
+    receive reports to ``events``."""
+    if events is not None:
+        worker.notify = events.put
     while True:
         msg = commands.get()
         if msg is None:

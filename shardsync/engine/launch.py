@@ -41,6 +41,9 @@ class EngineConfig:
     advertise: str | None = None  # test stand-in: "kind=vllm,pp=2,quantization=fp8" (engine facts)
     token_file: str | None = None  # the shared secret (else $SHARDSYNC_TOKEN / $SHARDSYNC_TOKEN_FILE)
     delta_root: str | None = None  # disk deltas are pulled only from under this directory
+    staging_bytes: int = 0  # receive while serving into this much staging (0: in place; -1: one shard)
+    crossing: str = "finish"  # running requests when the weights change: finish | span | abort
+    commit_wait_s: float = 30.0  # finish: the longest a change waits for them
 
 
 
@@ -63,7 +66,9 @@ def engine_command(cfg: EngineConfig) -> list[str]:
     """``shardsync engine serve`` for ``cfg`` (the CLI front of ``serve``)."""
     cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
            "--tp", str(cfg.tp), "--ep", str(cfg.ep), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
-           "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level]
+           "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level,
+           "--staging-bytes", "shard" if cfg.staging_bytes == -1 else str(cfg.staging_bytes),
+           "--crossing", cfg.crossing, "--commit-wait-s", str(cfg.commit_wait_s)]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
                 "--delta-root": cfg.delta_root}
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
@@ -102,10 +107,11 @@ def _die_with_parent() -> None:
         log.debug("no PR_SET_PDEATHSIG here: workers outlive a killed launcher")
 
 
-def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, commands: list, results) -> None:
+def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, commands: list, results,
+            events) -> None:
     from pathlib import Path
 
-    from shardsync.engine.dispatch import Dispatcher, peer_loop
+    from shardsync.engine.dispatch import Dispatcher, Serving, peer_loop
     from shardsync.engine.worker import EngineWorker
     from shardsync.models.engine import EngineModel
     from shardsync.models.weights import checkpoint_source, random_source
@@ -126,16 +132,17 @@ def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, comma
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL sync groups use the current device
     model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device, ep=cfg.ep)
-    worker = EngineWorker(model, rank, cfg.tp, secret=token)
+    worker = EngineWorker(model, rank, cfg.tp, secret=token, staging_bytes=cfg.staging_bytes)
     if rank != 0:
-        peer_loop(worker, commands[rank - 1], results)
+        peer_loop(worker, commands[rank - 1], results, events)
         return
     import uvicorn
 
     from shardsync.control.session import UpdateSession
     from shardsync.engine.server import create_app
 
-    dispatcher = Dispatcher(worker, commands, results, UpdateSession())
+    dispatcher = Dispatcher(worker, commands, results, UpdateSession(), events=events,
+                            serving=Serving(cfg.crossing, cfg.commit_wait_s))
     dispatcher.start()
     app = create_app(dispatcher, request_wait_s=cfg.request_wait_s, facts=parse_facts(cfg.advertise),
                      token=token, delta_root=cfg.delta_root)
@@ -154,9 +161,9 @@ def serve(cfg: EngineConfig) -> int:
         return 2
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(cfg.tp - 1)]
-    results = ctx.Queue()
+    results, events = ctx.Queue(), ctx.Queue()
     tp_port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, token, tp_port, commands, results), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, cfg, token, tp_port, commands, results, events), daemon=False)
              for r in range(cfg.tp)]
     for p in procs:
         p.start()

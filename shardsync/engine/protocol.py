@@ -41,14 +41,23 @@ class GenerateRequest(_Msg):
         return self
 
 
+class Span(BaseModel):
+    """Tokens ``first..last`` (indices into ``tokens``, inclusive) came from weight ``version``."""
+
+    version: int
+    first: int
+    last: int
+
+
 class Generation(BaseModel):
     tokens: list[int]
     logprobs: list[float]
+    spans: list[Span] = Field(default_factory=list)  # more than one: the sequence crossed an update
 
 
 class GenerateResponse(BaseModel):
     outputs: list[Generation]
-    weight_version: int
+    weight_version: int  # the newest version any token came from
 
 
 class LogprobsRequest(_Msg):

@@ -29,13 +29,14 @@ from shardsync.control.wire import (
     UpdateResult,
     VersionResponse,
 )
-from shardsync.engine.dispatch import BusyError, Dispatcher, WorkerError
+from shardsync.engine.dispatch import Aborted, BusyError, Dispatcher, WorkerError
 from shardsync.engine.protocol import (
     GenerateRequest,
     GenerateResponse,
     Generation,
     LogprobsRequest,
     LogprobsResponse,
+    Span,
 )
 from shardsync.engine.updates import WeightService
 
@@ -45,7 +46,7 @@ MAX_BODY_BYTES = 8 * 2**20
 # typed errors -> status codes, most specific first
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (Unauthorized, 401), (Forbidden, 403), (Invalid, 422), (NotConnected, 409), (Conflict, 409), (NotFound, 404), (Stale, 503),
-    (SessionError, 409), (BusyError, 503), (WorkerError, 503), (ValueError, 400),
+    (SessionError, 409), (BusyError, 503), (Aborted, 503), (WorkerError, 503), (ValueError, 400),
 )
 
 
@@ -125,12 +126,14 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         session.check_servable()
         t0 = time.perf_counter()
         outs, version = await wait(serve("generate", req.model_dump()))
-        outs = outs[0]
         session.count("generate_requests_total")
-        session.count("generated_tokens_total", sum(len(t) for t, _ in outs))
+        session.count("generated_tokens_total", sum(len(t) for t, _, _ in outs))
         session.count("generate_seconds_total", time.perf_counter() - t0)
-        return GenerateResponse(outputs=[Generation(tokens=t, logprobs=lp) for t, lp in outs],
-                                weight_version=version)
+        if any(len(spans) > 1 for _, _, spans in outs):
+            session.count("generate_spanning_total")
+        return GenerateResponse(outputs=[Generation(tokens=t, logprobs=lp,
+                                                    spans=[Span(version=v, first=a, last=b) for v, a, b in spans])
+                                         for t, lp, spans in outs], weight_version=version)
 
     @app.post("/logprobs", response_model=LogprobsResponse)
     async def logprobs(req: LogprobsRequest) -> LogprobsResponse:
@@ -199,7 +202,8 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         for key, value in sorted(session.counters.items()):
             lines += [f"# TYPE shardsync_{key} counter", f"shardsync_{key} {value:g}"]
         if session.last is not None:
-            for phase in ("pack_s", "transfer_s", "unpack_s", "total_s"):
+            for phase in ("pack_s", "transfer_s", "unpack_s", "total_s", "stage_s", "drain_s", "commit_s",
+                          "pause_s"):
                 lines.append(f'shardsync_last_update_seconds{{phase="{phase[:-2]}"}} '
                              f"{getattr(session.last, phase):.6f}")
         return "\n".join(lines) + "\n"

@@ -7,7 +7,9 @@ engine's TP group or the sync group.  The update session lives on worker 0.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,20 +17,44 @@ import torch
 from shardsync.control.report import rank_report
 from shardsync.control.wire import ConnectRequest
 from shardsync.mode import Mode
-from shardsync.models.engine import EngineModel
+from shardsync.models.engine import Decoding, EngineModel, prompt_seed
 from shardsync.paths import UpdateArgs
-from shardsync.receiver import Params, Receiver
+from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.spec import ModelSpec
+
+SHARD = -1  # staging_bytes: exactly one copy of the rank's shard
+Notify = Callable[[tuple[int, int, dict]], None]  # (rank, version, report) of a staged receive
+
+
+def destination_for(params: dict[str, torch.Tensor], staging_bytes: int, *, commit: str = "swap") -> Destination:
+    """In place (``staging_bytes == 0``), or staged when the budget holds this rank's shard."""
+    if staging_bytes == 0:
+        return Params(params)
+    need = sum(t.numel() * t.element_size() for t in params.values())
+    if staging_bytes != SHARD and staging_bytes < need:
+        raise ValueError(f"staging_bytes={staging_bytes} is less than this rank's shard ({need} bytes): a staged "
+                         f"receive holds one whole shard; give 0 (receive in place, pausing generation) or at "
+                         f"least {need}")
+    return Staged(params, commit=commit)
 
 
 class EngineWorker:
-    def __init__(self, model: EngineModel, rank: int, tp: int, *, secret: str | None = None) -> None:
+    def __init__(self, model: EngineModel, rank: int, tp: int, *, secret: str | None = None,
+                 staging_bytes: int = 0) -> None:
         self.model, self.rank, self.tp = model, rank, tp
         for p in model.parameters():
             p.requires_grad_(False)
         self.ep = model.ep
-        self.receiver = Receiver(model.spec, rank, tp, Params(dict(model.named_parameters())),
+        self.destination = destination_for(dict(model.named_parameters()), staging_bytes)
+        self.receiver = Receiver(model.spec, rank, tp, self.destination,
                                  dtype=model.dtype, device=model.device, secret=secret, ep=model.ep)
+        self.seqs: dict[int, Decoding] = {}  # sequences being generated, by the dispatcher's id
+        self.notify: Notify | None = None  # where a staged receive reports (set by the host)
+        self._stage: threading.Thread | None = None
+
+    @property
+    def staged(self) -> bool:
+        return isinstance(self.destination, Staged)
 
     @property
     def spec(self) -> ModelSpec:
@@ -43,6 +69,29 @@ class EngineWorker:
     def generate(self, **kw: Any) -> list:
         return self.model.generate(**kw)
 
+    def admit(self, sids: list[int], prompts: list[list[int]], max_new_tokens: int, temperature: float,
+              top_p: float, seed: int, stop_token_ids: list[int]) -> None:
+        """Start one sequence per prompt (all validated before any is kept)."""
+        seqs = [self.model.start(p, max_new_tokens, temperature, top_p, prompt_seed(seed, i),
+                                 stop_token_ids=stop_token_ids) for i, p in enumerate(prompts)]
+        self.seqs.update(zip(sids, seqs, strict=True))
+
+    def step(self, advance: list[int], refill: list[int] = (), drop: list[int] = ()) -> dict[int, tuple]:
+        """One token for each sequence in ``advance``: {sid: (token, logprob, done)}.  ``refill``:
+        drop their KV caches first (built on weights that changed); ``drop``: forget them."""
+        for sid in drop:
+            self.seqs.pop(sid, None)
+        for sid in refill:
+            self.seqs[sid].cache = None
+        out = {}
+        for sid in advance:
+            seq = self.seqs[sid]
+            self.model.step(seq)
+            out[sid] = (seq.tokens[-1], seq.logprobs[-1], seq.done)
+            if seq.done:
+                del self.seqs[sid]
+        return out
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         return self.model.score(sequences)
 
@@ -50,23 +99,59 @@ class EngineWorker:
         """Join the sync group a trainer opened (blocks, bounded, until every member arrives)."""
         return {"rank": self.rank, "sync_rank": self.receiver.join(ConnectRequest.model_validate(req))}
 
-    def update(self, version: int, mode: str) -> dict[str, Any]:
-        """Receive one update into the parameters, in place."""
+    def update(self, version: int, mode: str, commit: bool = True) -> dict[str, Any]:
+        """Receive one update into the destination (``commit=False``: a staged receive the
+        dispatcher commits later)."""
         t0 = time.perf_counter()
         try:
-            stats = self.receiver.receive(Mode(mode), UpdateArgs(version=version))
-        except Exception as e:  # the receiver left the broken group; the dispatcher marks stale
+            stats = self.receiver.receive(Mode(mode), UpdateArgs(version=version), commit=commit)
+        except Exception as e:  # the receiver left the broken group; the dispatcher settles it
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return rank_report(stats, t0, self.receiver.destination.name).model_dump()
 
-    def pull(self, root: str, version: int, current: int) -> dict[str, Any]:
+    def pull(self, root: str, version: int, current: int, commit: bool = True) -> dict[str, Any]:
         """Apply delta ``version`` from ``root`` (a shared directory) to this rank's weights."""
         t0 = time.perf_counter()
         try:
-            stats = self.receiver.pull(root, version, current)
+            stats = self.receiver.pull(root, version, current, commit=commit)
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return rank_report(stats, t0, self.receiver.destination.name).model_dump()
+
+    def stage(self, kind: str, version: int, args: dict[str, Any]) -> None:
+        """Start ``kind`` (update | pull) into staging on a thread of its own and return: this
+        worker keeps serving; the receive reports through ``notify`` when done."""
+        if self.notify is None or not self.staged:
+            raise RuntimeError("this worker has no staging destination (staging_bytes=0)")
+        if self._stage is not None and self._stage.is_alive():
+            raise RuntimeError("the previous staged receive is still running")
+        fn = {"update": self.update, "pull": self.pull}[kind]
+        device = self.model.device
+
+        def body() -> None:
+            with torch.no_grad():  # grad mode is per thread
+                if device.type == "cuda":  # the current device and stream are per thread too
+                    torch.cuda.set_device(device)
+                    stream = torch.cuda.Stream(device)
+                    with torch.cuda.stream(stream):
+                        report = fn(**args, commit=False)
+                    stream.synchronize()
+                else:
+                    report = fn(**args, commit=False)
+            self.notify((self.rank, version, report))
+
+        self._stage = threading.Thread(target=body, name=f"stage-v{version}", daemon=True)
+        self._stage.start()
+
+    def commit(self) -> dict[str, Any]:
+        """Make the staged receive the served weights (between two forward steps)."""
+        if self._stage is not None:
+            self._stage.join(30)
+            if self._stage.is_alive():
+                raise RuntimeError("the staged receive has not finished; nothing committed")
+        t0 = time.perf_counter()
+        self.receiver.commit()
+        return {"commit_s": time.perf_counter() - t0}
 
     def checksum(self) -> dict:
         return self.receiver.checksums()
@@ -82,7 +167,8 @@ class EngineWorker:
             return fn(self, **args)
 
 
-COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.score, EngineWorker.join,
-                                     EngineWorker.update, EngineWorker.pull, EngineWorker.checksum,
-                                     EngineWorker.disconnect)}
+COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.admit, EngineWorker.step,
+                                     EngineWorker.score, EngineWorker.join, EngineWorker.update,
+                                     EngineWorker.pull, EngineWorker.stage, EngineWorker.commit,
+                                     EngineWorker.checksum, EngineWorker.disconnect)}
 

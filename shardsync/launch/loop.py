@@ -189,7 +189,8 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
                 # train/engine agreement right after this path's update: an engine scores the batch
                 scored = engine_logprobs(where.engines[0], batch["ids"], cfg) if rank == 0 else None
                 records.append(rec)
-                updates[mode] = {"phases": rec.phases, "busiest_link_bytes": rec.busiest_link_bytes,
+                updates[mode] = {"phases": rec.phases, "pause_s": rec.pause_s,
+                                 "busiest_link_bytes": rec.busiest_link_bytes,
                                  "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
                                  "checksum_ok": None if bad is None else not bad,
                                  "mismatch": (bad or [])[:5], "fallback": rec.fallback_reason,

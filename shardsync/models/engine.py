@@ -56,6 +56,24 @@ class KVCache:
         self.capacity = self.keys[0].shape[2] if self.keys else 0
 
 
+@dataclass
+class Decoding:
+    """One sequence being generated: its sampling settings, tokens so far and KV cache.
+    ``cache = None`` means the next step prefills prompt + tokens (a new sequence, or one
+    whose cache was built on weights that have since changed)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: set[int]
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cache: KVCache | None = None
+    done: bool = False
+
+
 class _TP:
     """The TP group's collectives; no-ops when the group has one rank."""
 
@@ -224,7 +242,7 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
-def _prompt_seed(seed: int, index: int) -> int:
+def prompt_seed(seed: int, index: int) -> int:
     digest = hashlib.sha256(f"generate:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -366,38 +384,50 @@ class EngineModel(nn.Module):
         ranks can never diverge.  A logprob is that of the chosen token under the policy's
         plain distribution, ``log_softmax(raw logits)``: not temperature- or top-p-adjusted,
         so it equals ``score()`` of the same sequence.  Generation stops after a token in
-        ``stop_token_ids`` (which is returned).  Prompts run one at a time.
+        ``stop_token_ids`` (which is returned).  Prompts run one at a time; ``start`` and
+        ``step`` are the same thing one token at a time (the engine's scheduler uses them).
         """
+        seqs = [self.start(p, max_new_tokens, temperature, top_p, prompt_seed(seed, i),
+                           stop_token_ids=stop_token_ids) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            while not seq.done:
+                self.step(seq)
+        return [(seq.tokens, seq.logprobs) for seq in seqs]
+
+    def start(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 1.0,
+              top_p: float = 1.0, seed: int = 0, *, stop_token_ids: Sequence[int] = ()) -> Decoding:
+        """A sequence ready to decode (no forward yet: every token's forward runs in its own
+        ``step``, so the weights a token was sampled from are the ones of that step)."""
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        self._check_tokens(prompts, "prompt")
+        self._check_tokens([prompt], "prompt")
         limit = self.spec.max_position_embeddings
-        if any(len(p) + max_new_tokens > limit for p in prompts):
+        if len(prompt) + max_new_tokens > limit:
             raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings={limit}")
-        stop = set(stop_token_ids)
-        out: list[Generation] = []
-        for i, prompt in enumerate(prompts):
-            gen = torch.Generator().manual_seed(_prompt_seed(seed, i))
-            cache = self.new_cache(1, len(prompt) + max_new_tokens)
-            tokens: list[int] = []
-            logprobs: list[float] = []
-            if max_new_tokens:
-                logits = self(torch.tensor([list(prompt)], dtype=torch.long), cache)[0, -1]
-            while len(tokens) < max_new_tokens:
-                last = logits.cpu()
-                token = sample_token(last, temperature, top_p, gen)
-                picked = torch.tensor([token, float(torch.log_softmax(last, -1)[token])],
-                                      dtype=torch.float64, device=self.device)
-                picked = self.tp.broadcast_from_first(picked)
-                tokens.append(int(picked[0]))
-                logprobs.append(float(picked[1]))
-                if tokens[-1] in stop or len(tokens) == max_new_tokens:
-                    break
-                logits = self(torch.tensor([[tokens[-1]]], dtype=torch.long), cache)[0, -1]
-            out.append((tokens, logprobs))
-        return out
+        return Decoding(list(prompt), max_new_tokens, temperature, top_p, set(stop_token_ids),
+                        torch.Generator().manual_seed(seed), done=max_new_tokens == 0)
+
+    def step(self, seq: Decoding) -> None:
+        """One token for ``seq`` (collective): forward what the cache lacks, sample, append."""
+        if seq.done:
+            return
+        if seq.cache is None:  # first step, or the cache was dropped (weights changed)
+            seq.cache = self.new_cache(1, len(seq.prompt) + seq.max_new_tokens)
+            feed = seq.prompt + seq.tokens
+        else:
+            feed = seq.tokens[-1:]
+        last = self(torch.tensor([feed], dtype=torch.long), seq.cache)[0, -1].cpu()
+        token = sample_token(last, seq.temperature, seq.top_p, seq.generator)
+        picked = torch.tensor([token, float(torch.log_softmax(last, -1)[token])],
+                              dtype=torch.float64, device=self.device)
+        picked = self.tp.broadcast_from_first(picked)
+        seq.tokens.append(int(picked[0]))
+        seq.logprobs.append(float(picked[1]))
+        seq.done = seq.tokens[-1] in seq.stop or len(seq.tokens) == seq.max_new_tokens
+        if seq.done:
+            seq.cache = None
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-probabilities of each token given the tokens before it (collective).

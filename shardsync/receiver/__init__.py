@@ -8,8 +8,8 @@ from shardsync.receiver.connect import (
     spec_from_dict,
     topology_from_connect,
 )
-from shardsync.receiver.destination import Destination, Loader, Params, Slice
+from shardsync.receiver.destination import Destination, Loader, Params, Slice, Staged
 from shardsync.receiver.receiver import Receiver
 
-__all__ = ["Destination", "Loader", "Params", "Receiver", "Slice", "check_connect", "connect_request", "spec_from_dict",
+__all__ = ["Destination", "Loader", "Params", "Receiver", "Slice", "Staged", "check_connect", "connect_request", "spec_from_dict",
            "topology_from_connect"]

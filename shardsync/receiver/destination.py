@@ -1,7 +1,8 @@
-"""Where a receiver writes: the engine's live parameters in place, or the engine's own
-loader fed checkpoint-format (HuggingFace-named) slices.
+"""Where a receiver writes: the engine's live parameters in place, a staging copy the
+engine keeps serving beside (``Staged``), or the engine's own loader fed checkpoint-format
+(HuggingFace-named) slices.
 
-Both expose engine-layout tensors that every path writes into; ``commit`` runs after a
+Each exposes engine-layout tensors that every path writes into; ``commit`` runs after a
 receive succeeded, before the engine serves the new version.
 """
 
@@ -82,3 +83,73 @@ class Loader:
 
     def commit(self) -> None:
         self.load(self.slices())
+
+
+COMMITS = ("swap", "copy")  # how a staged receive becomes the served weights
+
+
+class Staged:
+    """Receive while serving: the paths write into a second copy of this rank's tensors and
+    ``commit`` (between two forward steps) makes it the served one - by swapping storages
+    (pointer moves: for engines that re-read ``param.data`` every step) or, where the
+    engine captured its pointers (CUDA graphs), one device copy per tensor.
+
+    A cut or failed receive leaves the served weights untouched.  After a swap, or a failed
+    receive, staging lags the served weights; ``prepare`` (run off the pause, before the next
+    receive) catches it up, so a delta applies to what is served.  Memory: one copy of the
+    rank's shard (``nbytes``).
+    """
+
+    name = "staged"
+
+    def __init__(self, params: Mapping[str, torch.Tensor], *, commit: str = "swap") -> None:
+        if commit not in COMMITS:
+            raise ValueError(f"commit must be one of {COMMITS}, got {commit!r}")
+        self.mode = commit
+        self._live = dict(params)
+        # two fixed mappings (A served, B staging, then the other way round): a path that
+        # compiled views of one mapping finds them again two updates later
+        self._sets = [{n: t.detach().clone() for n, t in self._live.items()}, {}]
+        self._staging = 0
+        self._behind = False
+        self._fence: object | None = None  # CUDA event: served-side reads of old storages done
+        self.nbytes = sum(t.numel() * t.element_size() for t in self._live.values())
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self._sets[self._staging]
+
+    def served(self) -> Mapping[str, torch.Tensor]:
+        """What the engine serves from (checksums read these)."""
+        return self._live
+
+    def prepare(self) -> None:
+        """Before a receive: staging := served where it lags (bases of deltas, rows no plan writes)."""
+        if self._fence is not None:
+            torch.cuda.current_stream().wait_event(self._fence)
+            self._fence = None
+        if self._behind:
+            staging = self.tensors()
+            names = list(self._live)
+            torch._foreach_copy_([staging[n] for n in names], [self._live[n].detach() for n in names])
+            self._behind = False
+
+    def discard(self) -> None:
+        """A receive into staging failed: the served weights stand; staging is caught up later."""
+        self._behind = True
+
+    def commit(self) -> None:
+        staging = self.tensors()
+        names = list(self._live)
+        if self.mode == "copy":
+            torch._foreach_copy_([self._live[n].data for n in names], [staging[n] for n in names])
+        else:
+            old = self._staging ^ 1
+            if not self._sets[old]:  # first swap: the engine's own storages become set B
+                self._sets[old] = {n: self._live[n].data for n in names}
+            for n in names:
+                self._live[n].data = staging[n]
+            self._staging, self._behind = old, True
+        first = next(iter(self._live.values()), None)
+        if first is not None and first.is_cuda:
+            self._fence = torch.cuda.Event()
+            self._fence.record()

@@ -49,20 +49,26 @@ class Receiver:
                                     EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=self.dtype_name, whole=whole))
         self.rank_layout = self.layout.ranks[self.index]
         self._meta = {t.name: t for t in self.rank_layout.tensors}
-        self._views: tuple[object, dict[str, torch.Tensor]] | None = None
+        self._views: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}  # id(mapping) -> views
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
         self._disk = DiskApply(self.rank_layout)
         self.sync_rank: int | None = None
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        """The destination's tensors as the views the layout addresses (3-D expert stacks as 2-D);
-        built once per destination mapping, not once per update."""
-        src = self.destination.tensors()
-        if self._views is None or self._views[0] is not src:
+        return self._addressed(self.destination.tensors())
+
+    def _addressed(self, src) -> dict[str, torch.Tensor]:
+        """``src`` as the views the layout addresses (3-D expert stacks as 2-D), built once per
+        mapping (a staged destination alternates two), not once per update."""
+        hit = self._views.get(id(src))
+        if hit is None or hit[0] is not src:
             meta = self._meta
-            self._views = (src, {n: addressed(t, meta[n]) if n in meta else t for n, t in src.items()})
-        return self._views[1]
+            if len(self._views) >= 3:  # served + two staging sets
+                self._views.pop(next(iter(self._views)))
+            hit = (src, {n: addressed(t, meta[n]) if n in meta else t for n, t in src.items()})
+            self._views[id(src)] = hit
+        return hit[1]
 
     @property
     def connected(self) -> bool:
@@ -96,30 +102,55 @@ class Receiver:
         self.group, self.programs, self.sync_rank = group, programs, me
         return me
 
-    def receive(self, mode: Mode, args: UpdateArgs | None = None) -> Stats:
-        """One update into the destination (collective over the sync)."""
+    def receive(self, mode: Mode, args: UpdateArgs | None = None, *, commit: bool = True) -> Stats:
+        """One update into the destination (collective over the sync).  ``commit=False``: the
+        host commits later (a staged receive made while serving)."""
         program = self.programs.get(Mode(mode))
         if program is None:
             raise RuntimeError(f"not connected for {mode} (have {sorted(m.value for m in self.programs)})")
         try:
+            self._prepare()
             stats = program.run(self._tensors(), args or UpdateArgs())
-            self.destination.commit()
+            if commit:
+                self.destination.commit()
         except Exception as e:
             log.warning("tp%d: receive (%s) failed: %s", self.tp_rank, mode, e)
+            self._discard()
             self.leave()
             raise
         return stats
 
-    def pull(self, root: str, version: int, base_version: int) -> Stats:
+    def pull(self, root: str, version: int, base_version: int, *, commit: bool = True) -> Stats:
         """Apply a disk delta published under ``root`` (this rank's parts only)."""
-        stats = self._disk.run(self._tensors(),
-                               UpdateArgs(version=version, base_version=base_version, root=root))
-        self.destination.commit()
+        try:
+            self._prepare()
+            stats = self._disk.run(self._tensors(),
+                                   UpdateArgs(version=version, base_version=base_version, root=root))
+        except Exception:
+            self._discard()
+            raise
+        if commit:
+            self.destination.commit()
         return stats
 
+    def commit(self) -> None:
+        """Make a receive made with ``commit=False`` the engine's weights."""
+        self.destination.commit()
+
+    def _prepare(self) -> None:
+        prepare = getattr(self.destination, "prepare", None)
+        if prepare is not None:
+            prepare()
+
+    def _discard(self) -> None:
+        discard = getattr(self.destination, "discard", None)
+        if discard is not None:
+            discard()
+
     def checksums(self) -> dict[BoxKey, int]:
-        """Bitwise checksums of this rank's pieces (``runtime.checksum``)."""
-        return piece_checksums(self.rank_layout, self._tensors(), self.layout.logical, self.dtype)
+        """Bitwise checksums of the pieces this rank serves (``runtime.checksum``)."""
+        served = getattr(self.destination, "served", self.destination.tensors)()
+        return piece_checksums(self.rank_layout, self._addressed(served), self.layout.logical, self.dtype)
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""

@@ -40,6 +40,11 @@ class UpdateRecord:
         return self.phases.get("total", 0.0)
 
     @property
+    def pause_s(self) -> float:
+        """The longest any engine stopped generating for this update (``engine/dispatch.py``)."""
+        return max((e.get("pause_s", 0.0) for e in self.engines), default=0.0)
+
+    @property
     def busiest_link_bytes(self) -> int:
         return max(self.link_bytes.values(), default=0)
 
@@ -50,7 +55,17 @@ class UpdateRecord:
         why = f" (fallback: {self.fallback_reason})" if self.fallback_reason else ""
         return (f"weight update v{self.version} mode={self.mode}{why} ok={self.ok} "
                 f"bytes={total / 2**20:.2f}MiB busiest_link={self.busiest_link_bytes / 2**20:.2f}MiB "
-                f"buckets={self.buckets} total={self.total_s * 1e3:.1f}ms ({phases}) {gbps:.3f}GB/s")
+                f"buckets={self.buckets} total={self.total_s * 1e3:.1f}ms ({phases}) {gbps:.3f}GB/s"
+                f"{self._serving()}")
+
+    def _serving(self) -> str:
+        """Where the engines stopped generating: `` engine_pause=..ms (staged ..)``."""
+        if not self.engines:
+            return ""
+        staged = [e for e in self.engines if e.get("staging", "in-place") != "in-place"]
+        how = (f"staged {max(e.get('stage_s', 0.0) for e in staged) * 1e3:.1f}ms, "
+               f"commit {max(e.get('commit_s', 0.0) for e in staged) * 1e3:.2f}ms" if staged else "in place")
+        return f" engine_pause={self.pause_s * 1e3:.2f}ms ({how})"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

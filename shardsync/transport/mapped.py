@@ -81,7 +81,7 @@ class MappedTransport:
         self._exported: dict[str, int] = {}
         self.shm_names: set[str] = set()  # of exported CPU storages
         self._mapped: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # peer -> (generation, tensors)
-        self._copies: dict[int, Copies] = {}
+        self._copies: dict[int, dict[int, tuple[object, Copies]]] = {}  # peer -> id(local) -> copies
         self._runs: dict[int, list[Run]] = {}
         self._streams: list = []  # side streams of the receiver's copies (CUDA)
         self.nbytes = sum(c.numel for c in self.copies) * itemsize  # on the wire dtype
@@ -145,7 +145,17 @@ class MappedTransport:
         if peer not in self._runs:
             self._runs[peer] = coalesce([c for c in self.copies if c.src == peer])
         self._mapped[peer] = (generation, mapped)
-        self._copies[peer] = Copies.of(compile_runs(self._runs[peer], mapped, local))
+        self._copies[peer] = {}
+        self._compiled(peer, local)
+
+    def _compiled(self, peer: int, local: Mapping[str, torch.Tensor]) -> Copies:
+        """The copies from ``peer``'s mapped tensors into ``local``, compiled once per local
+        mapping (a staged engine alternates two)."""
+        hit = self._copies[peer].get(id(local))
+        if hit is None or hit[0] is not local:
+            hit = (local, Copies.of(compile_runs(self._runs[peer], self._mapped[peer][1], local)))
+            self._copies[peer][id(local)] = hit
+        return hit[1]
 
     def _side_streams(self, device: torch.device | None) -> list:
         if device is None or device.type != "cuda":
@@ -212,7 +222,7 @@ class MappedTransport:
                 if error is None:
                     if self._mapped.get(peer, (None,))[0] != gen:
                         self.attach(peer, gen, local)
-                    copies = self._copies[peer]
+                    copies = self._compiled(peer, local)
                     copies.run(self._side_streams(copies.device))
                     if copies.device is not None and copies.device.type == "cuda":
                         torch.cuda.current_stream(copies.device).synchronize()  # before the ack

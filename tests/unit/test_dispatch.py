@@ -1,49 +1,201 @@
-"""The engine's command order: weight commands go ahead of queued serving, and every result
-carries the version it ran on.  The worker is a stand-in (no model): the dispatcher only
-calls ``handle``."""
+"""The engine scheduler: when weights change between steps, what running and queued requests
+see (crossing policies), staged receives that let steps go on, and every token's version.
+
+The worker is a stand-in (no model, named as such): a "token" is ``100 * served version +
+step count``, so a test can tell which weights produced it; its receive waits on a gate.
+The real engine runs the same scheduler over real workers in tests/dist/test_serving.py.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from shardsync.control.session import UpdateSession
-from shardsync.engine.dispatch import Dispatcher
+from shardsync.control.wire import BeginRequest
+from shardsync.engine.dispatch import Aborted, Dispatcher, Serving
+
+REPORT = {"ok": True, "pack_s": 0.0, "transfer_s": 0.0, "unpack_s": 0.0, "total_s": 0.0, "bytes_received": 7,
+          "changed": 0, "buffer_bytes": 0, "buckets": 0, "destination": "params"}
 
 
-class _FakeWorker:
-    """Stands in for EngineWorker: records the order of commands; generation is slow."""
+class _Staging:
+    mode, nbytes = "swap", 1234
 
-    def __init__(self) -> None:
+
+class _StandInWorker:
+    """Stands in for EngineWorker: records commands; steps are slow enough to overlap."""
+
+    def __init__(self, staged: bool = False) -> None:
+        self.staged, self.destination, self.notify = staged, _Staging(), None
+        self.served, self.staging = 0, None
+        self.seqs: dict[int, list[int]] = {}  # sid -> [count, max_new]
         self.order: list[str] = []
         self.gate = threading.Event()
-        self.running = threading.Event()
+        self.refilled: list[int] = []
 
     def handle(self, kind: str, args: dict):
-        if kind == "generate":
-            self.running.set()
-            self.gate.wait(10)
-            self.order.append(f"generate{args['i']}")
-            return [([1], [0.0])]
-        self.order.append(kind)
-        return {"ok": True, "pack_s": 0.0, "transfer_s": 0.0, "unpack_s": 0.0, "total_s": 0.0,
-                "bytes_received": 0, "changed": 0, "buffer_bytes": 0, "buckets": 0, "destination": "params"}
+        if kind != "step":
+            self.order.append(kind)
+        if kind == "admit":
+            for sid in args["sids"]:
+                self.seqs[sid] = [0, args["max_new_tokens"]]
+            return None
+        if kind == "step":
+            time.sleep(0.01)
+            self.refilled += args["refill"]
+            out = {}
+            for sid in args["advance"]:
+                s = self.seqs[sid]
+                s[0] += 1
+                out[sid] = (100 * self.served + s[0], -0.5, s[0] == s[1])
+            return out
+        if kind == "update":  # in place: the receive waits for the trainer (the gate)
+            assert self.gate.wait(10)
+            self.served = args["version"]
+            return dict(REPORT)
+        if kind == "stage":
+            def receive() -> None:
+                assert self.gate.wait(10)
+                self.staging = args["version"]
+                fail = args["args"].get("fail", False)
+                self.notify((0, args["version"], dict(REPORT, ok=not fail, error="ValueError: cut" if fail else None)))
+
+            threading.Thread(target=receive, daemon=True).start()
+            return None
+        if kind == "commit":
+            self.served = self.staging
+            return {"commit_s": 0.0}
+        return {}
 
 
-def test_an_update_goes_ahead_of_queued_generation_and_results_say_their_version() -> None:
-    worker, session = _FakeWorker(), UpdateSession()
+def _engine(staged: bool = False, **serving) -> tuple[_StandInWorker, UpdateSession, Dispatcher]:
+    worker, session = _StandInWorker(staged), UpdateSession()
     session.fingerprints = {"p2p": "f", "broadcast": "g"}
-    d = Dispatcher(worker, [], None, session)
+    d = Dispatcher(worker, [], None, session, serving=Serving(**serving))
     d.start()
-    futures = [d.submit("generate", {"i": i}) for i in range(3)]
-    assert worker.running.wait(10)  # generate0 is running (blocked on the gate); 1 and 2 wait queued
-    from shardsync.control.wire import BeginRequest
+    return worker, session, d
 
-    session.begin(BeginRequest(version=5, mode="p2p", fingerprint="f"))
-    update = d.command("update", {"version": 5, "mode": "p2p"})
+
+def _update(session: UpdateSession, d: Dispatcher, version: int, **extra):
+    session.begin(BeginRequest(version=version, mode="p2p", fingerprint="f"))
+    return d.command("update", {"version": version, "mode": "p2p", **extra})
+
+
+def _gen(d: Dispatcher, n: int, prompts: int = 1):
+    return d.submit("generate", {"prompts": [[1]] * prompts, "max_new_tokens": n, "temperature": 0.0,
+                                 "top_p": 1.0, "seed": 0, "stop_token_ids": []})
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def _consistent(outs) -> None:
+    """Each token's version (its hundreds) is the version of the span holding it."""
+    for tokens, _, spans in outs:
+        assert spans[0][1] == 0 and spans[-1][2] == len(tokens) - 1
+        for version, first, last in spans:
+            assert all(t // 100 == version for t in tokens[first:last + 1]), (tokens, spans)
+
+
+def test_in_place_update_waits_for_running_requests_and_goes_ahead_of_queued_ones() -> None:
+    worker, session, d = _engine()
+    running = _gen(d, 20)
+    _until(lambda: bool(worker.seqs))
+    update = _update(session, d, 5)
+    queued = [_gen(d, 3) for _ in range(2)]
     worker.gate.set()
     result, version = update.future.result(10)
-    assert update.started.done() and result.ok and version == 5
-    versions = [f.result(10)[1] for f in futures]
-    assert worker.order == ["generate0", "update", "generate1", "generate2"]
-    assert versions == [0, 5, 5], "a request overtaken by the update ran on, and reports, version 5"
+    assert result.ok and version == 5 and result.staging == "in-place" and result.crossed == 0
+    assert result.pause_s > 0 and result.drain_s > 0, "the receive was the pause; it waited for the runner"
+    outs, v = running.result(10)
+    assert v == 0 and [s[0] for s in outs[0][2]] == [0], "the running request finished on version 0 alone"
+    for f in queued:
+        outs, v = f.result(10)
+        _consistent(outs)
+        assert v == 5 and outs[0][2] == [[5, 0, 2]], "requests queued behind the update ran on version 5"
+    assert worker.order.index("update") < worker.order.index("admit", 1)
     d.stop()
+
+
+def test_staged_receive_lets_generation_go_on_and_only_the_commit_pauses() -> None:
+    worker, session, d = _engine(staged=True)
+    update = _update(session, d, 3)
+    assert update.started.result(10) is None
+    during = _gen(d, 5)
+    outs, v = during.result(10)  # served while the receive is still held at the gate
+    assert v == 0 and not update.future.done() and outs[0][2] == [[0, 0, 4]]
+    worker.gate.set()
+    result, version = update.future.result(10)
+    assert result.ok and version == 3 and result.staging == "swap" and result.staging_bytes == 1234
+    assert result.stage_s > result.commit_s and result.pause_s < result.stage_s
+    outs, v = _gen(d, 2).result(10)
+    assert v == 3 and outs[0][2] == [[3, 0, 1]]
+    d.stop()
+
+
+def test_a_failed_staged_receive_keeps_serving_the_old_version() -> None:
+    worker, session, d = _engine(staged=True)
+    worker.gate.set()
+    result, version = _update(session, d, 4, fail=True).future.result(10)
+    assert not result.ok and version == 0 and not session.stale and "commit" not in worker.order
+    assert not session.connected, "the broken sync group is dropped: the trainer reconnects"
+    outs, v = _gen(d, 2).result(10)
+    assert v == 0 and outs[0][0] == [1, 2]
+    d.stop()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_span_policy_marks_requests_that_cross_and_refills_them(staged: bool) -> None:
+    worker, session, d = _engine(staged=staged, crossing="span")
+    if staged:
+        worker.gate.set()
+    running = _gen(d, 40, prompts=2)
+    _until(lambda: bool(worker.seqs) and d.requests and len(d.requests[0].seqs[0].tokens) >= 3)
+    update = _update(session, d, 2)
+    worker.gate.set()
+    result, _ = update.future.result(10)
+    assert result.ok and result.crossed == 2
+    outs, v = running.result(10)
+    _consistent(outs)
+    assert v == 2 and all([s[0] for s in spans] == [0, 2] for _, _, spans in outs)
+    assert len(worker.refilled) == 2, "both crossing sequences re-prefill on the new weights"
+    d.stop()
+
+
+def test_abort_policy_ends_running_requests_with_a_retryable_error() -> None:
+    worker, session, d = _engine(crossing="abort")
+    running = _gen(d, 40)
+    _until(lambda: bool(worker.seqs))
+    update = _update(session, d, 7)
+    worker.gate.set()
+    result, _ = update.future.result(10)
+    assert result.ok and result.crossed == 1
+    with pytest.raises(Aborted, match="version 7"):
+        running.result(10)
+    outs, v = _gen(d, 2).result(10)
+    assert v == 7 and outs[0][2] == [[7, 0, 1]]
+    d.stop()
+
+
+def test_finish_policy_is_bounded_then_aborts_the_stragglers() -> None:
+    worker, session, d = _engine(commit_wait_s=0.05)
+    running = _gen(d, 1000)
+    _until(lambda: bool(worker.seqs))
+    worker.gate.set()
+    result, _ = _update(session, d, 9).future.result(10)
+    assert result.ok and result.crossed == 1 and result.drain_s >= 0.05
+    with pytest.raises(Aborted, match="commit_wait_s"):
+        running.result(10)
+    d.stop()
+
+
+def test_serving_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="crossing"):
+        Serving(crossing="mixed")
