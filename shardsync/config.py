@@ -12,6 +12,7 @@ MODES = ("auto", "p2p", "broadcast")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
 IPC_KINDS = ("map", "slots")
 CHANNELS = ("store", "http", "vllm", "sglang")
+CROSSINGS = ("finish", "span", "abort")  # what a weight change does to running requests
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +74,15 @@ class ControlConfig:
     # store values); None: $SHARDSYNC_TOKEN, else the file named by $SHARDSYNC_TOKEN_FILE
     token: str | None = field(default=None, repr=False)
     token_file: str | None = None
+    # requests running when an engine's weights change: finish (on the old version) | span |
+    # abort; None: each engine's own no-mixing default (docs/serving.md has what each allows)
+    crossing: str | None = None
 
     def __post_init__(self) -> None:
         if self.channel not in CHANNELS:
             raise ValueError(f"control channel must be one of {CHANNELS}, got {self.channel!r}")
+        if self.crossing not in (None, *CROSSINGS):
+            raise ValueError(f"crossing must be one of {CROSSINGS} or None, got {self.crossing!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -113,7 +113,8 @@ class WeightSync:
         hosted = HOSTED.get(ctl.channel)
         if hosted is not None:
             return hosted(self.urls, ctl.http_timeout_s, self._secret,
-                          update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s)
+                          update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s,
+                          crossing=ctl.crossing)
         return Engines(self.urls, ctl.http_timeout_s, self._secret)
 
     @property
@@ -283,7 +284,8 @@ class WeightSync:
         mode = self._choose(requested)
         if mode.over_group:
             self._channel.begin(BeginRequest(version=version, mode=mode, fingerprint=self.topo.fingerprint(
-                mode.plan.value), base_version=self._synced if mode.is_delta else None))
+                mode.plan.value), base_version=self._synced if mode.is_delta else None,
+                crossing=self.config.control.crossing))
         return Go(mode=mode)
 
     def update(self, version: int, *, mode: str | Mode | None = None) -> UpdateRecord:

@@ -57,6 +57,18 @@ class HostedEngines:
 
     kind = "hosted"
     name = "the engine"  # in messages a user reads
+    # crossing policy (ControlConfig.crossing) -> the engine's pause mode; REFUSED says why not
+    PAUSE: dict[str, str] = {}
+    REFUSED: dict[str, str] = {}
+    DEFAULT_CROSSING = "finish"
+
+    @classmethod
+    def pause_mode_for(cls, crossing: str | None) -> str:
+        crossing = crossing or cls.DEFAULT_CROSSING
+        if crossing not in cls.PAUSE:
+            raise ValueError(f"{cls.name} cannot serve crossing={crossing!r}: {cls.REFUSED.get(crossing, 'unknown')}; "
+                             f"use one of {sorted(cls.PAUSE)} (or None: {cls.DEFAULT_CROSSING})")
+        return cls.PAUSE[crossing]
 
     def __init__(self, urls: Sequence[str], update_timeout_s: float, token: str | None) -> None:
         self.urls, self.secret, self.update_timeout_s = list(urls), token, update_timeout_s

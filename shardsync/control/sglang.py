@@ -102,11 +102,16 @@ class SglangEngines(HostedEngines):
     kind = "sglang"
     name = "SGLang"
 
+    # /pause_generation modes: retract re-queues running requests (their KV freed, re-prefilled
+    # on the new weights); in_place would keep KV caches built on the old weights
+    PAUSE = {"abort": "abort", "span": "retract"}
+    REFUSED = {"finish": f"SGLang's /pause_generation cannot wait for running requests (its modes: {PAUSE_MODES})"}
+    DEFAULT_CROSSING = "abort"
+
     def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
-                 update_timeout_s: float = 600.0, pause_mode: str = "abort",
+                 update_timeout_s: float = 600.0, crossing: str | None = None,
                  api_key: str | None = None) -> None:
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"SGLang pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        pause_mode = self.pause_mode_for(crossing)
         self.http = Engines(urls, timeout_s, api_key or os.environ.get(ENV_API_KEY) or None, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode, self.timeout_s = pause_mode, timeout_s

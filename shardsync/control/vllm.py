@@ -28,14 +28,18 @@ class VllmEngines(HostedEngines):
 
     kind = "vllm"
     name = "vLLM"
+    # /pause?mode=: wait lets running requests end on the old weights; both clear vLLM's KV and
+    # prefix caches (clear_cache defaults to true)
+    PAUSE = {"finish": "wait", "abort": "abort"}
+    REFUSED = {"span": "vLLM's pause mode 'keep' resumes running requests on KV caches built on the old weights"}
 
     def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
-                 update_timeout_s: float = 600.0, pause_mode: str = "wait") -> None:
+                 update_timeout_s: float = 600.0, crossing: str | None = None) -> None:
         # vLLM's own routes take no shardsync bearer; a fresh connection per call: after a 500
         # vLLM's server drops the kept-alive one (seen: the next call reads a reset)
         self.http = Engines(urls, timeout_s, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)
-        self.pause_mode = pause_mode
+        self.pause_mode = self.pause_mode_for(crossing)
 
     # -- connect-time --
 

@@ -81,6 +81,7 @@ class BeginRequest(Msg):
     mode: Literal[Mode.P2P, Mode.BROADCAST, Mode.DELTA_P2P, Mode.DELTA_BROADCAST]
     fingerprint: str = Field(max_length=64)
     base_version: Version | None = Field(None, description="delta modes: the version the delta is against")
+    crossing: Literal["finish", "span", "abort"] | None = None  # None: the engine's own policy
 
 
 class PullRequest(Msg):

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardsync.config import CROSSINGS
 from shardsync.control.report import reduce_reports
 from shardsync.control.session import Stale, UpdateSession
 from shardsync.control.wire import UpdateResult
@@ -42,7 +43,6 @@ class Aborted(RuntimeError):
     """A request a weight update ended (crossing policy); retrying it runs on the new weights."""
 
 
-CROSSINGS = ("finish", "span", "abort")
 SERVING = ("generate", "score")
 UPDATES = {"update": None, "pull": "delta-disk"}  # commands that write weights -> mode (None: in args)
 # Weight commands go ahead of queued serving (an update is never starved by generation); a
@@ -111,6 +111,7 @@ class Pending:
     cmd: Command
     staged: bool
     t0: float
+    crossing: str
     phase: str = "gate"  # staging | gate
     reports: dict[int, dict] = field(default_factory=dict)
     stage_s: float = 0.0
@@ -262,7 +263,7 @@ class Dispatcher:
     def _holding(self) -> bool:
         """New requests wait while a change waits for running ones to finish on the old version."""
         p = self.pending
-        return p is not None and p.phase == "gate" and self.serving.crossing == "finish"
+        return p is not None and p.phase == "gate" and p.crossing == "finish"
 
     def _running(self) -> list[Seq]:
         return [s for r in self.requests for s in r.seqs if not s.done]
@@ -334,7 +335,8 @@ class Dispatcher:
     # -- weight updates --
 
     def _begin_update(self, cmd: Command) -> None:
-        self.pending = p = Pending(cmd, self.staged, time.monotonic())
+        crossing = cmd.args.pop("crossing", None) or self.serving.crossing  # the trainer's, else the engine's
+        self.pending = p = Pending(cmd, self.staged, time.monotonic(), crossing)
         if not p.staged:
             return  # in place: the receive waits for the gate
         p.phase = "staging"
@@ -378,13 +380,13 @@ class Dispatcher:
         running = self._running()
         to = p.cmd.args["version"]
         if running:
-            if self.serving.crossing == "finish":
+            if p.crossing == "finish":
                 if now - p.gate_t0 < self.serving.commit_wait_s:
                     return  # keep stepping them; new requests wait
                 p.crossed = self._end_running(Aborted(
                     f"request aborted: it did not finish within commit_wait_s={self.serving.commit_wait_s:g}s "
                     f"before weight version {to} was committed; retry it (it runs on version {to})"))
-            elif self.serving.crossing == "abort":
+            elif p.crossing == "abort":
                 p.crossed = self._end_running(Aborted(
                     f"request aborted by weight update to version {to} (crossing policy 'abort'); retry it"))
             else:  # span: they go on, on fresh caches

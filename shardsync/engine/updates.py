@@ -105,8 +105,8 @@ class WeightService:
         """Validate and queue one update.  ``started`` resolves when the workers are ready to
         receive (after any command already running); ``result`` is its ``UpdateResult``."""
         update = self.session.begin(req)
-        cmd = self.dispatcher.command("update", {"version": update.version, "mode": update.mode.value},
-                                      timeout_s=UPDATE_TIMEOUT_S)
+        cmd = self.dispatcher.command("update", {"version": update.version, "mode": update.mode.value,
+                                                 "crossing": req.crossing}, timeout_s=UPDATE_TIMEOUT_S)
         result = _then(cmd.future, lambda out: out[0])
         self._results = {update.version: result}
         return Begun(cmd.started, result)

@@ -199,3 +199,30 @@ def test_finish_policy_is_bounded_then_aborts_the_stragglers() -> None:
 def test_serving_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="crossing"):
         Serving(crossing="mixed")
+
+
+def test_the_trainer_can_choose_the_policy_per_update() -> None:
+    worker, session, d = _engine(crossing="finish")
+    running = _gen(d, 1000)
+    _until(lambda: bool(worker.seqs))
+    worker.gate.set()
+    result, _ = _update(session, d, 3, crossing="abort").future.result(10)
+    assert result.ok and result.crossed == 1 and result.drain_s < 1.0
+    with pytest.raises(Aborted, match="crossing policy 'abort'"):
+        running.result(10)
+    d.stop()
+
+
+def test_each_engine_kind_maps_the_policy_onto_its_own_pause_or_refuses_it() -> None:
+    from shardsync.config import ControlConfig
+    from shardsync.control.sglang import SglangEngines
+    from shardsync.control.vllm import VllmEngines
+
+    assert VllmEngines.pause_mode_for(None) == "wait" and VllmEngines.pause_mode_for("abort") == "abort"
+    with pytest.raises(ValueError, match="'keep' resumes running requests on KV caches"):
+        VllmEngines.pause_mode_for("span")
+    assert SglangEngines.pause_mode_for(None) == "abort" and SglangEngines.pause_mode_for("span") == "retract"
+    with pytest.raises(ValueError, match="cannot wait for running requests"):
+        SglangEngines.pause_mode_for("finish")
+    with pytest.raises(ValueError, match="crossing must be one of"):
+        ControlConfig(crossing="later")
