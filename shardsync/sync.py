@@ -108,6 +108,15 @@ class WeightSync:
 
     # -- helpers --
 
+    @property
+    def source(self) -> str:
+        """Where updates read the trainer's weights: ``device`` (GPU-resident), or ``host`` /
+        ``host-pinned`` (offloaded to CPU memory: a GPU engine's copies are H2D)."""
+        t = next(iter(self.params.values()), None)
+        if t is None or t.is_cuda:
+            return "device"
+        return "host-pinned" if torch.cuda.is_available() and t.is_pinned() else "host"
+
     def _client(self) -> Engines | HostedEngines:
         ctl = self.config.control
         hosted = HOSTED.get(ctl.channel)
@@ -333,7 +342,7 @@ class WeightSync:
                              {"plan": self.plan_s, "control": (t1 - t0) + (t3 - t2), "total": t3 - t0},
                              rank=self.rank, topo=self.topo, detail=self.config.detail,
                              fallback_reason=self.fallback_reason if mode is Mode.BROADCAST else None,
-                             buckets=self.programs[mode].buckets)
+                             buckets=self.programs[mode].buckets, source=self.source)
         if self.rank == 0:
             (log.info if record.ok else log.error)("[rank 0] %s", record.summary())
             if self.config.records_path:

@@ -94,6 +94,9 @@ def iteration_metrics(ranks: Mapping[int, Mapping], *, shared_clock: bool) -> di
             "idle_s": idle, "idle_fraction": share, "max_inflight_bytes": inflight,
             "delivered_bytes": delivered,
             "group_spans": {g: tuple(s) for g, s in spans.items()},
+            # an engine receiving in place serves nothing from its group's first transfer to its
+            # last (docs/serving.md; a staged engine pauses only to commit)
+            "engine_pause_s": max((e - s for s, e in spans.values()), default=0.0),
             "active_groups": int(max_overlap((s, e, 1) for s, e in spans.values())),
             "phases_s": phases}
 
@@ -114,6 +117,7 @@ def aggregate(iterations: Sequence[Mapping]) -> dict:
     return {
         "latency_s": summary(lat),
         "skew_s": summary([it["skew_s"] for it in iterations]),
+        "engine_pause_s": summary([it.get("engine_pause_s", 0.0) for it in iterations]),
         "idle_s": idle,
         "idle_fraction": percentile([it["idle_fraction"] for it in iterations], 50),
         "max_inflight_bytes": inflight,

@@ -51,7 +51,7 @@ def _cap(r: dict) -> str:
 COLUMNS = (("transport", 9), ("MiB", 6), ("credits", 7), ("cap MiB", 7), ("policy", 14), ("stride us", 9),
            ("reuse", 5),
            ("p50 ms", 8), ("p90", 8), ("p99", 8), ("max", 8), ("skew ms", 8), ("idle%", 6),
-           ("GB/s", 7), ("inflight MiB", 13), ("groups", 7))
+           ("GB/s", 7), ("pause ms", 8), ("inflight MiB", 13), ("groups", 7))
 
 
 def table(rep: dict) -> str:
@@ -69,12 +69,15 @@ def table(rep: dict) -> str:
                  f"{p['stride_s'] * 1e6:g}", "on" if p["reuse"] else "off",
                  *(f"{lat[k] * 1e3:.2f}" for k in ("p50", "p90", "p99", "max")),
                  f"{m['skew_s']['p50'] * 1e3:.2f}", f"{m['idle_fraction'] * 100:.0f}", f"{m['gb_per_s']:.2f}",
+                 f"{m.get('engine_pause_s', {}).get('p50', 0.0) * 1e3:.2f}",
                  f"{m['max_inflight_bytes_any_rank'] / MiB:.2f}/{r['inflight_bound_bytes'] / MiB:.2f}",
                  f"{m['max_active_groups']}/{r['bound_groups']}")
         lines.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
     lines.append("latency: slowest rank, last completion after the iteration barrier; skew: spread of "
                  "rank finish times; idle%: mean share of an iteration a rank has nothing in flight (p50); "
-                 "GB/s: bytes landed on engine ranks / p50; credits: asked->used under the cap; "
+                 "GB/s: bytes landed on engine ranks / p50; pause: p50 of the longest engine group's first-to-last "
+                 "transfer (what an engine receiving in place stops generating for); "
+                 "credits: asked->used under the cap; "
                  "inflight: observed max per rank / bound; "
                  "groups: observed max active engine groups / policy bound")
     return "\n".join(lines)

@@ -83,15 +83,56 @@ SIDE_STREAMS = 3
 
 
 @dataclass
+class Bounce:
+    """Strided reads from host memory (offloaded weights): one contiguous host span per
+    source storage goes to the device in one DMA, then the strided views are device copies
+    out of it.  A strided copy straight from host memory would first gather it into a
+    pageable temporary on the CPU (a fifth of the link's speed, measured on the H200)."""
+
+    span: torch.Tensor  # contiguous host view covering every source view of the group
+    views: list[tuple[torch.Tensor, tuple, tuple, int]]  # (dst, size, stride, offset into span)
+
+    @classmethod
+    def groups(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Bounce]:
+        by: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for d, src in pairs:
+            by[(src.untyped_storage().data_ptr(), src.dtype)].append((d, src))
+        out = []
+        for group in by.values():
+            lo = min(src.storage_offset() for _, src in group)
+            hi = max(src.storage_offset() + sum((n - 1) * st for n, st in zip(src.shape, src.stride(), strict=True)) + 1
+                     for _, src in group)
+            base = group[0][1]
+            span = torch.empty(0, dtype=base.dtype).set_(base.untyped_storage(), lo, (hi - lo,))
+            out.append(cls(span, [(d, tuple(src.shape), tuple(src.stride()), src.storage_offset() - lo)
+                                  for d, src in group]))
+        return out
+
+    def run(self, buffer: torch.Tensor) -> None:
+        n = self.span.numel()
+        flat = buffer.view(self.span.dtype)[:n]
+        flat.copy_(self.span, non_blocking=True)
+        for d, size, stride, offset in self.views:
+            d.copy_(flat.as_strided(size, stride, offset))
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.numel() * self.span.element_size()
+
+
+@dataclass
 class Copies:
     """Compiled (destination, source) view pairs, split once: small contiguous ones go in one
-    multi-tensor launch on CUDA; the rest are dealt round-robin over the current stream and
-    side streams so one copy's tail overlaps the next one's start (Qwen3-4B on an H200,
-    ``benchmarks/gpu_update.py``: 1601 -> 1749 GB/s with 3 side streams)."""
+    multi-tensor launch on CUDA; strided reads of host memory go through a device bounce
+    buffer (``Bounce``, at most the largest source tensor); the rest are dealt round-robin
+    over the current stream and side streams so one copy's tail overlaps the next one's start
+    (Qwen3-4B on an H200, ``benchmarks/gpu_update.py``: 1601 -> 1749 GB/s with 3 side streams)."""
 
     small: tuple[list[torch.Tensor], list[torch.Tensor]]
     rest: list[tuple[torch.Tensor, torch.Tensor]]
     device: torch.device | None = None  # where the copies run (None: no copies)
+    bounced: list[Bounce] | None = None
+    _buffer: torch.Tensor | None = None
 
     @classmethod
     def of(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Copies:
@@ -100,26 +141,38 @@ class Copies:
         if len(small) < 2:
             small = []
         done = {id(d) for d, _ in small}
+        strided = [(d, s) for d, s in pairs if d.is_cuda and not s.is_cuda and not s.is_contiguous()]
+        done |= {id(d) for d, _ in strided}
         return cls(([d for d, _ in small], [s for _, s in small]),
-                   [(d, s) for d, s in pairs if id(d) not in done], pairs[0][0].device if pairs else None)
+                   [(d, s) for d, s in pairs if id(d) not in done], pairs[0][0].device if pairs else None,
+                   Bounce.groups(strided))
 
     def run(self, streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Every copy, ordered after the current stream's earlier work and before its later work."""
         if self.small[0]:
             torch._foreach_copy_(*self.small)
+        if self.bounced:
+            if self._buffer is None:
+                size = -(-max(b.nbytes for b in self.bounced) // 8) * 8  # viewable as any dtype
+                self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            for b in self.bounced:  # one stream: a span's DMA waits for the previous span's reads
+                b.run(self._buffer)
         rest = self.rest
         if not streams or not rest or not rest[0][0].is_cuda:
             for d, s in rest:
                 d.copy_(s)
             return
+        # from host memory (offloaded weights): asynchronous when it is page-locked, so the
+        # streams overlap DMA; the caller synchronizes the current stream after ``run``
+        from_host = not rest[0][1].is_cuda
         current = torch.cuda.current_stream(rest[0][0].device)
         k = len(streams) + 1
         for i, side in enumerate(streams, start=1):
             side.wait_stream(current)  # the weights are not read (e.g. by a forward) any more
             with torch.cuda.stream(side):
                 for d, s in rest[i::k]:
-                    d.copy_(s)
+                    d.copy_(s, non_blocking=from_host)
         for d, s in rest[0::k]:
-            d.copy_(s)
+            d.copy_(s, non_blocking=from_host)
         for side in streams:
             current.wait_stream(side)  # a synchronize of the current stream covers every copy

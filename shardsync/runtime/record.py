@@ -34,6 +34,7 @@ class UpdateRecord:
     steps: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     delta: dict[str, Any] | None = None
+    source: str = "device"  # where the trainer's weights were read from: device | host | host-pinned
 
     @property
     def total_s(self) -> float:
@@ -78,14 +79,14 @@ def append_jsonl(path: str | Path, record: UpdateRecord) -> None:
 
 def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None,
                 engines: list[UpdateResult], times: dict[str, float], *, rank: int, topo: Topology,
-                detail: bool, fallback_reason: str | None, buckets: int) -> UpdateRecord:
+                detail: bool, fallback_reason: str | None, buckets: int, source: str = "device") -> UpdateRecord:
     """A trainer rank's record of one update: its own ``Stats``, the engines' results, and the
     control times around them.  ``unpack`` is the slowest engine's."""
     stats = stats or Stats()
     unpack = max((e.unpack_s for e in engines), default=0.0)
     phases = {"plan": times["plan"], "pack": stats.pack_s, "transfer": stats.transfer_s, "unpack": unpack,
               **{k: v for k, v in times.items() if k != "plan"}}
-    common = dict(version=version, mode=mode.value, ok=error is None, rank=rank, error=error,
+    common = dict(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
                   bytes_sent=stats.bytes_sent, engines=[e.model_dump() for e in engines], phases=phases)
     if mode.is_delta:
         delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),

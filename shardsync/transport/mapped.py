@@ -26,6 +26,7 @@ from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.topology import Topology
 from shardsync.transport.group import SyncGroup
 from shardsync.transport.handles import export_tensors, open_tensors
+from shardsync.transport.pinning import HostPins
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class MappedTransport:
         self._copies: dict[int, dict[int, tuple[object, Copies]]] = {}  # peer -> id(local) -> copies
         self._runs: dict[int, list[Run]] = {}
         self._streams: list = []  # side streams of the receiver's copies (CUDA)
+        self._pins: dict[int, HostPins] = {}  # peer -> its CPU storages, page-locked here for H2D copies
         self.nbytes = sum(c.numel for c in self.copies) * itemsize  # on the wire dtype
         self.peer_bytes = {p: 0 for p in self.peers}
         for c in self.copies:
@@ -141,7 +143,11 @@ class MappedTransport:
         self.group.store.wait([key], self.group.rdv.timeout)
         self._copies.pop(peer, None)
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
+        self._pins.pop(peer, HostPins()).release()
         mapped = open_tensors(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
+        if any(t.is_cuda for t in local.values()):
+            self._pins[peer] = HostPins()
+            self._pins[peer].pin(mapped.values())
         if peer not in self._runs:
             self._runs[peer] = coalesce([c for c in self.copies if c.src == peer])
         self._mapped[peer] = (generation, mapped)
@@ -166,6 +172,9 @@ class MappedTransport:
 
     def detach(self) -> None:
         self._copies.clear()
+        for pins in self._pins.values():
+            pins.release()
+        self._pins.clear()
         self._mapped.clear()
 
     # -- one update --

@@ -92,3 +92,13 @@ def test_aggregate_over_iterations() -> None:
     assert a["phases_s"] == {"control": 0.5}
     with pytest.raises(ValueError):
         aggregate([])
+
+
+def test_engine_pause_is_the_longest_engine_groups_receive_span() -> None:
+    from shardsync.bench.metrics import iteration_metrics
+
+    # rows: (group, kind, bytes, start, end); group 0 receives over 1..4, group 1 over 2..3
+    ranks = {0: {"t0": 0.0, "phases": {}, "transfers": [(0, "send", 8, 1.0, 2.0), (1, "send", 8, 2.0, 3.0)]},
+             1: {"t0": 0.0, "phases": {}, "transfers": [(0, "recv", 8, 1.5, 4.0)]},
+             2: {"t0": 0.0, "phases": {}, "transfers": [(1, "recv", 8, 2.0, 3.0)]}}
+    assert iteration_metrics(ranks, shared_clock=True)["engine_pause_s"] == pytest.approx(3.0)

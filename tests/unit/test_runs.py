@@ -44,3 +44,22 @@ def test_qkv_groups_fuse_into_one_copy_per_piece() -> None:
     assert len(qkv) == 3 * spec.num_layers
     assert all(r.n == spec.num_kv_heads for r in qkv)
     assert len(runs) <= 11 * spec.num_layers + 4 < len(plan.copies) / 2
+
+
+def test_strided_host_reads_bounce_through_one_contiguous_span_per_source() -> None:
+    """Megatron's interleaved QKV read as the engine's q / k / v (strided views of one host
+    tensor): one span per source storage, then device-side strided copies out of it.  Run
+    here with a CPU buffer; on a GPU the buffer is on the device (benchmarks/gpu_update.py)."""
+    from shardsync.plan.runs import Bounce
+
+    qkv = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)  # 4 groups x [q q q q k v] rows
+    other = torch.arange(30, dtype=torch.float32).reshape(6, 5) * -1
+    views = [qkv[:, :4], qkv[:, 4:5], qkv[:, 5:], other[::2]]
+    dsts = [torch.zeros(v.shape) for v in views]
+    groups = Bounce.groups(list(zip(dsts, views, strict=True)))
+    assert len(groups) == 2 and sorted(g.span.numel() for g in groups) == [25, 4 * 6 * 5]
+    buffer = torch.empty(max(g.nbytes for g in groups), dtype=torch.uint8)
+    for g in groups:
+        g.run(buffer)
+    for d, v in zip(dsts, views, strict=True):
+        assert torch.equal(d, v)
