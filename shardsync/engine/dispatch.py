@@ -26,17 +26,16 @@ from shardsync.config import CROSSINGS
 from shardsync.control.report import reduce_reports
 from shardsync.control.session import Stale, UpdateSession
 from shardsync.control.wire import UpdateResult
+from shardsync.engine.fanout import FanOut, WorkerError, peer_loop
 from shardsync.engine.worker import EngineWorker
+
+__all__ = ["Aborted", "BusyError", "Dispatcher", "Serving", "WorkerError", "peer_loop"]
 
 log = logging.getLogger(__name__)
 
 
 class BusyError(RuntimeError):
     """The request waited longer than its deadline (an update was in progress)."""
-
-
-class WorkerError(RuntimeError):
-    """A TP worker failed or did not answer; the engine cannot serve consistently."""
 
 
 class Aborted(RuntimeError):
@@ -122,12 +121,12 @@ class Pending:
 class Dispatcher:
     def __init__(self, worker: EngineWorker, peers: list, results, session: UpdateSession, *,
                  max_queue: int = 256, serving: Serving = Serving(), events=None) -> None:
-        self.worker, self.peers, self.results, self.session = worker, peers, results, session
+        self.worker, self.peers, self.session = worker, peers, session
         self.serving = serving
+        self.fanout = FanOut(worker, peers, results)
         self._q: queue.PriorityQueue[tuple[int, int, Command | None]] = queue.PriorityQueue(maxsize=max_queue)
         self._order = itertools.count()
         self._sids = itertools.count()
-        self._seq = 0
         self._events = events  # staged reports of TP workers 1..N-1 (a process queue)
         self.requests: list[Request] = []
         self.waiting: deque[Command] = deque()
@@ -215,8 +214,9 @@ class Dispatcher:
         stopping = BusyError("engine stopping")
         for r in self.requests:
             r.cmd.future.set_exception(stopping)
-        for c in self.waiting:
-            self._skip(c, stopping)
+        for c in [*self.waiting, *self.deferred] + ([self.pending.cmd] if self.pending else []):
+            if not c.future.done():
+                self._skip(c, stopping)
 
     def _accept(self, cmd: Command) -> None:
         if cmd.kind == "staged":
@@ -246,7 +246,7 @@ class Dispatcher:
         version = self.session.version
         cmd.started.set_result(None)
         try:
-            results = self._run(cmd.kind, cmd.args, cmd.timeout_s)
+            results = self.fanout.run(cmd.kind, cmd.args, cmd.timeout_s)
         except BaseException as e:  # delivered to the waiting caller
             self._failed(e)
             cmd.future.set_exception(e)
@@ -283,7 +283,7 @@ class Dispatcher:
             sids = [next(self._sids) for _ in cmd.args["prompts"]]
             cmd.started.set_result(None)
             try:
-                self._run("admit", dict(cmd.args, sids=sids), cmd.timeout_s)
+                self.fanout.run("admit", dict(cmd.args, sids=sids), cmd.timeout_s)
             except BaseException as e:  # a prompt the model refuses fails its request alone
                 self._failed(e)
                 cmd.future.set_exception(e)
@@ -303,7 +303,7 @@ class Dispatcher:
         self._refill, self._drop = set(), []
         version = self.session.version
         try:
-            out = self._run("step", args, 300.0)[0]
+            out = self.fanout.run("step", args, 300.0)[0]
         except BaseException as e:
             self._failed(e)
             self._end_running(e)
@@ -342,7 +342,7 @@ class Dispatcher:
         p.phase = "staging"
         cmd.started.set_result(None)
         try:
-            self._run("stage", {"kind": cmd.kind, "version": cmd.args["version"], "args": cmd.args},
+            self.fanout.run("stage", {"kind": cmd.kind, "version": cmd.args["version"], "args": cmd.args},
                       cmd.timeout_s)
         except BaseException as e:
             self._failed(e)
@@ -400,14 +400,14 @@ class Dispatcher:
         extra: dict[str, Any] = {"drain_s": drain_s, "crossed": p.crossed}
         try:
             if p.staged:
-                commits = self._run("commit", {}, 60.0)
+                commits = self.fanout.run("commit", {}, 60.0)
                 reports = self._ordered(p)
                 extra.update(commit_s=max(c["commit_s"] for c in commits), stage_s=p.stage_s,
                              staging=self.worker.destination.mode,
                              staging_bytes=getattr(self.worker.destination, "nbytes", 0))
             else:
                 p.cmd.started.set_result(None)
-                reports = self._run(p.cmd.kind, p.cmd.args, p.cmd.timeout_s)
+                reports = self.fanout.run(p.cmd.kind, p.cmd.args, p.cmd.timeout_s)
         except BaseException as e:
             self._failed(e)
             self._finish(p, [], error=f"{type(e).__name__}: {e}", exc=e)
@@ -437,49 +437,3 @@ class Dispatcher:
         deferred, self.deferred = self.deferred, []
         for cmd in deferred:
             self._accept(cmd)
-
-    # -- fan-out --
-
-    def _run(self, kind: str, args: dict[str, Any], timeout_s: float) -> list[Any]:
-        """Results of every worker, by TP rank."""
-        self._seq += 1
-        for q in self.peers:
-            q.put((self._seq, kind, args))
-        mine: Any = None
-        error: BaseException | None = None
-        try:
-            mine = self.worker.handle(kind, args)
-        except BaseException as e:
-            error = e
-        out: list[Any] = [mine] + [None] * len(self.peers)
-        deadline = time.monotonic() + timeout_s
-        for _ in self.peers:
-            try:
-                rank, seq, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise WorkerError(f"a TP worker did not finish {kind!r} within {timeout_s}s") from None
-            if seq != self._seq:
-                raise WorkerError(f"TP worker {rank} answered command {seq}, expected {self._seq}")
-            if not ok and error is None:
-                error = WorkerError(f"TP worker {rank}: {value}")
-            out[rank] = value
-        if error is not None:
-            raise error
-        return out
-
-
-def peer_loop(worker: EngineWorker, commands, results, events=None) -> None:
-    """Main loop of TP workers 1..N-1: run what worker 0 sends until it sends None; a staged
-    receive reports to ``events``."""
-    if events is not None:
-        worker.notify = events.put
-    while True:
-        msg = commands.get()
-        if msg is None:
-            return
-        seq, kind, args = msg
-        try:
-            results.put((worker.rank, seq, True, worker.handle(kind, args)))
-        except Exception as e:
-            log.warning("tp%d: command %s failed: %s", worker.rank, kind, e)
-            results.put((worker.rank, seq, False, f"{type(e).__name__}: {e}"))

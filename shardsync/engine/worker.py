@@ -129,15 +129,19 @@ class EngineWorker:
         device = self.model.device
 
         def body() -> None:
-            with torch.no_grad():  # grad mode is per thread
-                if device.type == "cuda":  # the current device and stream are per thread too
-                    torch.cuda.set_device(device)
-                    stream = torch.cuda.Stream(device)
-                    with torch.cuda.stream(stream):
+            try:
+                with torch.no_grad():  # grad mode is per thread
+                    if device.type == "cuda":  # the current device and stream are per thread too
+                        torch.cuda.set_device(device)
+                        stream = torch.cuda.Stream(device)
+                        with torch.cuda.stream(stream):
+                            report = fn(**args, commit=False)
+                        stream.synchronize()
+                    else:
                         report = fn(**args, commit=False)
-                    stream.synchronize()
-                else:
-                    report = fn(**args, commit=False)
+            except Exception as e:  # the dispatcher hears of every staged receive, whatever happened
+                self.destination.discard()
+                report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             self.notify((self.rank, version, report))
 
         self._stage = threading.Thread(target=body, name=f"stage-v{version}", daemon=True)

@@ -62,10 +62,15 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
     out.put((rank, res))
 
 
-@pytest.mark.parametrize("transport", ["p2p", "broadcast", "disk"])
-def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, tmp_path) -> None:
+@pytest.mark.parametrize("transport,staged", [("p2p", False), ("broadcast", False), ("disk", False),
+                                              ("p2p", True), ("disk", True)],
+                         ids=["p2p", "broadcast", "disk", "p2p-staged", "disk-staged"])
+def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, staged: bool, tmp_path) -> None:
+    """``staged``: the engine receives into staging and swaps at commit, so each delta must
+    apply to a staging copy first caught up from the served weights (the previous version)."""
     delta_dir = str(tmp_path / "versions") if transport == "disk" else None
-    proc, url = start_engine("tiny-qwen3", 2, dtype="bfloat16", delta_root=str(tmp_path))
+    proc, url = start_engine("tiny-qwen3", 2, dtype="bfloat16", delta_root=str(tmp_path),
+                             staging_bytes=-1 if staged else 0)
     try:
         res = run_world(_trainer, 2, args=(2, free_port(), url, transport, delta_dir), timeout=240)
         r0 = res[0]

@@ -126,3 +126,26 @@ def test_trainer_rank_killed_mid_update_leaves_engine_stale_until_full_update() 
         assert r.status_code == 200 and r.json()["weight_version"] == 1
     finally:
         stop_engine(proc)
+
+
+def test_trainer_rank_killed_mid_staged_update_leaves_engine_serving_its_version() -> None:
+    """Staged (``--staging-bytes shard``): the cut receive wrote only staging, so the engine
+    keeps serving version 0 bit for bit, not stale; the next trainer's update lands."""
+    proc, url = start_engine("tiny-qwen3", 2, staging_bytes=-1)
+    try:
+        before = httpx.get(url + "/weights/checksum", timeout=30).json()
+        case = {"model": "tiny-qwen3", "seed": 5, "die": True, "timeout": 5, "config": {"mode": "p2p"}}
+        res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
+        assert "error" in res[0], res[0]
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert not health["stale"] and health["weight_version"] == 0 and health["status"] == "ok"
+        assert httpx.get(url + "/weights/checksum", timeout=30).json() == before, "served weights untouched"
+        r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 0
+        case = {"model": "tiny-qwen3", "seed": 6, "config": {"mode": "p2p"}}
+        res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
+        assert res[0]["ok"] and res[0]["verify"] == []
+        r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 1
+    finally:
+        stop_engine(proc)
