@@ -198,7 +198,7 @@ class Dispatcher:
                     self._accept(item)
             self._progress()
             self._admit()
-            if self.requests:
+            if self.requests or self._drop:
                 self._step()
 
     def _next(self, timeout: float | None) -> Command | None | bool:
@@ -295,7 +295,7 @@ class Dispatcher:
 
     def _step(self) -> None:
         running = self._running()
-        if not running:
+        if not running and not self._drop:
             self._complete()
             return
         ids = {s.sid for s in running}

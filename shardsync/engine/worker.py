@@ -74,7 +74,7 @@ class EngineWorker:
         """Start one sequence per prompt (all validated before any is kept)."""
         seqs = [self.model.start(p, max_new_tokens, temperature, top_p, prompt_seed(seed, i),
                                  stop_token_ids=stop_token_ids) for i, p in enumerate(prompts)]
-        self.seqs.update(zip(sids, seqs, strict=True))
+        self.seqs.update((sid, seq) for sid, seq in zip(sids, seqs, strict=True) if not seq.done)
 
     def step(self, advance: list[int], refill: list[int] = (), drop: list[int] = ()) -> dict[int, tuple]:
         """One token for each sequence in ``advance``: {sid: (token, logprob, done)}.  ``refill``:
