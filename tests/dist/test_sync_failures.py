@@ -108,6 +108,15 @@ def test_forced_p2p_refuses_with_reason() -> None:
     assert choose_full(topo, "broadcast") == ("broadcast", None)
 
 
+def _a_new_trainer_updates(url: str) -> None:
+    """A new trainer connects and sends a full update: the engine serves version 1."""
+    case = {"model": "tiny-qwen3", "seed": 6, "config": {"mode": "p2p"}}
+    res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
+    assert res[0]["ok"] and res[0]["verify"] == []
+    r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.json()["weight_version"] == 1
+
+
 def test_trainer_rank_killed_mid_update_leaves_engine_stale_until_full_update() -> None:
     proc, url = start_engine("tiny-qwen3", 2)
     try:
@@ -118,12 +127,7 @@ def test_trainer_rank_killed_mid_update_leaves_engine_stale_until_full_update() 
         assert health["stale"] and health["weight_version"] == 0
         r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
         assert r.status_code == 503 and "stale" in r.json()["error"]
-        # a new trainer connects and sends a full update: the engine serves again
-        case = {"model": "tiny-qwen3", "seed": 6, "config": {"mode": "p2p"}}
-        res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
-        assert res[0]["ok"] and res[0]["verify"] == []
-        r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
-        assert r.status_code == 200 and r.json()["weight_version"] == 1
+        _a_new_trainer_updates(url)  # the engine serves again
     finally:
         stop_engine(proc)
 
@@ -142,10 +146,6 @@ def test_trainer_rank_killed_mid_staged_update_leaves_engine_serving_its_version
         assert httpx.get(url + "/weights/checksum", timeout=30).json() == before, "served weights untouched"
         r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["weight_version"] == 0
-        case = {"model": "tiny-qwen3", "seed": 6, "config": {"mode": "p2p"}}
-        res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
-        assert res[0]["ok"] and res[0]["verify"] == []
-        r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
-        assert r.status_code == 200 and r.json()["weight_version"] == 1
+        _a_new_trainer_updates(url)  # the engine serves again
     finally:
         stop_engine(proc)

@@ -134,7 +134,8 @@ def test_staged_receive_lets_generation_go_on_and_only_the_commit_pauses() -> No
     worker.gate.set()
     result, version = update.future.result(10)
     assert result.ok and version == 3 and result.staging == "swap" and result.staging_bytes == 1234
-    assert result.stage_s > result.commit_s and result.pause_s < result.stage_s
+    assert result.stage_s > 0 and result.pause_s > 0
+    assert worker.order == ["stage", "admit", "commit"], "served during the receive; only the commit paused"
     outs, v = _gen(d, 2).result(10)
     assert v == 3 and outs[0][2] == [[3, 0, 1]]
     d.stop()
@@ -207,7 +208,7 @@ def test_the_trainer_can_choose_the_policy_per_update() -> None:
     _until(lambda: bool(worker.seqs))
     worker.gate.set()
     result, _ = _update(session, d, 3, crossing="abort").future.result(10)
-    assert result.ok and result.crossed == 1 and result.drain_s < 1.0
+    assert result.ok and result.crossed == 1  # not after commit_wait_s (30 s): result(10) would time out
     with pytest.raises(Aborted, match="crossing policy 'abort'"):
         running.result(10)
     d.stop()
