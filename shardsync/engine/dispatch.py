@@ -1,5 +1,6 @@
 """The reference engine's scheduler: worker 0 fans commands out to every TP worker, one at a
-time, and between commands decodes every running sequence by one token (a step).
+time, and between commands decodes every running sequence by ``Serving.tokens_per_step``
+tokens (a step; default one).
 
 Weights change only between two steps.  In place (``staging_bytes=0``) an update's receive
 is one command, so generation stops for all of it; staged, the workers receive into staging
@@ -57,12 +58,13 @@ class Serving:
     crossing: str = "finish"  # what a weight change does to running sequences (CROSSINGS)
     commit_wait_s: float = 30.0  # finish: the longest a change waits for them, then they abort
     max_running: int = 256  # sequences decoded per step
+    tokens_per_step: int = 1  # tokens each sequence gets per step (weights change between steps)
 
     def __post_init__(self) -> None:
         if self.crossing not in CROSSINGS:
             raise ValueError(f"crossing must be one of {CROSSINGS}, got {self.crossing!r}")
-        if self.commit_wait_s < 0 or self.max_running < 1:
-            raise ValueError("commit_wait_s must be >= 0 and max_running >= 1")
+        if self.commit_wait_s < 0 or self.max_running < 1 or self.tokens_per_step < 1:
+            raise ValueError("commit_wait_s must be >= 0, max_running and tokens_per_step >= 1")
 
 
 @dataclass
@@ -299,7 +301,8 @@ class Dispatcher:
             self._complete()
             return
         ids = {s.sid for s in running}
-        args = {"advance": [s.sid for s in running], "refill": sorted(self._refill & ids), "drop": self._drop}
+        args = {"advance": [s.sid for s in running], "refill": sorted(self._refill & ids), "drop": self._drop,
+                "tokens": self.serving.tokens_per_step}
         self._refill, self._drop = set(), []
         version = self.session.version
         try:
@@ -309,8 +312,9 @@ class Dispatcher:
             self._end_running(e)
             return
         for s in running:
-            token, logprob, done = out[s.sid]
-            s.add(token, logprob, version)
+            tokens, logprobs, done = out[s.sid]
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                s.add(token, logprob, version)
             s.done = done
         self._complete()
 

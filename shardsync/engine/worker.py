@@ -76,9 +76,11 @@ class EngineWorker:
                                  stop_token_ids=stop_token_ids) for i, p in enumerate(prompts)]
         self.seqs.update((sid, seq) for sid, seq in zip(sids, seqs, strict=True) if not seq.done)
 
-    def step(self, advance: list[int], refill: list[int] = (), drop: list[int] = ()) -> dict[int, tuple]:
-        """One token for each sequence in ``advance``: {sid: (token, logprob, done)}.  ``refill``:
-        drop their KV caches first (built on weights that changed); ``drop``: forget them."""
+    def step(self, advance: list[int], refill: list[int] = (), drop: list[int] = (),
+             tokens: int = 1) -> dict[int, tuple]:
+        """Up to ``tokens`` tokens for each sequence in ``advance``: {sid: (tokens, logprobs,
+        done)}.  ``refill``: drop their KV caches first (built on weights that changed);
+        ``drop``: forget them."""
         for sid in drop:
             self.seqs.pop(sid, None)
         for sid in refill:
@@ -86,8 +88,12 @@ class EngineWorker:
         out = {}
         for sid in advance:
             seq = self.seqs[sid]
-            self.model.step(seq)
-            out[sid] = (seq.tokens[-1], seq.logprobs[-1], seq.done)
+            n = len(seq.tokens)
+            for _ in range(tokens):
+                self.model.step(seq)
+                if seq.done:
+                    break
+            out[sid] = (seq.tokens[n:], seq.logprobs[n:], seq.done)
             if seq.done:
                 del self.seqs[sid]
         return out

@@ -29,7 +29,7 @@ def _seed(version: int) -> int:
     return 500 + version
 
 
-def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
+def _trainer(rank: int, world: int, port: int, url: str, updates: int, out) -> None:
     spec = PRESETS[MODEL]
     par = MegatronParallel(tp=2, dtype="float32")
     lay, params = join_trainer(rank, world, port, spec, par, seed=_seed(0))
@@ -38,7 +38,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res = {"ok": [], "begun": {}, "done": {}, "engines": []}
-    for version in range(1, UPDATES + 1):
+    for version in range(1, updates + 1):
         fresh = load_rank(lay, rank, random_source(spec, seed=_seed(version)))
         for k, v in params.items():
             v.copy_(fresh[k])
@@ -89,9 +89,10 @@ def _rescore(responses: list[dict]) -> float:
     return worst
 
 
-@pytest.mark.parametrize("staging,crossing", [("shard", "finish"), ("0", "span")],
+@pytest.mark.parametrize("staging,crossing,updates", [("shard", "finish", UPDATES), ("0", "span", UPDATES // 2)],
                          ids=["staged-finish", "in-place-span"])
-def test_clients_generate_through_20_updates(staging: str, crossing: str) -> None:
+def test_clients_generate_through_20_updates(staging: str, crossing: str, updates: int) -> None:
+    """The default (staged, finish) through 20 updates; in place with ``span`` through 10."""
     proc, url = start_engine(MODEL, 2, seed=_seed(0), staging_bytes=-1 if staging == "shard" else 0,
                              crossing=crossing)
     stop, got, errors = threading.Event(), [], []
@@ -101,7 +102,7 @@ def test_clients_generate_through_20_updates(staging: str, crossing: str) -> Non
         httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 1}, timeout=30)
         for c in clients:
             c.start()
-        results = run_world(_trainer, 2, args=(2, free_port(), url), timeout=300)
+        results = run_world(_trainer, 2, args=(2, free_port(), url, updates), timeout=300)
         stop.set()
         for c in clients:
             c.join(60)
@@ -110,9 +111,9 @@ def test_clients_generate_through_20_updates(staging: str, crossing: str) -> Non
         stop.set()
         stop_engine(proc)
     r0 = results[0]
-    assert all(r0["ok"]) and len(r0["ok"]) == UPDATES and r0["verify"] == [] and results[1]["verify"] == []
+    assert all(r0["ok"]) and len(r0["ok"]) == updates and r0["verify"] == [] and results[1]["verify"] == []
     assert errors == [], f"clients got errors: {errors[:3]}"
-    assert len(got) >= UPDATES, f"only {len(got)} responses during {UPDATES} updates"
+    assert len(got) >= updates, f"only {len(got)} responses during {updates} updates"
     begun = {int(k): v for k, v in r0["begun"].items()}
     done = {int(k): v for k, v in r0["done"].items()}
     done[0], begun[0] = 0.0, 0.0
@@ -131,7 +132,7 @@ def test_clients_generate_through_20_updates(staging: str, crossing: str) -> Non
                 assert resp["sent"] <= done[v + 1], f"version {v} served after version {v + 1} was committed"
         if crossing == "finish":
             assert len(spans) == 1, f"a response mixes versions under the default policy: {spans}"
-    assert len(versions) >= UPDATES // 2, f"responses saw only versions {sorted(versions)}"
+    assert len(versions) >= updates // 2, f"responses saw only versions {sorted(versions)}"
     assert _rescore(got) < 1e-4
     engine = [e[0] for e in r0["engines"]]
     assert all(e["staging"] == ("swap" if staging == "shard" else "in-place") for e in engine)

@@ -50,7 +50,7 @@ class _StandInWorker:
             for sid in args["advance"]:
                 s = self.seqs[sid]
                 s[0] += 1
-                out[sid] = (100 * self.served + s[0], -0.5, s[0] == s[1])
+                out[sid] = ([100 * self.served + s[0]], [-0.5], s[0] == s[1])
             return out
         if kind == "update":  # in place: the receive waits for the trainer (the gate)
             assert self.gate.wait(10)
@@ -227,3 +227,26 @@ def test_each_engine_kind_maps_the_policy_onto_its_own_pause_or_refuses_it() -> 
         SglangEngines.pause_mode_for("finish")
     with pytest.raises(ValueError, match="crossing must be one of"):
         ControlConfig(crossing="later")
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3])
+def test_the_scheduler_over_a_real_worker_generates_what_the_model_generates(tokens_per_step: int) -> None:
+    """A real EngineWorker (tiny Qwen3, TP 1, in process): requests decoded step by step,
+    interleaved, give exactly ``EngineModel.generate``'s tokens and logprobs."""
+    from shardsync.engine.worker import EngineWorker
+    from shardsync.models.engine import EngineModel
+    from shardsync.models.weights import random_source
+    from shardsync.spec import PRESETS
+
+    spec = PRESETS["tiny-qwen3"]
+    model = EngineModel.from_source(spec, random_source(spec, 3))
+    d = Dispatcher(EngineWorker(model, 0, 1), [], None, UpdateSession(), serving=Serving(tokens_per_step=tokens_per_step))
+    d.start()
+    bodies = [{"prompts": [[5, 6, 7], [8]], "max_new_tokens": 7, "temperature": 1.0, "top_p": 0.9, "seed": s,
+               "stop_token_ids": []} for s in range(3)]
+    futures = [d.submit("generate", b) for b in bodies]
+    for b, f in zip(bodies, futures, strict=True):
+        outs, version = f.result(60)
+        assert [(t, lp) for t, lp, _ in outs] == model.generate(**b) and version == 0
+        assert all(spans == [[0, 0, len(t) - 1]] for t, _, spans in outs)
+    d.stop()
