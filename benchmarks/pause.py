@@ -31,9 +31,9 @@ import time
 import httpx
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.launch.procs import run_ranks
 from shardsync.transport.group import free_port
 
 KINDS = {"in-place": 0, "staged": -1}  # kind -> EngineConfig.staging_bytes
@@ -127,16 +127,7 @@ def bench_kind(kind: str, url: str, args: argparse.Namespace) -> dict:
     stop, got, errors = threading.Event(), [], []
     threads = _clients(url, args, stop, got, errors)
     try:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=_trainer, args=(r, args.trainer_tp, port, url, args, out))
-                 for r in range(args.trainer_tp)]
-        for p in procs:
-            p.start()
-        res = dict(out.get(timeout=3600) for _ in procs)
-        for p in procs:
-            p.join(60)
+        res = run_ranks(_trainer, args.trainer_tp, (args.trainer_tp, free_port(), url, args))
     finally:
         stop.set()
         for t in threads:

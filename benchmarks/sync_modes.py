@@ -30,9 +30,9 @@ import subprocess
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.launch.procs import run_ranks
 from shardsync.transport.group import free_port
 
 
@@ -92,15 +92,8 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
     engines = [_engine(model, args.engine_tp, i, args) for i in range(args.engines)]
     urls = [u for _, u in engines]
     try:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        world, port = (1 if args.trainer == "fsdp2" else args.trainer_tp) * args.trainer_dp, free_port()
-        procs = [ctx.Process(target=_trainer, args=(r, world, port, urls, args, model, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        res = dict(out.get(timeout=3600) for _ in procs)
-        for p in procs:
-            p.join(60)
+        world = (1 if args.trainer == "fsdp2" else args.trainer_tp) * args.trainer_dp
+        res = run_ranks(_trainer, world, (world, free_port(), urls, args, model))
     finally:
         for proc, _ in engines:
             proc.terminate()

@@ -18,7 +18,6 @@ import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 MODES = ("p2p", "broadcast")
 
@@ -75,18 +74,11 @@ def digest_GBps(nbytes: int = 256 * 2**20) -> float:
 
 
 def bench(model: str, args) -> dict:
+    from shardsync.launch.procs import run_ranks
     from shardsync.transport.group import free_port
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     world = args.trainer_tp + args.engine_tp
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = dict(out.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join(60)
+    res = run_ranks(_rank, world, (world, free_port(), model, args))
     times = res[0]["times"]
     row = {"model": model, "bytes": res[0]["bytes"], "bitwise": all(not r["bad"] for r in res.values())}
     for m in MODES:

@@ -51,6 +51,7 @@ class EngineWorker:
         self.seqs: dict[int, Decoding] = {}  # sequences being generated, by the dispatcher's id
         self.notify: Notify | None = None  # where a staged receive reports (set by the host)
         self._stage: threading.Thread | None = None
+        self._stream = None  # CUDA: the stream staged receives run on
 
     @property
     def staged(self) -> bool:
@@ -139,7 +140,9 @@ class EngineWorker:
                 with torch.no_grad():  # grad mode is per thread
                     if device.type == "cuda":  # the current device and stream are per thread too
                         torch.cuda.set_device(device)
-                        stream = torch.cuda.Stream(device)
+                        if self._stream is None:  # one side stream for every staged receive
+                            self._stream = torch.cuda.Stream(device)
+                        stream = self._stream
                         with torch.cuda.stream(stream):
                             report = fn(**args, commit=False)
                         stream.synchronize()

@@ -4,7 +4,9 @@ them is left afterwards."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import queue
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -24,6 +26,43 @@ def start_all(procs: Iterable, *, threads: int = 1) -> None:
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = old
+
+
+def run_ranks(target: Callable, world: int, args: tuple, *, timeout_s: float = 3600.0,
+              threads: int = 1) -> dict:
+    """Spawn ``target(rank, *args, out)`` for ``world`` ranks; each puts ``(rank, result)`` on
+    ``out``.  Returns the results by rank; a rank that exits without one, or a world that
+    outlives ``timeout_s``, fails the run at once (every process killed)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(world)]
+    start_all(procs, threads=threads)
+    results: dict = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            try:
+                rank, value = out.get(timeout=1.0)
+                results[rank] = value
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                raise RuntimeError(f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]} "
+                                   "before handing in a result")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} gave no result "
+                                   f"within {timeout_s:g}s")
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return results
 
 
 # -- what is left of a run (Linux /proc; leak checks of tests and the soak benchmark) --
