@@ -36,14 +36,20 @@ from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import addressed
 from shardsync.models.weights import load_rank
 from shardsync.plan.local import region
+from shardsync.runtime.checksum import piece_checksums
 from shardsync.spec import load_spec
 from shardsync.topology import Topology
 from shardsync.transport.group import free_port
 
 
-def _sums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Bitwise fingerprints: the sum of each tensor's 16-bit words."""
-    return {n: int(t.view(torch.int16).to(torch.int64).sum()) for n, t in tensors.items()}
+def _sums(tensors: dict[str, torch.Tensor], model: str) -> dict[str, int]:
+    """Bitwise checksums of the engine-layout ``tensors`` per logical piece (``runtime.checksum``,
+    what ``WeightSync.verify`` compares), keys as strings."""
+    layout = engine_layout(load_spec(model, dtype="bfloat16"), EngineParallel(tp=1, dtype="bfloat16"))
+    rank = layout.ranks[0]
+    meta = {t.name: t for t in rank.tensors}
+    views = {n: addressed(t, meta[n]) for n, t in tensors.items()}
+    return {str(k): v for k, v in piece_checksums(rank, views, layout.logical, torch.bfloat16).items()}
 
 
 def _receiver(conn, model: str) -> None:
@@ -75,7 +81,7 @@ def _receiver(conn, model: str) -> None:
             return
         if msg == "checksum":
             torch.cuda.synchronize()
-            conn.send(_sums(dst))
+            conn.send(_sums(dst, model))
             continue
         update_weights_from_ipc(ctx, msg, 0, run=load)
         conn.send("done")
@@ -136,7 +142,7 @@ def main() -> None:
     try:
         source = fast_source(spec, 7)
         hf = {n: source(n).to(torch.bfloat16) for n in logical_tensors(spec)}
-        expected = _sums(load_rank(layout, 0, hf.__getitem__, device="cuda"))
+        expected = _sums(load_rank(layout, 0, hf.__getitem__, device="cuda"), args.model)
         ce = checkpoint_engine_updates(spec, hf, expected, args)
         del hf
         torch.cuda.empty_cache()
