@@ -123,7 +123,7 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
             drain(s, buf, engine)
 
     pairs = compile_runs(coalesce(topo.p2p_plan.copies), params, engine)
-    copies = Copies.of(pairs)
+    copies = Copies.of(pairs, gather=False)  # per-copy launches (the gather kernel is measured below)
     streams = [torch.cuda.Stream() for _ in range(SIDE_STREAMS)]
 
     def mapped() -> None:
@@ -135,6 +135,18 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     gb = topo.p2p_plan.total_bytes / 1e9
     out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack_all), ("unpack", unpack_all), ("mapped_copy", mapped),
                                                           ("mapped_copy_one_stream", mapped_one_stream))}
+    from shardsync.transport.gather import Gather, available
+
+    if available():  # one launch over a tile table, per tile size; bitwise against the per-copy path
+        reference = {n: t.clone() for n, t in engine.items()}
+        for t in engine.values():
+            t.zero_()
+        gather = Gather(pairs)  # what the mapped path runs where Triton is installed
+        out["mapped_gather"] = gb / cuda_ms(gather.run, iters=10) * 1e3
+        torch.cuda.synchronize()
+        out["mapped_gather_bitwise"] = all(
+            torch.equal(engine[n].view(torch.uint8), reference[n].view(torch.uint8)) for n in engine)
+        out["gather_word_bytes"] = gather.word
     out["mapped_copies"] = len(pairs)
     out["plan_copies"] = len(topo.p2p_plan.copies)
     return out
@@ -202,6 +214,9 @@ def main() -> None:
           f"mapped copy {kernels['mapped_copy']:.0f} (one stream: {kernels['mapped_copy_one_stream']:.0f}; "
           f"{kernels['mapped_copies']} strided copies for "
           f"{kernels['plan_copies']} plan copies)", flush=True)
+    if "mapped_gather" in kernels:
+        print(f"one gather launch: {kernels['mapped_gather']:.0f} GB/s (bitwise vs per-copy launches: "
+              f"{kernels['mapped_gather_bitwise']})", flush=True)
     runs = []
     try:
         wait_healthy(url, engine, 500)

@@ -2,7 +2,8 @@
 generating the whole time.
 
 One reference engine server per receive kind (``--kinds``: ``in-place`` = staging_bytes 0,
-``staged`` = one shard of staging, commit by storage swap) is started up front; then, kind by
+``window`` = ``--window`` of the shard staged, the rest received in place once the engine
+paused, ``staged`` = one shard of staging, commit by storage swap) is started up front; then, kind by
 kind, client threads generate continuously against it while trainer ranks first idle (the
 baseline throughput) and then push ``--updates`` full updates.  Reported per kind: engine
 pause per update (p50 / max: the engine ran no forward step because of the update), the
@@ -36,7 +37,20 @@ from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.launch.procs import run_ranks
 from shardsync.transport.group import free_port
 
-KINDS = {"in-place": 0, "staged": -1}  # kind -> EngineConfig.staging_bytes
+KINDS = ("in-place", "window", "staged")
+
+
+def _staging_bytes(kind: str, args: argparse.Namespace) -> int:
+    """EngineConfig.staging_bytes of a kind (a window: its share of worker 0's shard)."""
+    if kind != "window":
+        return {"in-place": 0, "staged": -1}[kind]
+    from shardsync.layout import EngineParallel, engine_layout
+    from shardsync.plan.plan import dtype_itemsize
+    from shardsync.spec import load_spec
+
+    spec = load_spec(args.model, dtype=args.dtype)
+    lay = engine_layout(spec, EngineParallel(tp=args.engine_tp, dtype=spec.dtype))
+    return int(args.window * sum(t.numel for t in lay.ranks[0].tensors) * dtype_itemsize(spec.dtype))
 
 
 def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespace, out) -> None:
@@ -146,6 +160,7 @@ def bench_kind(kind: str, url: str, args: argparse.Namespace) -> dict:
         "commit_p50_s": statistics.median(e["commit_s"] for e in engines),
         "drain_p50_s": statistics.median(e["drain_s"] for e in engines),
         "staging_bytes": max(e["staging_bytes"] for e in engines), "staging": engines[0]["staging"],
+        "shard_bytes": max(e.get("shard_bytes", 0) for e in engines),
         "tokens_per_s_idle": _throughput(got, [tuple(r0["idle"])]),
         "tokens_per_s_in_update_windows": _throughput(got, windows),
         "tokens_per_s_while_updating": _throughput(got, [(windows[0][0], windows[-1][1])]),
@@ -157,7 +172,8 @@ def bench_kind(kind: str, url: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-qwen3")
-    ap.add_argument("--kinds", default="in-place,staged")
+    ap.add_argument("--kinds", default="in-place,window,staged", help=f"a comma list of {', '.join(KINDS)}")
+    ap.add_argument("--window", type=float, default=0.5, help="window kind: share of the shard staged")
     ap.add_argument("--trainer-tp", type=int, default=1)
     ap.add_argument("--engine-tp", type=int, default=1)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -175,11 +191,14 @@ def main() -> None:
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     kinds = args.kinds.split(",")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        ap.error(f"unknown kind(s) {unknown}: choose from {KINDS}")
     servers = {}
     try:
         for kind in kinds:  # all engines load at once
             cfg = EngineConfig(model=args.model, tp=args.engine_tp, port=free_port(), dtype=args.dtype,
-                               device=args.device, seed=args.seed, staging_bytes=KINDS[kind],
+                               device=args.device, seed=args.seed, staging_bytes=_staging_bytes(kind, args),
                                crossing=args.crossing, threads=args.threads)
             servers[kind] = spawn_server(cfg)
         for proc, url in servers.values():

@@ -255,8 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory disk deltas may be pulled from (pulls elsewhere are refused)")
     p.add_argument("--staging-bytes", type=_staging_bytes, default=0, metavar="N|shard",
                    help="memory per TP worker to receive the next version into while serving; 0 (default): "
-                        "receive in place, generation pauses for the whole receive; 'shard': exactly one "
-                        "copy of the worker's shard (what a staged receive needs)")
+                        "receive in place, generation pauses for the whole receive; 'shard': one copy of the "
+                        "worker's shard, generation pauses only for the commit; fewer bytes: a window of "
+                        "the tensors received first is staged, generation pauses for the rest (received in "
+                        "place) and the commit")
     p.add_argument("--crossing", choices=("finish", "span", "abort"), default="finish",
                    help="requests running when the weights change: finish on the old version (the change "
                         "waits, bounded by --commit-wait-s), span both (re-prefilled, spans in the response) "

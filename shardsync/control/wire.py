@@ -112,6 +112,7 @@ class Received(BaseModel):
     # serving while syncing (engine/dispatch.py): where the engine stopped generating
     staging: Literal["in-place", "swap", "copy"] = "in-place"
     staging_bytes: int = 0  # peak staging memory held for this update
+    shard_bytes: int = 0  # the rank's whole shard: staging_bytes below it staged a window, the rest paused
     stage_s: float = 0.0  # receive into staging while serving (0 in place)
     drain_s: float = 0.0  # the commit waited this long for in-flight requests to finish on v
     commit_s: float = 0.0  # make the received weights the served ones (swap or copy)

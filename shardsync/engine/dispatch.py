@@ -107,17 +107,22 @@ class Request:
 @dataclass
 class Pending:
     """The update in progress: staged (receiving while steps go on), then gated (waiting on
-    the crossing policy), then applied."""
+    the crossing policy), then applied.  A staging window's receive asks for the gate
+    mid-receive (``window``); the engine then pauses (``open``) while its rest lands in place."""
 
     cmd: Command
     staged: bool
     t0: float
     crossing: str
-    phase: str = "gate"  # staging | gate
+    phase: str = "gate"  # staging | gate | open
     reports: dict[int, dict] = field(default_factory=dict)
     stage_s: float = 0.0
     gate_t0: float | None = None
     crossed: int = 0
+    window: bool = False  # a worker waits at the gate: the receive is not over
+    open_t0: float | None = None  # the engine paused for the in-place rest
+    drain_s: float = 0.0
+    touched: bool = False  # some worker wrote served weights (a failure leaves them torn)
 
 
 class Dispatcher:
@@ -180,7 +185,13 @@ class Dispatcher:
                 return
             self._staged(msg)
 
+    def _paused(self) -> bool:
+        """A window's rest is being written in place: no forward may run."""
+        return self.pending is not None and self.pending.phase == "open"
+
     def _busy(self) -> bool:
+        if self._paused():
+            return False  # wait for the receive's reports, do not spin
         return bool(self.requests) or (self.pending is not None and self.pending.phase == "gate") or (
             bool(self.waiting) and not self._holding())
 
@@ -200,7 +211,7 @@ class Dispatcher:
                     self._accept(item)
             self._progress()
             self._admit()
-            if self.requests or self._drop:
+            if (self.requests or self._drop) and not self._paused():
                 self._step()
 
     def _next(self, timeout: float | None) -> Command | None | bool:
@@ -234,6 +245,8 @@ class Dispatcher:
             self._begin_update(cmd)
         elif cmd.kind in ("join", "disconnect") and self.pending is not None:
             self.deferred.append(cmd)
+        elif self._paused():  # score, checksum, ... would read weights being written
+            self.deferred.append(cmd)
         else:
             self._now(cmd)
 
@@ -265,7 +278,7 @@ class Dispatcher:
     def _holding(self) -> bool:
         """New requests wait while a change waits for running ones to finish on the old version."""
         p = self.pending
-        return p is not None and p.phase == "gate" and p.crossing == "finish"
+        return p is not None and (p.phase == "open" or (p.phase == "gate" and p.crossing == "finish"))
 
     def _running(self) -> list[Seq]:
         return [s for r in self.requests for s in r.seqs if not s.done]
@@ -346,25 +359,36 @@ class Dispatcher:
         p.phase = "staging"
         cmd.started.set_result(None)
         try:
-            self.fanout.run("stage", {"kind": cmd.kind, "version": cmd.args["version"], "args": cmd.args},
-                      cmd.timeout_s)
+            self.fanout.run("stage", {"kind": cmd.kind, "version": cmd.args["version"], "args": cmd.args,
+                                      "wait_s": cmd.timeout_s}, cmd.timeout_s)
         except BaseException as e:
             self._failed(e)
             self._finish(p, [], error=f"{type(e).__name__}: {e}", kept=True, exc=e)
 
     def _on_staged(self, rank: int, version: int, report: dict) -> None:
         p = self.pending
-        if p is None or p.phase != "staging" or p.cmd.args["version"] != version:
+        if p is None or not p.staged or p.cmd.args["version"] != version or (
+                p.phase not in ("staging", "open") and not p.window):
             log.debug("staged report of tp%d for v%d arrived after its update ended", rank, version)
             return
+        if report.get("gate"):  # a window's receive reached the served weights: pause the engine
+            if p.phase == "staging":
+                p.phase, p.window, p.stage_s = "gate", True, time.monotonic() - p.t0
+            return
+        p.touched |= bool(report.pop("touched", False))
         p.reports[rank] = report
         if len(p.reports) < 1 + len(self.peers):
             return
-        p.stage_s = time.monotonic() - p.t0
+        if p.phase == "staging":
+            p.stage_s = time.monotonic() - p.t0
         if not all(r.get("ok", True) for r in p.reports.values()):
-            self._finish(p, self._ordered(p), kept=True)  # the served weights were never touched
+            self._finish(p, self._ordered(p), kept=not p.touched)  # kept: served weights never written
             return
-        p.phase = "gate"
+        p.window = False
+        if p.phase == "open":
+            self._apply(p, drain_s=p.drain_s)
+        else:
+            p.phase = "gate"
 
     def _ordered(self, p: Pending) -> list[dict]:
         return [p.reports[r] for r in sorted(p.reports)]
@@ -374,10 +398,10 @@ class Dispatcher:
         if p is None:
             return
         now = time.monotonic()
-        if p.phase == "staging":
+        if p.phase in ("staging", "open"):
             if now > p.t0 + p.cmd.timeout_s:
                 self._finish(p, [], error=f"the staged receive did not finish within {p.cmd.timeout_s:g}s",
-                             kept=True)
+                             kept=p.phase == "staging")
             return
         if p.gate_t0 is None:
             p.gate_t0 = now
@@ -396,7 +420,19 @@ class Dispatcher:
             else:  # span: they go on, on fresh caches
                 p.crossed = len(running)
                 self._refill.update(s.sid for s in running)
-        self._apply(p, drain_s=now - p.gate_t0)
+        if p.window:
+            self._open(p, drain_s=now - p.gate_t0)
+        else:
+            self._apply(p, drain_s=now - p.gate_t0)
+
+    def _open(self, p: Pending, *, drain_s: float) -> None:
+        """Pause the engine and let every worker's window receive write the served weights."""
+        p.phase, p.open_t0, p.drain_s = "open", time.monotonic(), drain_s
+        try:
+            self.fanout.run("open", {}, 60.0)
+        except BaseException as e:
+            self._failed(e)
+            self._finish(p, [], error=f"{type(e).__name__}: {e}", exc=e)
 
     def _apply(self, p: Pending, *, drain_s: float) -> None:
         """Change the weights between two steps: the commit (staged) or the whole receive."""
@@ -406,9 +442,10 @@ class Dispatcher:
             if p.staged:
                 commits = self.fanout.run("commit", {}, 60.0)
                 reports = self._ordered(p)
+                dest = self.worker.destination
                 extra.update(commit_s=max(c["commit_s"] for c in commits), stage_s=p.stage_s,
-                             staging=self.worker.destination.mode,
-                             staging_bytes=getattr(self.worker.destination, "nbytes", 0))
+                             staging=dest.mode, staging_bytes=getattr(dest, "nbytes", 0),
+                             shard_bytes=getattr(dest, "shard_bytes", 0))
             else:
                 p.cmd.started.set_result(None)
                 reports = self.fanout.run(p.cmd.kind, p.cmd.args, p.cmd.timeout_s)
@@ -416,7 +453,7 @@ class Dispatcher:
             self._failed(e)
             self._finish(p, [], error=f"{type(e).__name__}: {e}", exc=e)
             return
-        extra["pause_s"] = time.monotonic() - t0
+        extra["pause_s"] = time.monotonic() - (p.open_t0 or t0)  # a window: from the pause on
         self._finish(p, reports, extra=extra)
 
     def _finish(self, p: Pending, reports: list[dict], *, error: str | None = None, kept: bool = False,

@@ -27,15 +27,13 @@ Notify = Callable[[tuple[int, int, dict]], None]  # (rank, version, report) of a
 
 
 def destination_for(params: dict[str, torch.Tensor], staging_bytes: int, *, commit: str = "swap") -> Destination:
-    """In place (``staging_bytes == 0``), or staged when the budget holds this rank's shard."""
+    """In place (``staging_bytes == 0``), staged (one shard, ``SHARD``, or a budget that holds
+    it), or a staged window of the tensors a receive writes first (a smaller budget)."""
     if staging_bytes == 0:
         return Params(params)
-    need = sum(t.numel() * t.element_size() for t in params.values())
-    if staging_bytes != SHARD and staging_bytes < need:
-        raise ValueError(f"staging_bytes={staging_bytes} is less than this rank's shard ({need} bytes): a staged "
-                         f"receive holds one whole shard; give 0 (receive in place, pausing generation) or at "
-                         f"least {need}")
-    return Staged(params, commit=commit)
+    if staging_bytes < 0 and staging_bytes != SHARD:
+        raise ValueError(f"staging_bytes must be 0, a byte count or {SHARD} (one shard), got {staging_bytes}")
+    return Staged(params, commit=commit, budget=None if staging_bytes == SHARD else staging_bytes)
 
 
 class EngineWorker:
@@ -51,6 +49,7 @@ class EngineWorker:
         self.seqs: dict[int, Decoding] = {}  # sequences being generated, by the dispatcher's id
         self.notify: Notify | None = None  # where a staged receive reports (set by the host)
         self._stage: threading.Thread | None = None
+        self._open = threading.Event()  # the dispatcher paused the engine for a window's rest
         self._stream = None  # CUDA: the stream staged receives run on
 
     @property
@@ -125,15 +124,26 @@ class EngineWorker:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return rank_report(stats, t0, self.receiver.destination.name).model_dump()
 
-    def stage(self, kind: str, version: int, args: dict[str, Any]) -> None:
+    def stage(self, kind: str, version: int, args: dict[str, Any], wait_s: float = 300.0) -> None:
         """Start ``kind`` (update | pull) into staging on a thread of its own and return: this
-        worker keeps serving; the receive reports through ``notify`` when done."""
+        worker keeps serving; the receive reports through ``notify`` when done.  A staging
+        window's receive asks for the pause (``{"gate": True}``) before its first in-place
+        write and waits, at most ``wait_s``, for ``open``."""
         if self.notify is None or not self.staged:
             raise RuntimeError("this worker has no staging destination (staging_bytes=0)")
         if self._stage is not None and self._stage.is_alive():
             raise RuntimeError("the previous staged receive is still running")
         fn = {"update": self.update, "pull": self.pull}[kind]
         device = self.model.device
+        self._open.clear()
+
+        def gate() -> None:
+            self.notify((self.rank, version, {"gate": True}))
+            if not self._open.wait(wait_s):
+                raise TimeoutError(f"the engine did not pause within {wait_s:g}s for the in-place part of "
+                                   f"update {version}; nothing in place was written")
+
+        self.destination.gate = gate
 
         def body() -> None:
             try:
@@ -151,10 +161,16 @@ class EngineWorker:
             except Exception as e:  # the dispatcher hears of every staged receive, whatever happened
                 self.destination.discard()
                 report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            report["touched"] = self.destination.touched  # served weights written (past the gate)
+            self.destination.gate = None  # outside a staged receive nothing waits for a pause
             self.notify((self.rank, version, report))
 
         self._stage = threading.Thread(target=body, name=f"stage-v{version}", daemon=True)
         self._stage.start()
+
+    def open(self) -> None:
+        """The engine paused: a staging window's receive may write the served weights."""
+        self._open.set()
 
     def commit(self) -> dict[str, Any]:
         """Make the staged receive the served weights (between two forward steps)."""
@@ -182,6 +198,6 @@ class EngineWorker:
 
 COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.admit, EngineWorker.step,
                                      EngineWorker.score, EngineWorker.join, EngineWorker.update,
-                                     EngineWorker.pull, EngineWorker.stage, EngineWorker.commit,
+                                     EngineWorker.pull, EngineWorker.stage, EngineWorker.open, EngineWorker.commit,
                                      EngineWorker.checksum, EngineWorker.disconnect)}
 

@@ -133,9 +133,17 @@ class Copies:
     device: torch.device | None = None  # where the copies run (None: no copies)
     bounced: list[Bounce] | None = None
     _buffer: torch.Tensor | None = None
+    gather: object | None = None  # transport.gather.Gather: every copy in one launch
 
     @classmethod
-    def of(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Copies:
+    def of(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, gather: bool = True) -> Copies:
+        """``gather``: device-to-device copies of one dtype go as one Triton launch where
+        Triton is installed (``transport.gather``)."""
+        if gather and pairs and all(d.is_cuda and s.is_cuda and d.dtype == s.dtype for d, s in pairs):
+            from shardsync.transport import gather as tiles
+
+            if tiles.available():
+                return cls(([], []), [], pairs[0][0].device, gather=tiles.Gather(pairs))
         small = [(d, s) for d, s in pairs if d.is_cuda and d.numel() * d.element_size() < SMALL_BYTES
                  and d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.device == s.device]
         if len(small) < 2:
@@ -149,6 +157,9 @@ class Copies:
 
     def run(self, streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Every copy, ordered after the current stream's earlier work and before its later work."""
+        if self.gather is not None:
+            self.gather.run()
+            return
         if self.small[0]:
             torch._foreach_copy_(*self.small)
         if self.bounced:

@@ -16,6 +16,7 @@ import torch
 
 from shardsync.layout.piece import RankLayout
 from shardsync.plan.local import region
+from shardsync.runtime.gated import Gated
 
 
 class Destination(Protocol):
@@ -94,29 +95,75 @@ class Staged:
     (pointer moves: for engines that re-read ``param.data`` every step) or, where the
     engine captured its pointers (CUDA graphs), one device copy per tensor.
 
-    A cut or failed receive leaves the served weights untouched.  After a swap, or a failed
-    receive, staging lags the served weights; ``prepare`` (run off the pause, before the next
-    receive) catches it up, so a delta applies to what is served.  Memory: one copy of the
-    rank's shard (``nbytes``).
+    ``budget`` bytes below the rank's shard stage a window: the tensors a receive writes
+    first (``plan_window``, from the compiled order) up to the budget; the rest are written
+    in place after ``gate`` paused the engine (``runtime.gated``).  A cut or failed receive
+    leaves the served weights untouched unless it had passed the gate (``touched``).  After a
+    swap, or a failed receive, staging lags the served weights; ``prepare`` (run off the
+    pause, before the next receive) catches it up, so a delta applies to what is served.
+    Memory: the staged tensors (``nbytes``; one copy of the shard without a budget).
     """
 
     name = "staged"
 
-    def __init__(self, params: Mapping[str, torch.Tensor], *, commit: str = "swap") -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], *, commit: str = "swap",
+                 budget: int | None = None) -> None:
         if commit not in COMMITS:
             raise ValueError(f"commit must be one of {COMMITS}, got {commit!r}")
-        self.mode = commit
+        if budget is not None and budget <= 0:
+            raise ValueError(f"a staging budget must be positive (got {budget}); use Params to receive in place")
+        self.mode, self.budget = commit, budget
         self._live = dict(params)
+        self.shard_bytes = sum(_nbytes(t) for t in self._live.values())
+        self.gate: Callable[[], None] | None = None  # pauses the engine before the first in-place write
+        self.touched = False  # this receive passed the gate (served weights written)
+        self._fence: object | None = None  # CUDA event: served-side reads of old storages done
+        self.window: tuple[str, ...] = ()
+        self.plan_window(list(self._live))
+
+    @property
+    def whole(self) -> bool:
+        return len(self.window) == len(self._live)
+
+    def plan_window(self, order: list[str]) -> None:
+        """Stage the first tensors of ``order`` (the receive's write order) that fit the budget;
+        (re)allocates staging as copies of the served weights.  Call between receives."""
+        names = [n for n in dict.fromkeys(order) if n in self._live]
+        names += [n for n in self._live if n not in set(names)]
+        if self.budget is not None and self.budget < self.shard_bytes:
+            used, kept = 0, []
+            for n in names:
+                used += _nbytes(self._live[n])
+                if used > self.budget:
+                    break
+                kept.append(n)
+            names = kept
+        if tuple(names) == self.window:
+            return
+        self.window = tuple(names)
         # two fixed mappings (A served, B staging, then the other way round): a path that
         # compiled views of one mapping finds them again two updates later
-        self._sets = [{n: t.detach().clone() for n, t in self._live.items()}, {}]
+        self._sets: list[dict[str, torch.Tensor]] = [{n: self._live[n].detach().clone() for n in names}, {}]
+        self._views = [self._view(0), None]
         self._staging = 0
         self._behind = False
-        self._fence: object | None = None  # CUDA event: served-side reads of old storages done
-        self.nbytes = sum(t.numel() * t.element_size() for t in self._live.values())
+        self.nbytes = sum(_nbytes(t) for t in self._sets[0].values())
+
+    def _view(self, i: int) -> Mapping[str, torch.Tensor]:
+        if self.whole:
+            return self._sets[i]
+        return Gated(self._sets[i], self._live, self._pass_gate)
+
+    def _pass_gate(self) -> None:
+        if not self.touched:
+            if self.gate is not None:
+                self.gate()
+            self.touched = True
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        return self._sets[self._staging]
+        if self._views[self._staging] is None:
+            self._views[self._staging] = self._view(self._staging)
+        return self._views[self._staging]
 
     def served(self) -> Mapping[str, torch.Tensor]:
         """What the engine serves from (checksums read these)."""
@@ -124,24 +171,28 @@ class Staged:
 
     def prepare(self) -> None:
         """Before a receive: staging := served where it lags (bases of deltas, rows no plan writes)."""
+        self.touched = False
         if self._fence is not None:
             torch.cuda.current_stream().wait_event(self._fence)
             self._fence = None
         if self._behind:
-            staging = self.tensors()
-            names = list(self._live)
-            torch._foreach_copy_([staging[n] for n in names], [self._live[n].detach() for n in names])
+            staging = self._sets[self._staging]
+            names = list(staging)
+            if names:
+                torch._foreach_copy_([staging[n] for n in names], [self._live[n].detach() for n in names])
             self._behind = False
 
     def discard(self) -> None:
-        """A receive into staging failed: the served weights stand; staging is caught up later."""
+        """A receive into staging failed: the staged window is dropped (the served weights
+        stand unless ``touched``); staging is caught up later."""
         self._behind = True
 
     def commit(self) -> None:
-        staging = self.tensors()
-        names = list(self._live)
+        staging = self._sets[self._staging]
+        names = list(staging)
         if self.mode == "copy":
-            torch._foreach_copy_([self._live[n].data for n in names], [staging[n] for n in names])
+            if names:
+                torch._foreach_copy_([self._live[n].data for n in names], [staging[n] for n in names])
         else:
             old = self._staging ^ 1
             if not self._sets[old]:  # first swap: the engine's own storages become set B
@@ -153,3 +204,7 @@ class Staged:
         if first is not None and first.is_cuda:
             self._fence = torch.cuda.Event()
             self._fence.record()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -23,7 +23,8 @@ from shardsync.paths.disk import DiskApply
 from shardsync.receiver.connect import topology_from_connect
 from shardsync.receiver.destination import Destination
 from shardsync.runtime.checksum import BoxKey, piece_checksums
-from shardsync.runtime.schedule import subgroups
+from shardsync.runtime.gated import Gated
+from shardsync.runtime.schedule import broadcast_steps, p2p_steps, subgroups, write_order
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
 from shardsync.transport.group import Rendezvous, SyncGroup
@@ -64,9 +65,13 @@ class Receiver:
         hit = self._views.get(id(src))
         if hit is None or hit[0] is not src:
             meta = self._meta
+
+            def view(n: str, t: torch.Tensor) -> torch.Tensor:
+                return addressed(t, meta[n]) if n in meta else t
+
             if len(self._views) >= 3:  # served + two staging sets
                 self._views.pop(next(iter(self._views)))
-            hit = (src, {n: addressed(t, meta[n]) if n in meta else t for n, t in src.items()})
+            hit = (src, src.mapped(view) if isinstance(src, Gated) else {n: view(n, t) for n, t in src.items()})
             self._views[id(src)] = hit
         return hit[1]
 
@@ -83,13 +88,14 @@ class Receiver:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
                              f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")
         me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.index
+        full = [m for m in FULL if m.value in req.fingerprints]
+        self._plan_window(topo, me, req, full)
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc or None,
                       tensors=self._tensors(), rank_layout=self.rank_layout, verify=req.verify,
                       secret=self._secret)
-        full = [m for m in FULL if m.value in req.fingerprints]
         deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
         programs: dict[Mode, Program] = {}
         try:
@@ -101,6 +107,17 @@ class Receiver:
         self.leave()
         self.group, self.programs, self.sync_rank = group, programs, me
         return me
+
+    def _plan_window(self, topo, me: int, req: ConnectRequest, full: list[Mode]) -> None:
+        """A staging window holds the tensors this connection's receive writes first."""
+        plan = getattr(self.destination, "plan_window", None)
+        if plan is None or not full:
+            return
+        if full[0] is Mode.P2P:
+            steps = p2p_steps(topo, me, req.bucket_bytes)
+        else:
+            steps = [s for st in range(topo.trainer.pp) for s in broadcast_steps(topo, me, req.bucket_bytes, st)]
+        plan(write_order(steps))
 
     def receive(self, mode: Mode, args: UpdateArgs | None = None, *, commit: bool = True) -> Stats:
         """One update into the destination (collective over the sync).  ``commit=False``: the

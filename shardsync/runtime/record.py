@@ -64,8 +64,11 @@ class UpdateRecord:
         if not self.engines:
             return ""
         staged = [e for e in self.engines if e.get("staging", "in-place") != "in-place"]
+        window = [e for e in staged if e.get("staging_bytes", 0) < e.get("shard_bytes", 0)]
+        share = (f", window {min(e['staging_bytes'] / e['shard_bytes'] for e in window):.0%} of the shard"
+                 if window else "")
         how = (f"staged {max(e.get('stage_s', 0.0) for e in staged) * 1e3:.1f}ms, "
-               f"commit {max(e.get('commit_s', 0.0) for e in staged) * 1e3:.2f}ms" if staged else "in place")
+               f"commit {max(e.get('commit_s', 0.0) for e in staged) * 1e3:.2f}ms{share}" if staged else "in place")
         return f" engine_pause={self.pause_s * 1e3:.2f}ms ({how})"
 
     def to_json(self) -> str:

@@ -203,3 +203,14 @@ def subgroups(topo: Topology) -> dict[str, list[int]]:
     """The sync group's named subgroups (every member builds the same ones, in this order)."""
     ranks = SyncRanks(topo)
     return {f"stage{s}": ranks.stage_group(s) for s in range(topo.trainer.pp)}
+
+
+def write_order(steps: list[Step]) -> list[str]:
+    """Local tensors in the order a rank's steps first write them (a staging window is the
+    first ones: the receive reaches the rest last)."""
+    seen: dict[str, None] = {}
+    for s in steps:
+        for b in s.drain:
+            if b.space == "local":
+                seen.setdefault(b.key)
+    return list(seen)

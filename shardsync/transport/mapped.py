@@ -82,7 +82,7 @@ class MappedTransport:
         self._exported: dict[str, int] = {}
         self.shm_names: set[str] = set()  # of exported CPU storages
         self._mapped: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # peer -> (generation, tensors)
-        self._copies: dict[int, dict[int, tuple[object, Copies]]] = {}  # peer -> id(local) -> copies
+        self._copies: dict[int, dict[int, tuple[object, tuple[Copies, Copies]]]] = {}  # peer -> id(local) -> copies
         self._runs: dict[int, list[Run]] = {}
         self._streams: list = []  # side streams of the receiver's copies (CUDA)
         self._pins: dict[int, HostPins] = {}  # peer -> its CPU storages, page-locked here for H2D copies
@@ -145,7 +145,7 @@ class MappedTransport:
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
         self._pins.pop(peer, HostPins()).release()
         mapped = open_tensors(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
-        if any(t.is_cuda for t in local.values()):
+        if any(t.is_cuda for t in getattr(local, "ungated", local).values()):
             self._pins[peer] = HostPins()
             self._pins[peer].pin(mapped.values())
         if peer not in self._runs:
@@ -154,12 +154,21 @@ class MappedTransport:
         self._copies[peer] = {}
         self._compiled(peer, local)
 
-    def _compiled(self, peer: int, local: Mapping[str, torch.Tensor]) -> Copies:
+    def _compiled(self, peer: int, local: Mapping[str, torch.Tensor]) -> tuple[Copies, Copies]:
         """The copies from ``peer``'s mapped tensors into ``local``, compiled once per local
-        mapping (a staged engine alternates two)."""
+        mapping (a staged engine alternates two): (into staging, into served weights).  The
+        second is empty unless ``local`` stages a window (``runtime.gated``)."""
         hit = self._copies[peer].get(id(local))
         if hit is None or hit[0] is not local:
-            hit = (local, Copies.of(compile_runs(self._runs[peer], self._mapped[peer][1], local)))
+            window = getattr(local, "window", None)
+            runs, src = self._runs[peer], self._mapped[peer][1]
+            if window is None:
+                compiled = (Copies.of(compile_runs(runs, src, local)), Copies.of([]))
+            else:
+                views = local.ungated
+                compiled = tuple(Copies.of(compile_runs([r for r in runs if (r.first.dst_local in window) == staged],
+                                                        src, views)) for staged in (True, False))
+            hit = (local, compiled)
             self._copies[peer][id(local)] = hit
         return hit[1]
 
@@ -215,35 +224,56 @@ class MappedTransport:
         return stats
 
     def _receive(self, local: Mapping[str, torch.Tensor]) -> Stats:
-        """Every sender gets its ack, even after another one failed: none waits for a timeout."""
+        """Every sender gets its ack, even after another one failed: none waits for a timeout.
+
+        Staging copies of every peer go first; copies into served weights (a staging window's
+        rest) follow once ``local.open()`` paused the engine."""
         stats = Stats()
         error: Exception | None = None
+        gens, waits = {}, {}
         for peer in self.peers:
             t0 = time.perf_counter()
             header = torch.zeros(1, dtype=torch.int64)
             self.group.recv(header, peer).wait()
-            gen = int(header[0])
-            t1 = time.perf_counter()
-            status = FAILED
+            gens[peer] = gen = int(header[0])
+            waits[peer] = time.perf_counter() - t0
             try:
                 if gen == ABORT:
                     raise RuntimeError(f"trainer sync rank {peer} aborted the update before sending")
                 if error is None:
                     if self._mapped.get(peer, (None,))[0] != gen:
                         self.attach(peer, gen, local)
-                    copies = self._compiled(peer, local)
-                    copies.run(self._side_streams(copies.device))
-                    if copies.device is not None and copies.device.type == "cuda":
-                        torch.cuda.current_stream(copies.device).synchronize()  # before the ack
+                    staged = self._compiled(peer, local)[0]
+                    staged.run(self._side_streams(staged.device))
+            except Exception as e:
+                error = error or e
+        if error is None and any(self._compiled(p, local)[1].device is not None for p in self.peers):
+            try:
+                device = next(c.device for p in self.peers for c in self._compiled(p, local) if c.device is not None)
+                if device.type == "cuda":  # the staging copies run while serving, not in the pause
+                    torch.cuda.current_stream(device).synchronize()
+                local.open()  # the engine pauses: the rest writes what it serves
+            except Exception as e:
+                error = e
+        for peer in self.peers:
+            t1 = time.perf_counter()
+            status = FAILED
+            try:
+                if error is None:
+                    staged, live = self._compiled(peer, local)
+                    live.run(self._side_streams(live.device))
+                    device = staged.device or live.device
+                    if device is not None and device.type == "cuda":
+                        torch.cuda.current_stream(device).synchronize()  # before the ack
                     status = READY
             except Exception as e:
                 error = error or e
-            self.group.send(torch.tensor([gen, status], dtype=torch.int64), peer).wait()
+            self.group.send(torch.tensor([gens[peer], status], dtype=torch.int64), peer).wait()
             t2 = time.perf_counter()
-            stats.transfer_s += t1 - t0
+            stats.transfer_s += waits[peer]
             stats.unpack_s += t2 - t1
             stats.steps.append(StepTiming("map", f"{peer}->{self.group.rank}", self.peer_bytes[peer],
-                                          transfer_s=t1 - t0, unpack_s=t2 - t1))
+                                          transfer_s=waits[peer], unpack_s=t2 - t1))
         if error is not None:
             raise error
         stats.bytes_received = self.nbytes

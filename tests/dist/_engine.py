@@ -25,6 +25,17 @@ def start_engine(model: str, tp: int, *, seed: int = 0, **fields) -> tuple[subpr
     return proc, url
 
 
+def shard_bytes(model: str, tp: int, dtype: str | None = None) -> int:
+    """Bytes of TP rank 0's shard of the reference engine (a staging window is a share of it)."""
+    from shardsync.layout import EngineParallel, engine_layout
+    from shardsync.plan.plan import dtype_itemsize
+    from shardsync.spec import load_spec
+
+    spec = load_spec(model, dtype=dtype)
+    lay = engine_layout(spec, EngineParallel(tp=tp, dtype=spec.dtype))
+    return sum(t.numel for t in lay.ranks[0].tensors) * dtype_itemsize(spec.dtype)
+
+
 def stop_engine(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:

@@ -18,7 +18,7 @@ from shardsync.models.weights import random_source
 from shardsync.spec import PRESETS
 from shardsync.config import DeltaConfig, SyncConfig, TransportConfig
 from shardsync.sync import WeightSync
-from tests.dist._engine import start_engine, stop_engine
+from tests.dist._engine import shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, run_world
 
 
@@ -62,15 +62,16 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
     out.put((rank, res))
 
 
-@pytest.mark.parametrize("transport,staged", [("p2p", False), ("broadcast", False), ("disk", False),
-                                              ("p2p", True), ("disk", True)],
-                         ids=["p2p", "broadcast", "disk", "p2p-staged", "disk-staged"])
-def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, staged: bool, tmp_path) -> None:
-    """``staged``: the engine receives into staging and swaps at commit, so each delta must
-    apply to a staging copy first caught up from the served weights (the previous version)."""
+@pytest.mark.parametrize("transport,staging", [("p2p", "0"), ("broadcast", "0"), ("disk", "0"),
+                                               ("p2p", "shard"), ("disk", "shard"), ("p2p", "window")],
+                         ids=["p2p", "broadcast", "disk", "p2p-staged", "disk-staged", "p2p-window"])
+def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, staging: str, tmp_path) -> None:
+    """``shard``: the engine receives into staging and swaps at commit, so each delta must
+    apply to a staging copy first caught up from the served weights (the previous version);
+    ``window``: a third of the shard staged so, the rest scattered in place after the pause."""
     delta_dir = str(tmp_path / "versions") if transport == "disk" else None
-    proc, url = start_engine("tiny-qwen3", 2, dtype="bfloat16", delta_root=str(tmp_path),
-                             staging_bytes=-1 if staged else 0)
+    budget = {"0": 0, "shard": -1, "window": shard_bytes("tiny-qwen3", 2, "bfloat16") // 3}[staging]
+    proc, url = start_engine("tiny-qwen3", 2, dtype="bfloat16", delta_root=str(tmp_path), staging_bytes=budget)
     try:
         res = run_world(_trainer, 2, args=(2, free_port(), url, transport, delta_dir), timeout=240)
         r0 = res[0]

@@ -19,7 +19,7 @@ from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
 from shardsync.sync import WeightSync
-from tests.dist._engine import start_engine, stop_engine
+from tests.dist._engine import shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 
 MODEL, UPDATES, CLIENTS = "tiny-qwen3", 20, 3
@@ -89,12 +89,16 @@ def _rescore(responses: list[dict]) -> float:
     return worst
 
 
-@pytest.mark.parametrize("staging,crossing,updates", [("shard", "finish", UPDATES), ("0", "span", UPDATES // 2)],
-                         ids=["staged-finish", "in-place-span"])
+STAGING = {"shard": lambda: -1, "0": lambda: 0, "window": lambda: shard_bytes(MODEL, 2) // 2}
+
+
+@pytest.mark.parametrize("staging,crossing,updates", [("shard", "finish", UPDATES), ("0", "span", UPDATES // 2),
+                                                      ("window", "span", UPDATES // 2)],
+                         ids=["staged-finish", "in-place-span", "window-span"])
 def test_clients_generate_through_20_updates(staging: str, crossing: str, updates: int) -> None:
-    """The default (staged, finish) through 20 updates; in place with ``span`` through 10."""
-    proc, url = start_engine(MODEL, 2, seed=_seed(0), staging_bytes=-1 if staging == "shard" else 0,
-                             crossing=crossing)
+    """The default (staged, finish) through 20 updates; in place, and half the shard staged
+    (the rest received in place once the engine paused), with ``span`` through 10."""
+    proc, url = start_engine(MODEL, 2, seed=_seed(0), staging_bytes=STAGING[staging](), crossing=crossing)
     stop, got, errors = threading.Event(), [], []
     clients = [threading.Thread(target=_client, args=(url, stop, i, got, errors), daemon=True)
                for i in range(CLIENTS)]
@@ -135,11 +139,13 @@ def test_clients_generate_through_20_updates(staging: str, crossing: str, update
     assert len(versions) >= updates // 2, f"responses saw only versions {sorted(versions)}"
     assert _rescore(got) < 1e-4
     engine = [e[0] for e in r0["engines"]]
-    assert all(e["staging"] == ("swap" if staging == "shard" else "in-place") for e in engine)
+    assert all(e["staging"] == ("in-place" if staging == "0" else "swap") for e in engine)
     assert all(e["pause_s"] > 0 for e in engine)
-    if staging == "shard":
+    if staging != "0":
         assert all(e["stage_s"] > 0 and e["staging_bytes"] > 0 for e in engine)
-    else:  # 20 updates under 3 busy clients: some request was running at some update
+        window = [e["staging_bytes"] < e["shard_bytes"] for e in engine]
+        assert all(window) if staging == "window" else not any(window)
+    if staging != "shard":        # 10 updates under 3 busy clients: some request was running at some update
         spanning = [r for r in got if len(r["outputs"][0]["spans"]) > 1]
         assert spanning and sum(e["crossed"] for e in engine) >= len(spanning)
     assert 'shardsync_last_update_seconds{phase="pause"}' in metrics

@@ -55,3 +55,32 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
             assert generation == 2  # re-exported once, for the moved tensor
     finally:
         stop_engine(proc)
+
+
+@pytest.mark.parametrize("ttp,etp", [(1, 1), (2, 1), (1, 2)])
+def test_the_gather_kernel_copies_what_the_per_copy_path_copies(ttp: int, etp: int) -> None:
+    """One Triton launch over the tile table = the per-copy path, bitwise (bf16 both sides)."""
+    import torch
+
+    from shardsync.layout import EngineParallel
+    from shardsync.plan.local import allocate
+    from shardsync.plan.runs import Copies, coalesce, compile_runs
+    from shardsync.transport.gather import Gather, available
+
+    assert available(), "triton and CUDA are on the GPU machine"
+    spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
+    topo = Topology(spec, MegatronParallel(tp=ttp, dtype="bfloat16"), (EngineParallel(tp=etp, dtype="bfloat16"),))
+    plan = topo.p2p_plan
+    sources = [{n: t.cuda() for n, t in load_rank(topo.trainer_layout, r, random_source(spec, seed=9)).items()}
+               for r in range(ttp)]
+    for e in range(etp):
+        ref, got = allocate(plan, e, device="cuda"), allocate(plan, e, device="cuda")
+        for t in range(ttp):
+            runs = coalesce([c for c in plan.copies if c.dst == e and c.src == t])
+            if not runs:
+                continue
+            Copies.of(compile_runs(runs, sources[t], ref), gather=False).run()
+            Gather(compile_runs(runs, sources[t], got), tile_bytes=4096).run()
+        torch.cuda.synchronize()
+        for name in ref:
+            assert torch.equal(ref[name].view(torch.int16), got[name].view(torch.int16)), name

@@ -34,7 +34,9 @@ class _StandInWorker:
         self.seqs: dict[int, list[int]] = {}  # sid -> [count, max_new]
         self.order: list[str] = []
         self.gate = threading.Event()
+        self.opened = threading.Event()  # ``open``: the engine paused for a window's rest
         self.refilled: list[int] = []
+        self.in_place_steps = 0  # steps run while a window's rest was being written
 
     def handle(self, kind: str, args: dict):
         if kind != "step":
@@ -44,6 +46,8 @@ class _StandInWorker:
                 self.seqs[sid] = [0, args["max_new_tokens"]]
             return None
         if kind == "step":
+            if self.opened.is_set() and self.staging is None:
+                self.in_place_steps += 1
             time.sleep(0.01)
             self.refilled += args["refill"]
             out = {}
@@ -57,13 +61,25 @@ class _StandInWorker:
             self.served = args["version"]
             return dict(REPORT)
         if kind == "stage":
+            self.opened.clear()
+            self.staging = None
+
             def receive() -> None:
                 assert self.gate.wait(10)
-                self.staging = args["version"]
                 fail = args["args"].get("fail", False)
-                self.notify((0, args["version"], dict(REPORT, ok=not fail, error="ValueError: cut" if fail else None)))
+                window = args["args"].get("window", False)  # like a staging window: part in place
+                if window:
+                    self.notify((0, args["version"], {"gate": True}))
+                    assert self.opened.wait(10)
+                    time.sleep(0.05)  # the rest lands in place; no step may run meanwhile
+                self.staging = args["version"]
+                self.notify((0, args["version"], dict(REPORT, ok=not fail, touched=window,
+                                                      error="ValueError: cut" if fail else None)))
 
             threading.Thread(target=receive, daemon=True).start()
+            return None
+        if kind == "open":
+            self.opened.set()
             return None
         if kind == "commit":
             self.served = self.staging
@@ -149,6 +165,39 @@ def test_a_failed_staged_receive_keeps_serving_the_old_version() -> None:
     assert not session.connected, "the broken sync group is dropped: the trainer reconnects"
     outs, v = _gen(d, 2).result(10)
     assert v == 0 and outs[0][0] == [1, 2]
+    d.stop()
+
+
+@pytest.mark.parametrize("crossing", ["finish", "span"])
+def test_a_window_receive_pauses_the_engine_for_its_in_place_rest(crossing: str) -> None:
+    """A staging window's receive asks for the gate mid-receive: the crossing policy runs, the
+    engine stops stepping (``open``) while the rest lands in place, then commits; the pause
+    counts from ``open``, and requests that came meanwhile run on the new version."""
+    worker, session, d = _engine(staged=True, crossing=crossing)
+    running = _gen(d, 15)
+    _until(lambda: bool(worker.seqs))
+    update = _update(session, d, 6, window=True)
+    worker.gate.set()
+    _until(worker.opened.is_set)
+    during = _gen(d, 2)  # while the engine is paused
+    result, version = update.future.result(10)
+    assert result.ok and version == 6 and worker.in_place_steps == 0, "no step ran while weights were written"
+    assert worker.order.index("stage") < worker.order.index("open") < worker.order.index("commit")
+    assert result.pause_s >= 0.05 and result.stage_s > 0
+    outs, v = running.result(10)
+    _consistent(outs)
+    assert [s[0] for s in outs[0][2]] == ([0] if crossing == "finish" else [0, 6])
+    outs, v = during.result(10)
+    assert v == 6 and outs[0][2] == [[6, 0, 1]]
+    d.stop()
+
+
+def test_a_window_receive_that_fails_after_the_pause_leaves_the_engine_stale() -> None:
+    """Past the gate the served weights were written: a failure cannot keep them."""
+    worker, session, d = _engine(staged=True)
+    worker.gate.set()
+    result, version = _update(session, d, 4, window=True, fail=True).future.result(10)
+    assert not result.ok and session.stale and "commit" not in worker.order
     d.stop()
 
 
