@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import platform
-import queue
 import socket
 import statistics
 import time
@@ -36,9 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from shardsync.launch.procs import start_all
+from shardsync.launch.procs import run_ranks
 from shardsync.spec import PRESETS, ModelSpec
 
 SEED = 0
@@ -161,7 +159,7 @@ def _transformers_proc(rank: int, world: int, port: int, spec: ModelSpec,
     return {"times": times, "tokens": tokens, "transformers": transformers.__version__}
 
 
-def _entry(fn: Callable[..., dict], rank: int, world: int, port: int, spec: ModelSpec,
+def _entry(rank: int, fn: Callable[..., dict], world: int, port: int, spec: ModelSpec,
            args: dict[str, Any], threads: int, out: Any) -> None:
     torch.set_num_threads(threads)
     try:
@@ -174,33 +172,11 @@ def _entry(fn: Callable[..., dict], rank: int, world: int, port: int, spec: Mode
 def _spawn(fn: Callable[..., dict], nprocs: int, threads: int, spec: ModelSpec,
            args: dict[str, Any]) -> dict:
     """Run ``fn`` on ``nprocs`` fresh processes of ``threads`` torch threads; rank 0's result."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, spec, args, threads, out))
-             for r in range(nprocs)]
-    start_all(procs, threads=threads)
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    try:
-        while len(results) < nprocs:
-            try:
-                rank, res = out.get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a benchmark process died without a result") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no result after {WORLD_TIMEOUT_S}s") from None
-                continue
-            if "error" in res:
-                raise RuntimeError(f"rank {rank} failed:\n{res['error']}")
-            results[rank] = res
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_entry, nprocs, (fn, nprocs, _free_port(), spec, args, threads),
+                        timeout_s=WORLD_TIMEOUT_S, threads=threads)
+    for rank, res in sorted(results.items()):
+        if "error" in res:
+            raise RuntimeError(f"rank {rank} failed:\n{res['error']}")
     return results[0]
 
 
