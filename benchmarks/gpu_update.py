@@ -4,7 +4,10 @@ bytes (the limit); in-process pack, unpack and mapped-copy throughput; full upda
 both IPC kinds ("map": the engine reads the trainer's weights in place; "slots": buckets
 staged through exported buffers) and both control planes (begin/finish through the sync
 store or over HTTP) with their phases and the bitwise checksum; delta
-encode/apply throughput on the device at 1 % and 10 % density.
+encode/apply throughput on the device at 1 % and 10 % density.  An update counts until its
+copies finished on the GPU ("complete": ``update()`` then a synchronize of the trainer's
+stream, which the engine's event orders after its copies); ``update()`` alone may return
+earlier (map with ``complete="stream"``: once the copies are queued).
 
     python benchmarks/gpu_update.py --model Qwen3-4B --updates 10 --out gpu_update.json
 """
@@ -76,7 +79,7 @@ def fast_source(spec, seed: int):
         if len(shape) == 1:
             return base(name)
         g = torch.Generator(device="cuda").manual_seed(hash((seed, name)) % 2**31)
-        return torch.randn(shape, generator=g, device="cuda") * 0.02
+        return torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     return get
 
 
@@ -152,23 +155,29 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     return out
 
 
-def ipc_updates(kind: str, control: str, spec, par, params: dict, url: str, args, first: int) -> dict:
+def ipc_updates(kind: str, control: str, complete: str, spec, par, params: dict, url: str, args,
+                first: int) -> dict:
     """Connect with one IPC kind and control plane, run ``--updates`` full updates after a
     warm-up, verify.  Kind ``host``: the trainer's weights offloaded to (pinned) host memory,
     read by the engine through the map path (H2D copies)."""
     if kind == "host":
         params = {k: v.cpu().pin_memory() for k, v in params.items()}
     sync = WeightSync(spec, par, 0, params, [url],
-                      SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="map" if kind == "host" else kind),
+                      SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="map" if kind == "host" else kind,
+                                                                       complete=complete),
                                  control=ControlConfig(channel=control, http_timeout_s=300),
                                  transport=TransportConfig(bucket_mb=args.bucket_mb, timeout_s=300)))
     sync.connect()
-    recs = []
+    recs, returned, done = [], [], []
     try:
         for v in range(first, first + args.updates + 1):  # versions only grow on an engine
             params["embedding.word_embeddings.weight"][0, v % 7] += 1.0  # a change every update
             torch.cuda.synchronize()
+            t0 = time.perf_counter()
             recs.append(sync.update(v))
+            returned.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()  # the trainer's stream waits for the engine's copies
+            done.append(time.perf_counter() - t0)
         bad = sync.verify()
     finally:
         sync.close()
@@ -177,9 +186,11 @@ def ipc_updates(kind: str, control: str, spec, par, params: dict, url: str, args
            for k in ("pack", "transfer", "unpack", "control", "total")}
     # the data path: from the trainer's first byte handed over to the engine's last ack
     data = [(r.phases["pack"] + r.phases["transfer"]) * 1e3 for r in measured]
-    return {"kind": kind, "control": control, "source": recs[-1].source,
+    return {"kind": kind, "control": control, "complete": complete, "source": recs[-1].source,
             "data_ms": statistics.median(data), "data_p99_ms": max(data),
-            "total_ms": med["total"], "phases_ms": med, "checksum_ok": not bad, "mismatch": bad[:3],
+            "total_ms": statistics.median(done[1:]) * 1e3, "returned_ms": statistics.median(returned[1:]) * 1e3,
+            "total_max_ms": max(done[1:]) * 1e3,
+            "phases_ms": med, "checksum_ok": not bad, "mismatch": bad[:3],
             "records": [r.phases for r in recs]}
 
 
@@ -188,9 +199,12 @@ def main() -> None:
     ap.add_argument("--model", default="Qwen3-4B")
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--bucket-mb", type=float, default=256)
-    ap.add_argument("--runs", default="map:store,map:http,slots:store,host:store",
-                    help="IPC kind:control plane pairs to compare, comma separated (host: map from "
-                         "weights offloaded to pinned host memory)")
+    ap.add_argument("--runs", default="map:store,map:store:host,map:http,slots:store,host:store",
+                    help="IPC kind:control plane[:complete] to compare, comma separated (host: map from "
+                         "weights offloaded to pinned host memory; complete: stream (default) or host)")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="skip the in-process kernel measures (they hold two more copies of the model: "
+                         "Qwen3-14B does not fit beside the engine on one H200 with them)")
     ap.add_argument("--out", default="gpu_update.json")
     args = ap.parse_args()
     spec = load_spec(args.model, dtype="bfloat16")
@@ -205,31 +219,33 @@ def main() -> None:
 
     engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
                                             threads=4))
-    t0 = time.time()
-    params = load_rank(topo.trainer_layout, 0, fast_source(spec, 1), device="cuda")
-    print(f"trainer weights ready in {time.time() - t0:.1f}s", flush=True)
-    kernels = kernels_GBps(topo, params, int(args.bucket_mb * 2**20))
-    torch.cuda.empty_cache()
-    print(f"in-process kernels (GB/s of model bytes): pack {kernels['pack']:.0f}, unpack {kernels['unpack']:.0f}, "
-          f"mapped copy {kernels['mapped_copy']:.0f} (one stream: {kernels['mapped_copy_one_stream']:.0f}; "
-          f"{kernels['mapped_copies']} strided copies for "
-          f"{kernels['plan_copies']} plan copies)", flush=True)
-    if "mapped_gather" in kernels:
-        print(f"one gather launch: {kernels['mapped_gather']:.0f} GB/s (bitwise vs per-copy launches: "
-              f"{kernels['mapped_gather_bitwise']})", flush=True)
     runs = []
     try:
-        wait_healthy(url, engine, 500)
-        print(f"engine ready after {time.time() - t0:.1f}s", flush=True)
+        t0 = time.time()
+        wait_healthy(url, engine, 500)  # its load peaks before the trainer's does (a 14B pair fits then)
+        params = load_rank(topo.trainer_layout, 0, fast_source(spec, 1), device="cuda")
+        torch.cuda.empty_cache()  # the float32 temporaries of the random source
+        print(f"trainer weights ready in {time.time() - t0:.1f}s", flush=True)
+        kernels = {} if args.no_kernels else kernels_GBps(topo, params, int(args.bucket_mb * 2**20))
+        torch.cuda.empty_cache()
+        if kernels:
+            print(f"in-process kernels (GB/s of model bytes): pack {kernels['pack']:.0f}, unpack {kernels['unpack']:.0f}, "
+                  f"mapped copy {kernels['mapped_copy']:.0f} (one stream: {kernels['mapped_copy_one_stream']:.0f}; "
+                  f"{kernels['mapped_copies']} strided copies for "
+                  f"{kernels['plan_copies']} plan copies)", flush=True)
+        if "mapped_gather" in kernels:
+            print(f"one gather launch: {kernels['mapped_gather']:.0f} GB/s (bitwise vs per-copy launches: "
+                  f"{kernels['mapped_gather_bitwise']})", flush=True)
         for i, run in enumerate(args.runs.split(",")):
-            kind, control = run.split(":")
-            r = ipc_updates(kind, control, spec, par, params, url, args, first=1 + i * (args.updates + 1))
+            kind, control, complete = (run.split(":") + ["stream"])[:3]
+            r = ipc_updates(kind, control, complete, spec, par, params, url, args, first=1 + i * (args.updates + 1))
             runs.append(r)
             limit, name = (h2d_ms, "H2D") if kind == "host" else (d2d_ms, "D2D")
-            print(f"IPC {kind:5s} control={control:5s} (trainer TP1 -> engine TP1, same GPU, {args.updates} "
-                  f"updates): data path "
-                  f"median {r['data_ms']:.2f} ms (max {r['data_p99_ms']:.2f}) = {r['data_ms'] / limit:.2f}x {name}; "
-                  f"whole update incl. HTTP control {r['total_ms']:.2f} ms; phases ms "
+            print(f"IPC {kind:5s} control={control:5s} complete={complete:6s} (trainer TP1 -> engine TP1, same GPU, "
+                  f"{args.updates} updates): data path "
+                  f"median {r['data_ms']:.2f} ms (max {r['data_p99_ms']:.2f}); whole update until complete on the "
+                  f"GPU {r['total_ms']:.2f} ms = {r['total_ms'] / limit:.2f}x {name} (update() returned after "
+                  f"{r['returned_ms']:.2f} ms); phases ms "
                   f"{ {k: round(v, 2) for k, v in r['phases_ms'].items()} }; checksum "
                   f"{'ok' if r['checksum_ok'] else r['mismatch']}", flush=True)
     finally:
@@ -244,9 +260,9 @@ def main() -> None:
     print(f"| pinned H2D copy (one call) | {h2d_ms:.2f} | 1.00 |")
     for r in runs:
         limit = h2d_ms if r["kind"] == "host" else d2d_ms
-        name = f"IPC {r['kind']}, control {r['control']}"
-        print(f"| {name}: data path | {r['data_ms']:.2f} | {r['data_ms'] / limit:.2f} |")
-        print(f"| {name}: whole update | {r['total_ms']:.2f} | {r['total_ms'] / limit:.2f} |")
+        name = f"IPC {r['kind']}, control {r['control']}, complete {r['complete']}"
+        print(f"| {name}: update() returned | {r['returned_ms']:.2f} | {r['returned_ms'] / limit:.2f} |")
+        print(f"| {name}: whole update, complete on the GPU | {r['total_ms']:.2f} | {r['total_ms'] / limit:.2f} |")
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "model": spec.name, "model_bytes": model_bytes,

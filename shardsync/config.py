@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 MODES = ("auto", "p2p", "broadcast")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
 IPC_KINDS = ("map", "slots")
+COMPLETIONS = ("stream", "host")  # when a colocated map update returns (ColocatedConfig.complete)
 CHANNELS = ("store", "http", "vllm", "sglang")
 CROSSINGS = ("finish", "span", "abort")  # what a weight change does to running requests
 
@@ -55,10 +56,16 @@ class ColocatedConfig:
     IPC or CPU shared memory); ``slots`` stages buckets through exported device buffers."""
 
     ipc: str = "map"
+    # map between GPUs: "stream" returns once the engines' copies are queued, the trainer's
+    # current stream waiting for them (its later writes there come after the reads); "host"
+    # returns once they finished (for a trainer that writes its weights from other streams)
+    complete: str = "stream"
 
     def __post_init__(self) -> None:
         if self.ipc not in IPC_KINDS:
             raise ValueError(f"ipc must be one of {IPC_KINDS}, got {self.ipc!r}")
+        if self.complete not in COMPLETIONS:
+            raise ValueError(f"complete must be one of {COMPLETIONS}, got {self.complete!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

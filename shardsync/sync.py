@@ -33,6 +33,7 @@ from shardsync.control.wire import (
     Keys,
     Note,
     RankSums,
+    Refused,
     Verdict,
 )
 from shardsync.delta.transfer import Snapshot
@@ -135,7 +136,7 @@ class WeightSync:
 
     def _signal(self, key: str, msg, model):
         return ranks.signal(self.group.store, key, msg, model, rank=self.rank, timeout=self._timeout,
-                            secret=self._secret)
+                            secret=self._secret, world=self.parallel.world_size)
 
     def _rank0(self, fn, model):
         """``fn()`` on rank 0 as ``model`` (its exception as ``model(error=...)``)."""
@@ -249,7 +250,8 @@ class WeightSync:
         cfg = self.config
         device = next(iter(self.params.values())).device  # buffers live where the weights do
         ep = Endpoint(topo, self.rank, self.group, cfg.transport.bucket_bytes, cfg.transport.credits, device,
-                      ipc=cfg.ipc, detail=cfg.detail, tensors=self.params, snapshot=self._snapshot,
+                      ipc=cfg.ipc, ipc_stream=cfg.colocated is None or cfg.colocated.complete == "stream",
+                      detail=cfg.detail, tensors=self.params, snapshot=self._snapshot,
                       delta_dir=cfg.delta.dir if cfg.delta else None, verify=cfg.transport.verify_buckets,
                       secret=self._secret)
         self.programs = {m: compile_path(m, ep) for m in self.modes}
@@ -290,12 +292,22 @@ class WeightSync:
         return delta
 
     def _begin(self, version: int, requested: Mode | None) -> Go:
+        """Rank 0.  Where the program answers refusals itself and the channel can read the
+        answers later, the transfer starts without waiting for them (one round trip less)."""
         mode = self._choose(requested)
         if mode.over_group:
+            pipelined = getattr(self.programs[mode], "answers_refusals", False) and getattr(
+                self._channel, "pipelines", False)
             self._channel.begin(BeginRequest(version=version, mode=mode, fingerprint=self.topo.fingerprint(
                 mode.plan.value), base_version=self._synced if mode.is_delta else None,
-                crossing=self.config.control.crossing))
+                crossing=self.config.control.crossing, pipelined=pipelined))
         return Go(mode=mode)
+
+    def _finish(self, version: int) -> Done:
+        try:
+            return Done(engines=self._channel.finish(version))
+        except Refused as e:
+            return Done(error=_error(e), refused=True)
 
     def update(self, version: int, *, mode: str | Mode | None = None) -> UpdateRecord:
         """Push the current parameters as ``version``.
@@ -334,7 +346,7 @@ class WeightSync:
                                  secret=self._secret)
             done = self._rank0(lambda: self._publish(version, args, notes), Done)
         else:
-            done = self._rank0(lambda: Done(engines=self._channel.finish(version)), Done)
+            done = self._rank0(lambda: self._finish(version), Done)
         done = self._signal(self._keys.done(n), done, Done)
         t3 = time.perf_counter()
         error = "; ".join(e for e in (error, done.error) if e) or None  # ours, and what the engines saw
@@ -349,6 +361,8 @@ class WeightSync:
                 append_jsonl(self.config.records_path, record)
         if error is not None:
             self._synced = None  # the next update is a full one
+            if done.refused:  # rank 0's word, the same on every rank: each message was answered
+                raise SyncError(f"update {version} refused: {error}")
             if mode.over_group:
                 self._drop_group()  # a failed collective breaks the group: reconnect
             raise SyncError(f"update {version} failed: {error}")

@@ -24,6 +24,7 @@ from shardsync.control.wire import (
     ConnectRequest,
     InfoResponse,
     Keys,
+    Refused,
     UpdateResult,
     VersionResponse,
     get,
@@ -103,7 +104,8 @@ class UpdateChannel(Protocol):
     """Begin and finish of one update on every engine (trainer rank 0)."""
 
     def begin(self, req: BeginRequest) -> None:
-        """Every engine accepted ``req``, or ``SyncError`` naming the first refusal."""
+        """Every engine accepted ``req``, or ``SyncError`` naming the first refusal (a channel
+        with ``pipelines``: with ``req.pipelined`` the answers are checked at ``finish``)."""
         ...
 
     def finish(self, version: int) -> list[UpdateResult]:
@@ -147,15 +149,29 @@ class StoreChannel:
             raise SyncError(f"no answer under {key} within {self.timeout.total_seconds()}s "
                             "(engine gone or stuck)") from None
 
+    pipelines = True  # answers are keys: they can be read after the transfer as well as before
+    _unchecked = False  # this update's answers are read at finish
+
     def begin(self, req: BeginRequest) -> None:
         self.seq += 1
         put(self.store, self.keys.begin(self.seq), req, self.secret)
-        for i, url in enumerate(self.urls):
-            answer = self._get(self.keys.accepted(self.seq, i), Accepted)
-            if not answer.ok:
-                raise SyncError(f"{url} refused update {req.version}: {answer.error}")
+        self._unchecked = req.pipelined
+        if not req.pipelined:
+            for i, url in enumerate(self.urls):
+                answer = self._get(self.keys.accepted(self.seq, i), Accepted)
+                if not answer.ok:
+                    raise SyncError(f"{url} refused update {req.version}: {answer.error}")
 
     def finish(self, version: int) -> list[UpdateResult]:
-        results = [self._get(self.keys.result(self.seq, i), UpdateResult) for i in range(len(self.urls))]
+        """``Refused`` (after the others' results) when an engine refused a pipelined begin."""
+        taken = range(len(self.urls))
+        refusals = []
+        if self._unchecked:
+            answers = [self._get(self.keys.accepted(self.seq, i), Accepted) for i in taken]
+            refusals = [f"{self.urls[i]} refused update {version}: {a.error}" for i, a in enumerate(answers) if not a.ok]
+            taken = [i for i, a in enumerate(answers) if a.ok]
+        results = [self._get(self.keys.result(self.seq, i), UpdateResult) for i in taken]
+        if refusals:
+            raise Refused("; ".join(refusals))
         return _check(self.urls, version, results)
 

@@ -47,8 +47,11 @@ class StoreListener:
     so the trainer's transfer timeouts start only then (or raises the refusal)."""
 
     def __init__(self, rdv: Rendezvous, engine_index: int,
-                 begin: Callable[[BeginRequest], tuple[Future, Future]], secret: str | None = None) -> None:
+                 begin: Callable[[BeginRequest], tuple[Future, Future]], secret: str | None = None, *,
+                 refuse: Callable[[BeginRequest], Future] | None = None) -> None:
+        """``refuse``: answers a refused pipelined begin through the transport."""
         self.rdv, self.index, self._begin, self.secret = rdv, engine_index, begin, secret
+        self._refuse = refuse
         self.keys = Keys(rdv.name)
         self._stop = threading.Event()
         self._seq = 1  # the next update's number on this connection
@@ -111,6 +114,11 @@ class StoreListener:
             put(store, accepted, Accepted(error=f"invalid begin: {e}"), self.secret)
             return
         except Exception as e:  # a session refusal: the same HTTP begin gives, weights untouched
+            if req.pipelined and self._refuse is not None:  # the trainer's signal is on its way
+                try:
+                    self._refuse(req).result(timeout=4 * self.rdv.timeout_s + 60)
+                except Exception as answer:
+                    log.warning("store control: update %d: answering the refusal failed: %s", seq, answer)
             put(store, accepted, Accepted(error=str(e)), self.secret)
             return
         put(store, accepted, Accepted(ok=True), self.secret)

@@ -82,6 +82,9 @@ class BeginRequest(Msg):
     fingerprint: str = Field(max_length=64)
     base_version: Version | None = Field(None, description="delta modes: the version the delta is against")
     crossing: Literal["finish", "span", "abort"] | None = None  # None: the engine's own policy
+    # the trainer's transport signal follows without waiting for the answer: a refusal must
+    # be answered through the transport too (``Refused``), so the trainer never waits it out
+    pipelined: bool = False
 
 
 class PullRequest(Msg):
@@ -170,6 +173,10 @@ class Decision(Msg):
     error: str | None = None
 
 
+class Refused(RuntimeError):
+    """An engine refused an update before touching its weights; the connection stays usable."""
+
+
 class Go(Msg):
     """Trainer rank 0's decision for one update: the path, or why there is none."""
 
@@ -182,6 +189,7 @@ class Done(Msg):
 
     engines: list[UpdateResult] = Field(default_factory=list)
     error: str | None = None
+    refused: bool = False  # the error is engines refusing (``Refused``): nothing broke
 
 
 class Note(Msg):

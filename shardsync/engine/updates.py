@@ -95,7 +95,7 @@ class WeightService:
             self.session.joined(req)
             self._stop_listener()
             if req.control == "store":
-                self._listener = StoreListener(rdv, req.engine_index, self.begin, self.secret)
+                self._listener = StoreListener(rdv, req.engine_index, self.begin, self.secret, refuse=self.refuse)
                 self._listener.start()
             return {"ok": True, "sync_ranks": [r["sync_rank"] for r in ranks]}
 
@@ -110,6 +110,10 @@ class WeightService:
         result = _then(cmd.future, lambda out: out[0])
         self._results = {update.version: result}
         return Begun(cmd.started, result)
+
+    def refuse(self, req: BeginRequest) -> Future:
+        """Answer a refused pipelined begin through the transport (``BeginRequest.pipelined``)."""
+        return self.dispatcher.submit("refuse", {"mode": req.mode.value}, timeout_s=UPDATE_TIMEOUT_S)
 
     def finish(self, version: int) -> Future:
         self.session.in_progress(version)

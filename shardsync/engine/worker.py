@@ -115,6 +115,10 @@ class EngineWorker:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return rank_report(stats, t0, self.receiver.destination.name).model_dump()
 
+    def refuse(self, mode: str) -> None:
+        """The session refused an update the trainer already signalled: answer it in place."""
+        self.receiver.refuse(Mode(mode))
+
     def pull(self, root: str, version: int, current: int, commit: bool = True) -> dict[str, Any]:
         """Apply delta ``version`` from ``root`` (a shared directory) to this rank's weights."""
         t0 = time.perf_counter()
@@ -198,6 +202,6 @@ class EngineWorker:
 
 COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.admit, EngineWorker.step,
                                      EngineWorker.score, EngineWorker.join, EngineWorker.update,
-                                     EngineWorker.pull, EngineWorker.stage, EngineWorker.open, EngineWorker.commit,
+                                     EngineWorker.pull, EngineWorker.refuse, EngineWorker.stage, EngineWorker.open, EngineWorker.commit,
                                      EngineWorker.checksum, EngineWorker.disconnect)}
 

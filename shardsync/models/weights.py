@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,12 +90,15 @@ def load_rank(layout: Layout, rank: int, source: TensorSource, *,
         t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=device)
         for t in layout.ranks[rank].tensors
     }
+    mine = [c for c in plan.copies if c.dst == rank]
+    left = Counter(c.logical for c in mine)  # a logical tensor is dropped after its last copy
     cache: dict[str, torch.Tensor] = {}
-    for c in plan.copies:
-        if c.dst != rank:
-            continue
+    for c in mine:
         if c.logical not in cache:
             cache[c.logical] = source(c.logical)
         src = cache[c.logical][region(c.src_offsets, c.sizes)]
         out[c.dst_local][region(c.dst_offsets, c.sizes)].copy_(src)
+        left[c.logical] -= 1
+        if not left[c.logical]:
+            del cache[c.logical]
     return out

@@ -31,6 +31,7 @@ class Endpoint:
     credits: int = 2
     device: torch.device | str = "cpu"
     ipc: str | None = None  # colocated engines: "map" or "slots"
+    ipc_stream: bool = True  # trainer, map: engines ack once their copies are queued (events)
     detail: bool = False
     tensors: Mapping[str, torch.Tensor] | None = None  # what IPC exports or maps into at compile
     rank_layout: RankLayout | None = None  # engine ranks: the pieces this rank holds

@@ -38,10 +38,17 @@ class P2pProgram:
 
 
 class MappedProgram:
-    """Colocated: the engine copies the plan's regions out of the trainer's mapped tensors."""
+    """Colocated: the engine copies the plan's regions out of the trainer's mapped tensors.
+    One signal each way per update, so a refusal can be answered in place of the copies
+    (``answers_refusals``: the trainer need not wait for the begin's answer first)."""
+
+    answers_refusals = True
 
     def __init__(self, ep: Endpoint, mapped: MappedTransport, buckets: int) -> None:
         self.mapped, self.buckets = mapped, buckets
+
+    def refuse(self) -> None:
+        self.mapped.refuse()
 
     def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
         stats = self.mapped.run(tensors)
@@ -59,7 +66,7 @@ def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
         raise ValueError("the p2p path needs a sync group")
     steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
     if ep.ipc == "map":
-        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret)
+        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream)
         if ep.is_trainer:
             mapped.export(ep.tensors)
         else:

@@ -134,12 +134,14 @@ class Copies:
     bounced: list[Bounce] | None = None
     _buffer: torch.Tensor | None = None
     gather: object | None = None  # transport.gather.Gather: every copy in one launch
+    on_device: bool = True  # every copy reads and writes device memory: complete in stream order
 
     @classmethod
     def of(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, gather: bool = True) -> Copies:
         """``gather``: device-to-device copies of one dtype go as one Triton launch where
         Triton is installed (``transport.gather``)."""
-        if gather and pairs and all(d.is_cuda and s.is_cuda and d.dtype == s.dtype for d, s in pairs):
+        on_device = all(d.is_cuda and s.is_cuda for d, s in pairs)
+        if gather and pairs and on_device and all(d.dtype == s.dtype for d, s in pairs):
             from shardsync.transport import gather as tiles
 
             if tiles.available():
@@ -153,7 +155,7 @@ class Copies:
         done |= {id(d) for d, _ in strided}
         return cls(([d for d, _ in small], [s for _, s in small]),
                    [(d, s) for d, s in pairs if id(d) not in done], pairs[0][0].device if pairs else None,
-                   Bounce.groups(strided))
+                   Bounce.groups(strided), on_device=on_device)
 
     def run(self, streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Every copy, ordered after the current stream's earlier work and before its later work."""

@@ -137,6 +137,19 @@ class Receiver:
             raise
         return stats
 
+    def refuse(self, mode: Mode) -> None:
+        """Answer an update the host refused whose signal is already on its way (a program
+        with ``answers_refusals``); the weights are not touched.  A failure leaves the group."""
+        refuse = getattr(self.programs.get(Mode(mode)), "refuse", None)
+        if refuse is None:
+            return  # the trainer waits for the refusal before it sends anything
+        try:
+            refuse()
+        except Exception as e:
+            log.warning("tp%d: answering a refused update failed: %s", self.tp_rank, e)
+            self.leave()
+            raise
+
     def pull(self, root: str, version: int, base_version: int, *, commit: bool = True) -> Stats:
         """Apply a disk delta published under ``root`` (this rank's parts only)."""
         try:

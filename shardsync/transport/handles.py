@@ -18,6 +18,8 @@ import torch
 import torch.multiprocessing as tmp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardsync.transport.events import EventHandle
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
@@ -63,6 +65,7 @@ class HandleSet(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tensors: dict[str, TensorHandle]
+    written: EventHandle | None = None  # recorded after the exporter's writes (``transport.events``)
 
 
 def export_tensor(t: torch.Tensor) -> TensorHandle:
@@ -87,9 +90,9 @@ def export_tensor(t: torch.Tensor) -> TensorHandle:
     return TensorHandle(kind="cpu", storage_bytes=size, manager=_b64(manager), name=_b64(name), **common)
 
 
-def export_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
+def export_tensors(tensors: Mapping[str, torch.Tensor], written: EventHandle | None = None) -> str:
     """JSON of a ``HandleSet`` for one reader."""
-    return HandleSet(tensors={k: export_tensor(t) for k, t in tensors.items()}).model_dump_json()
+    return HandleSet(tensors={k: export_tensor(t) for k, t in tensors.items()}, written=written).model_dump_json()
 
 
 def _storage(h: TensorHandle, opened: dict) -> torch.UntypedStorage:
@@ -139,6 +142,11 @@ def open_tensor(h: TensorHandle, opened: dict | None = None) -> torch.Tensor:
 def open_tensors(blob: str | bytes, *, where: str = "the store") -> dict[str, torch.Tensor]:
     """Tensors of a ``HandleSet`` JSON; a ``ValueError`` naming ``where`` for anything else
     (nothing is opened then)."""
+    return open_set(blob, where=where)[0]
+
+
+def open_set(blob: str | bytes, *, where: str = "the store") -> tuple[dict[str, torch.Tensor], EventHandle | None]:
+    """``open_tensors`` and the set's ``written`` event handle (None when it has none)."""
     try:
         handles = HandleSet.model_validate_json(blob)
     except ValidationError as e:
@@ -146,4 +154,4 @@ def open_tensors(blob: str | bytes, *, where: str = "the store") -> dict[str, to
         raise ValueError(f"{where} holds no valid tensor handle set ({first['msg']} at "
                          f"{'.'.join(map(str, first['loc'])) or 'top level'}); refusing to map it") from None
     opened: dict = {}
-    return {k: open_tensor(h, opened) for k, h in handles.tensors.items()}
+    return {k: open_tensor(h, opened) for k, h in handles.tensors.items()}, handles.written

@@ -4,11 +4,16 @@ tensors in place, through CUDA IPC (same GPU or peer GPUs of one node) or CPU sh
 The trainer exports its tensors once (handles through the rendezvous store); each engine
 rank maps them once and compiles its share of the p2p plan into (destination view, mapped
 source view) copies, strided where a per-group pattern allows.  An update moves every byte
-once: the trainer synchronizes its stream and signals ``[generation]``; the engine copies,
-synchronizes and acks; the trainer returns only after every ack, so its tensors are never
-written while an engine reads them.  A tensor that moved since export (offloaded and
-reloaded, reallocated) bumps the generation: the trainer re-exports and the engine re-maps
-before reading, so a stale mapping is never read.
+once: the trainer marks the end of its writes and signals ``[generation, stream]``; the
+engine copies after those writes and acks; the trainer returns only after every ack, so its
+tensors are never written while an engine reads them.  Between GPUs both marks are CUDA IPC
+events (``transport.events``): the engine's copies wait on the trainer's event, and with
+``stream`` (``ColocatedConfig(complete="stream")``) the engine acks as soon as its copies are
+queued and the trainer's stream waits on the engine's event, so neither CPU waits for the
+copy; otherwise (host memory on either side, ``complete="host"``) the engine synchronizes
+before it acks.  A tensor that moved since export (offloaded and reloaded, reallocated)
+bumps the generation: the trainer re-exports and the engine re-maps before reading, so a
+stale mapping is never read.
 """
 
 from __future__ import annotations
@@ -19,18 +24,20 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from shardsync.control.wire import Keys, seal, unseal
+from shardsync.control.wire import Keys, Refused, seal, unseal
 from shardsync.plan.plan import Copy
 from shardsync.plan.runs import SIDE_STREAMS, Copies, Run, coalesce, compile_runs
 from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.topology import Topology
+from shardsync.transport import events
 from shardsync.transport.group import SyncGroup
-from shardsync.transport.handles import export_tensors, open_tensors
+from shardsync.transport.handles import export_tensors, open_set
 from shardsync.transport.pinning import HostPins
 
 log = logging.getLogger(__name__)
 
-READY, FAILED = 1, 0
+READY, FAILED, QUEUED, REFUSED = 1, 0, 2, 3  # ack status; QUEUED: complete at the ack's event
+ACK = 2 + events.WORDS  # generation, status, then the engine's event (QUEUED)
 ABORT = -1  # generation sent when the sender cannot offer its tensors this update
 
 
@@ -51,11 +58,8 @@ def identity(t: torch.Tensor) -> tuple:
         return (t.data_ptr(), None)
 
 
-def _sync(tensors) -> None:
-    for t in tensors:
-        if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()
-            return
+def _cuda_device(tensors) -> torch.device | None:
+    return next((t.device for t in tensors if t.is_cuda), None)
 
 
 # -- the transport --
@@ -69,11 +73,18 @@ class MappedTransport:
 
     def __init__(self, group: SyncGroup, copies: Sequence[Copy], *, sender: bool, peers: Sequence[int],
                  prefix: str, itemsize: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 trainers: int = 0, secret: str | None = None) -> None:
+                 trainers: int = 0, secret: str | None = None, stream: bool = True) -> None:
         """``copies``: this rank's copies of the p2p plan (as source or as destination);
         ``peers``: sync ranks of the other ends, in the order both sides walk them;
-        ``shapes``: the sender's tensor shapes the plan was built for (checked at export)."""
+        ``shapes``: the sender's tensor shapes the plan was built for (checked at export);
+        ``stream`` (sender): let engines ack once their copies are queued on the GPU."""
         self.group, self.sender, self.prefix, self.secret = group, sender, prefix, secret
+        self.stream = stream
+        self._written: torch.cuda.Event | None = None  # sender: recorded after its writes
+        self._device: torch.device | None = None  # sender: where its exported tensors live
+        self._done: torch.cuda.Event | None = None  # receiver: recorded after its copies
+        self._peer_written: dict[int, torch.cuda.Event] = {}  # receiver: each sender's event
+        self._opened = events.Opened()
         self.shapes = dict(shapes or {})
         self._trainers = trainers  # sync ranks below this are trainer ranks
         self.copies = list(copies)
@@ -96,7 +107,8 @@ class MappedTransport:
         return self._trainers + c.dst if self.sender else c.src
 
     @classmethod
-    def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None = None) -> MappedTransport:
+    def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None = None,
+                 stream: bool = True) -> MappedTransport:
         """Sync rank ``group.rank``'s end of ``topo``'s p2p plan (trainer ranks send)."""
         me, trainers = group.rank, topo.trainer.world_size
         plan = topo.p2p_plan
@@ -108,7 +120,7 @@ class MappedTransport:
             peers = sorted({c.src for c in copies})
         shapes = {t.name: tuple(t.shape) for t in plan.src.ranks[me].tensors} if me < trainers else None
         return cls(group, copies, sender=me < trainers, peers=peers, prefix=prefix,
-                   itemsize=plan.itemsize, shapes=shapes, trainers=trainers, secret=secret)
+                   itemsize=plan.itemsize, shapes=shapes, trainers=trainers, secret=secret, stream=stream)
 
     def _key(self, src: int, dst: int, generation: int) -> str:
         return Keys(self.prefix).mapped(src, dst, generation)
@@ -125,9 +137,16 @@ class MappedTransport:
             raise ValueError(f"tensor(s) changed shape since connect: {', '.join(wrong[:3])}; "
                              "restore the shapes or reconnect with the new model")
         self.generation += 1
+        self._device = _cuda_device(tensors.values())
+        written = None
+        if self._device is not None:
+            if self._written is None:
+                self._written = events.new_event()
+            self._written.record(torch.cuda.current_stream(self._device))  # creates it on that device
+            written = events.handle_of(self._written, self._device)
         for peer in self.peers:  # one handle set per reader: each holds one reference
             key = self._key(self.group.rank, peer, self.generation)
-            self.group.store.set(key, seal(key, export_tensors(tensors), self.secret))
+            self.group.store.set(key, seal(key, export_tensors(tensors, written), self.secret))
         self._exported = {n: identity(t) for n, t in tensors.items()}
         # shared-memory names (CPU): torch removes them when the last process unmaps
         self.shm_names.update(i[1].decode() for i in self._exported.values() if len(i) == 2 and i[1])
@@ -144,7 +163,10 @@ class MappedTransport:
         self._copies.pop(peer, None)
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
         self._pins.pop(peer, HostPins()).release()
-        mapped = open_tensors(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
+        mapped, written = open_set(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
+        self._peer_written.pop(peer, None)
+        if written is not None:
+            self._peer_written[peer] = self._opened.of_handle(written)
         if any(t.is_cuda for t in getattr(local, "ungated", local).values()):
             self._pins[peer] = HostPins()
             self._pins[peer].pin(mapped.values())
@@ -181,6 +203,8 @@ class MappedTransport:
 
     def detach(self) -> None:
         self._copies.clear()
+        self._peer_written.clear()
+        self._opened.clear()
         for pins in self._pins.values():
             pins.release()
         self._pins.clear()
@@ -201,27 +225,69 @@ class MappedTransport:
                 log.info("rank %d: %d exported tensor(s) moved since export (e.g. %s): re-exporting",
                          self.group.rank, len(moved), moved[0])
                 self.export(local)
-            _sync(local.values())  # every write to the weights has landed before anyone reads
+            self._mark_written()  # the engines read only after every write to the weights
         except Exception as e:  # tell the engines now rather than let them wait for a timeout
             error = e
-        header = torch.tensor([ABORT if error else self.generation], dtype=torch.int64)
+        header = torch.tensor([ABORT if error else self.generation, int(self.stream)], dtype=torch.int64)
         sends = [self.group.send(header, p) for p in self.peers]
-        acks = [torch.zeros(2, dtype=torch.int64) for _ in self.peers]
+        acks = [torch.zeros(ACK, dtype=torch.int64) for _ in self.peers]
         works = [self.group.recv(a, p) for a, p in zip(acks, self.peers, strict=True)]
         t1 = time.perf_counter()
         for w in sends + works:
             w.wait()
+        for a in acks:  # before any error is raised: the weights stay unwritten until the reads end
+            if int(a[1]) == QUEUED:
+                self._after_reads(a[2:].tolist())
         stats.pack_s = t1 - t0
         stats.transfer_s = time.perf_counter() - t1
         if error is not None:
             raise error
         stats.steps = [StepTiming("map", f"{self.group.rank}->{p}", self.peer_bytes[p], transfer_s=stats.transfer_s)
                        for p in self.peers]
-        failed = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) != READY]
+        refused = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) == REFUSED]
+        if refused:
+            raise Refused(f"sync rank(s) {refused} refused this update before reading (the engine's answer says why)")
+        failed = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) not in (READY, QUEUED)]
         if failed:
             raise RuntimeError(f"sync rank(s) {failed} failed reading this rank's mapped tensors")
         stats.bytes_sent = self.nbytes
         return stats
+
+    def _mark_written(self) -> None:
+        """Sender: where the engines' copies start (its stream's writes before this point)."""
+        if self._written is not None:
+            self._written.record(torch.cuda.current_stream(self._device))
+
+    def _after_reads(self, words: list[int]) -> None:
+        """Sender: later writes of its stream wait for an engine's queued copies."""
+        done = self._opened.of_words(words)
+        if self._device is None:
+            done.synchronize()
+        else:
+            torch.cuda.current_stream(self._device).wait_event(done)
+
+    def _after_writes(self, peer: int, device: torch.device | None) -> None:
+        """Receiver: this rank's copies from ``peer`` start after the sender's writes."""
+        written = self._peer_written.get(peer)
+        if written is None:
+            return
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(written)
+        else:
+            written.synchronize()
+
+    def _complete(self, device: torch.device | None, queued: bool) -> list[int]:
+        """Receiver: after the copies queued so far - the event words of a QUEUED ack, or []
+        once the CPU waited for them (READY)."""
+        if device is None or device.type != "cuda":
+            return []
+        if queued:
+            if self._done is None:
+                self._done = events.new_event()
+            self._done.record(torch.cuda.current_stream(device))
+            return events.words(self._done, device)
+        torch.cuda.current_stream(device).synchronize()
+        return []
 
     def _receive(self, local: Mapping[str, torch.Tensor]) -> Stats:
         """Every sender gets its ack, even after another one failed: none waits for a timeout.
@@ -230,12 +296,13 @@ class MappedTransport:
         rest) follow once ``local.open()`` paused the engine."""
         stats = Stats()
         error: Exception | None = None
-        gens, waits = {}, {}
+        gens, waits, queued = {}, {}, {}
         for peer in self.peers:
             t0 = time.perf_counter()
-            header = torch.zeros(1, dtype=torch.int64)
+            header = torch.zeros(2, dtype=torch.int64)
             self.group.recv(header, peer).wait()
             gens[peer] = gen = int(header[0])
+            queued[peer] = bool(header[1])
             waits[peer] = time.perf_counter() - t0
             try:
                 if gen == ABORT:
@@ -243,7 +310,9 @@ class MappedTransport:
                 if error is None:
                     if self._mapped.get(peer, (None,))[0] != gen:
                         self.attach(peer, gen, local)
-                    staged = self._compiled(peer, local)[0]
+                    staged, live = self._compiled(peer, local)
+                    queued[peer] &= staged.on_device and live.on_device
+                    self._after_writes(peer, staged.device or live.device)
                     staged.run(self._side_streams(staged.device))
             except Exception as e:
                 error = error or e
@@ -257,18 +326,17 @@ class MappedTransport:
                 error = e
         for peer in self.peers:
             t1 = time.perf_counter()
-            status = FAILED
+            status, done = FAILED, []
             try:
                 if error is None:
                     staged, live = self._compiled(peer, local)
                     live.run(self._side_streams(live.device))
-                    device = staged.device or live.device
-                    if device is not None and device.type == "cuda":
-                        torch.cuda.current_stream(device).synchronize()  # before the ack
-                    status = READY
+                    done = self._complete(staged.device or live.device, queued[peer])
+                    status = QUEUED if done else READY
             except Exception as e:
                 error = error or e
-            self.group.send(torch.tensor([gens[peer], status], dtype=torch.int64), peer).wait()
+            ack = [gens[peer], status, *(done or [0] * events.WORDS)]
+            self.group.send(torch.tensor(ack, dtype=torch.int64), peer).wait()
             t2 = time.perf_counter()
             stats.transfer_s += waits[peer]
             stats.unpack_s += t2 - t1
@@ -278,6 +346,15 @@ class MappedTransport:
             raise error
         stats.bytes_received = self.nbytes
         return stats
+
+    def refuse(self) -> None:
+        """Receiver: answer an update the engine refused (a pipelined begin: the trainer's
+        signal is on its way): take each sender's header, ack ``REFUSED``, touch nothing."""
+        for peer in self.peers:
+            header = torch.zeros(2, dtype=torch.int64)
+            self.group.recv(header, peer).wait()
+            ack = [int(header[0]), REFUSED] + [0] * events.WORDS
+            self.group.send(torch.tensor(ack, dtype=torch.int64), peer).wait()
 
     # -- Transport (control messages only) --
 

@@ -44,6 +44,14 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
                                "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)})
         res["verify"].append(sync.verify())
         res["generation"].append(sync.programs[Mode.P2P].mapped.generation)
+    # an older version: the engine refuses the pipelined begin and answers the trainer's signal
+    # in place of the copies, so the refusal is prompt and the connection stays usable
+    try:
+        sync.update(2)
+        res["refused"] = "accepted"
+    except SyncError as e:
+        res["refused"] = str(e)
+    res["kept_group"] = sync.group is not None
     # a tensor whose shape changed since connect (a user bug) fails the update on every rank,
     # promptly (rank 1 aborts, engines ack), and the engine refuses to serve the mix it holds
     name = next(k for k in params if k.endswith("linear_fc2.weight"))
@@ -83,6 +91,8 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(window: boo
             # version 3 moved a tensor: exported again (generation 2) and read from its new memory
             assert res["generation"] == [1, 1, 2]
         for rank, res in results.items():
+            assert "refused" in res["refused"] and "older than the engine's 3" in res["refused"], res["refused"]
+            assert res["kept_group"]
             # rank 1 refused its own tensors; rank 0 learns it from the engine, which heard the
             # abort (a receive that timed out would say so instead)
             expected = "changed shape since connect" if rank == 1 else "trainer sync rank 1 aborted the update"

@@ -1,6 +1,7 @@
 """CUDA IPC on one GPU (marked ``gpu``: ``pytest -m gpu``): a trainer rank in this process and
-an engine server process share the device; both IPC kinds land bitwise, and a trainer tensor
-that moved between updates is re-exported and read from its new memory."""
+an engine server process share the device; both IPC kinds land bitwise, a trainer tensor
+that moved between updates is re-exported and read from its new memory, and the map path's
+CUDA events order both processes' work with no CPU synchronize."""
 
 from __future__ import annotations
 
@@ -53,6 +54,43 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
         assert bad == [[], [], []]
         if ipc == "map":
             assert generation == 2  # re-exported once, for the moved tensor
+    finally:
+        stop_engine(proc)
+
+
+@pytest.mark.parametrize("complete", ["stream", "host"])
+def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(complete: str) -> None:
+    """The trainer's writes are still queued behind ~0.1 s of GPU sleep when ``update()`` is
+    called: the engine's copies must wait for them (the trainer's event).  Right after
+    ``update()`` the trainer overwrites every tensor: those writes must wait for the engine's
+    copies (the engine's event with ``stream``; the engine's synchronize with ``host``).  The
+    engine then holds exactly the values written before the update."""
+    import torch
+
+    spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
+    par = MegatronParallel(tp=1, dtype="bfloat16")
+    lay = Topology(spec, par).trainer_layout
+    proc, url = start_engine("tiny-qwen3", 1, device="cuda", dtype="bfloat16")
+    try:
+        params = load_rank(lay, 0, random_source(spec, seed=5), device="cuda")
+        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(
+            mode="p2p", colocated=ColocatedConfig(ipc="map", complete=complete)))
+        sync.connect()
+        bad = []
+        for version in (1, 2, 3):
+            fresh = load_rank(lay, 0, random_source(spec, seed=60 + version), device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)  # the writes below run ~0.1 s after update() is called
+            for k, v in params.items():
+                v.copy_(fresh[k])
+            assert sync.update(version).ok
+            for v in params.values():
+                v.fill_(float(version))  # after the engine's reads, in stream order
+            for k, v in params.items():
+                v.copy_(fresh[k])
+            bad.append(sync.verify())
+        sync.close()
+        assert bad == [[], [], []]
     finally:
         stop_engine(proc)
 

@@ -14,7 +14,7 @@ import pytest
 from shardsync.control.client import StoreChannel, SyncError
 from shardsync.control.listener import StoreListener
 from shardsync.control.session import Conflict
-from shardsync.control.wire import Accepted, BeginRequest, Keys, UpdateResult, get
+from shardsync.control.wire import Accepted, BeginRequest, Keys, Refused, UpdateResult, get
 from shardsync.launch.procs import listening
 from shardsync.transport.group import Rendezvous, free_port, open_store
 
@@ -72,6 +72,39 @@ def test_begin_finish_round_trip_and_a_refusal(wired) -> None:
     with pytest.raises(SyncError, match="update 13 failed: receive failed"):
         channel.finish(13)
     assert engine.seen == [2, 1, 3, 13]
+
+
+def test_a_pipelined_refusal_is_answered_by_the_engine_and_read_at_finish() -> None:
+    """``pipelined``: begin does not wait for the answer; a refusal first goes to ``refuse``
+    (the engine answers the trainer's transport signal there), then comes back at finish as
+    ``Refused``, and the next update is served."""
+    rdv = Rendezvous("127.0.0.1", free_port(), 2, "ctl-pipe", timeout_s=10)
+    store = open_store(rdv, is_master=True)
+    engine = _Engine()
+    engine.version = 5
+    answered: list[int] = []
+
+    def refuse(req: BeginRequest) -> Future:
+        answered.append(req.version)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    listener = StoreListener(rdv, 0, engine.begin, refuse=refuse)
+    listener.start()
+    try:
+        channel = StoreChannel(store, Keys(rdv.name), ["http://engine0"], timeout_s=10)
+        channel.begin(_req(4).model_copy(update={"pipelined": True}))  # returns before any answer
+        with pytest.raises(Refused, match="refused update 4: version 4 is older"):
+            channel.finish(4)
+        assert answered == [4]
+        channel.begin(_req(6).model_copy(update={"pipelined": True}))
+        assert channel.finish(6)[0].ok and engine.version == 6 and answered == [4]
+        with pytest.raises(SyncError, match="refused update 1"):  # not pipelined: refused at begin
+            channel.begin(_req(1))
+        assert answered == [4]  # nothing was signalled: nothing to answer
+    finally:
+        listener.stop()
 
 
 class _Evil:

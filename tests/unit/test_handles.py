@@ -3,13 +3,15 @@ not a well-formed, in-bounds handle set is refused before a byte is mapped."""
 
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 
 import pytest
 import torch
 
-from shardsync.transport.handles import export_tensors, open_tensors
+from shardsync.transport.events import EventHandle
+from shardsync.transport.handles import export_tensors, open_set, open_tensors
 
 
 def test_cpu_export_opens_the_same_memory_and_views() -> None:
@@ -40,7 +42,18 @@ class _Evil:
     (_blob(offset=4, size=[5]), "reads past its storage"),
     (_blob(size=[2, 2], stride=[-1, 1]), "size"),
     (_blob(extra=1), "no valid tensor handle set"),
+    (b'{"tensors": {}, "written": {"device": 0, "handle": "AAAA"}}', "no valid tensor handle set"),  # 3 bytes
+    (b'{"tensors": {}, "written": {"device": -1, "handle": "' + base64.b64encode(bytes(64)) + b'"}}',
+     "no valid tensor handle set"),
 ])
 def test_malformed_handles_are_refused(blob, match) -> None:
     with pytest.raises(ValueError, match=match):
         open_tensors(blob, where="key k")
+
+
+def test_a_set_carries_its_writers_event_handle() -> None:
+    """The written event travels with the tensors; a set without one opens with None."""
+    h = EventHandle(device=0, handle=base64.b64encode(bytes(range(64))).decode())
+    tensors, written = open_set(export_tensors({"t": torch.arange(4.0)}, h))
+    assert written == h and torch.equal(tensors["t"], torch.arange(4.0))
+    assert open_set(export_tensors({"t": torch.zeros(2)}))[1] is None
