@@ -255,7 +255,7 @@ class MappedTransport:
 
     def _mark_written(self) -> None:
         """Sender: where the engines' copies start (its stream's writes before this point)."""
-        if self._written is not None:
+        if self._written is not None and self._device is not None:  # host tensors: nothing queued
             self._written.record(torch.cuda.current_stream(self._device))
 
     def _after_reads(self, words: list[int]) -> None:
