@@ -48,7 +48,7 @@ def share_json(obj, *, rank: int, world: int, group):
 
 
 def signal(store: dist.Store, key: str, msg: M | None, model: type[M], *, rank: int,
-           timeout: datetime.timedelta, secret: str | None = None, world: int = 2) -> M:
+           world: int, timeout: datetime.timedelta, secret: str | None = None) -> M:
     """Rank 0 publishes ``msg`` under ``key``; the other ranks wait for it (bounded).  A lone
     rank publishes nothing (no store round trip on its update's path)."""
     if rank == 0:

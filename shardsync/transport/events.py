@@ -55,6 +55,7 @@ class Opened:
 
     def __init__(self) -> None:
         self._events: dict[tuple[int, bytes], torch.cuda.Event] = {}
+        self._by_words: dict[tuple[int, ...], torch.cuda.Event] = {}  # an ack's words, seen every update
 
     def get(self, device: int, raw: bytes) -> torch.cuda.Event:
         if len(raw) != HANDLE_BYTES or device < 0 or device >= torch.cuda.device_count():
@@ -68,8 +69,13 @@ class Opened:
         return self.get(h.device, base64.b64decode(h.handle))
 
     def of_words(self, values: list[int]) -> torch.cuda.Event:
-        device, *rest = values
-        return self.get(int(device), torch.tensor(rest, dtype=torch.int64).numpy().tobytes())
+        key = tuple(values)
+        hit = self._by_words.get(key)
+        if hit is None:
+            device, *rest = values
+            hit = self._by_words[key] = self.get(int(device), torch.tensor(rest, dtype=torch.int64).numpy().tobytes())
+        return hit
 
     def clear(self) -> None:
         self._events.clear()
+        self._by_words.clear()

@@ -83,6 +83,7 @@ class MappedTransport:
         self._written: torch.cuda.Event | None = None  # sender: recorded after its writes
         self._device: torch.device | None = None  # sender: where its exported tensors live
         self._done: torch.cuda.Event | None = None  # receiver: recorded after its copies
+        self._done_words: list[int] = []  # ... and its handle as ack words (the same every update)
         self._peer_written: dict[int, torch.cuda.Event] = {}  # receiver: each sender's event
         self._opened = events.Opened()
         self.shapes = dict(shapes or {})
@@ -284,8 +285,10 @@ class MappedTransport:
         if queued:
             if self._done is None:
                 self._done = events.new_event()
-            self._done.record(torch.cuda.current_stream(device))
-            return events.words(self._done, device)
+            self._done.record(torch.cuda.current_stream(device))  # the first record creates it
+            if not self._done_words:
+                self._done_words = events.words(self._done, device)
+            return self._done_words
         torch.cuda.current_stream(device).synchronize()
         return []
 
