@@ -12,6 +12,7 @@ MODES = ("auto", "p2p", "broadcast")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
 IPC_KINDS = ("map", "slots")
 COMPLETIONS = ("stream", "host")  # when a colocated map update returns (ColocatedConfig.complete)
+SIGNALS = ("mailbox", "group")  # how a colocated map update's signals travel (ColocatedConfig.signals)
 CHANNELS = ("store", "http", "vllm", "sglang")
 CROSSINGS = ("finish", "span", "abort")  # what a weight change does to running requests
 
@@ -60,12 +61,17 @@ class ColocatedConfig:
     # current stream waiting for them (its later writes there come after the reads); "host"
     # returns once they finished (for a trainer that writes its weights from other streams)
     complete: str = "stream"
+    # map: "mailbox" offers each engine rank a shared-memory mailbox for the per-update signals
+    # (an engine that cannot map it signals over the sync group instead); "group": never offer
+    signals: str = "mailbox"
 
     def __post_init__(self) -> None:
         if self.ipc not in IPC_KINDS:
             raise ValueError(f"ipc must be one of {IPC_KINDS}, got {self.ipc!r}")
         if self.complete not in COMPLETIONS:
             raise ValueError(f"complete must be one of {COMPLETIONS}, got {self.complete!r}")
+        if self.signals not in SIGNALS:
+            raise ValueError(f"signals must be one of {SIGNALS}, got {self.signals!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -251,6 +251,7 @@ class WeightSync:
         device = next(iter(self.params.values())).device  # buffers live where the weights do
         ep = Endpoint(topo, self.rank, self.group, cfg.transport.bucket_bytes, cfg.transport.credits, device,
                       ipc=cfg.ipc, ipc_stream=cfg.colocated is None or cfg.colocated.complete == "stream",
+                      ipc_mailbox=cfg.colocated is None or cfg.colocated.signals == "mailbox",
                       detail=cfg.detail, tensors=self.params, snapshot=self._snapshot,
                       delta_dir=cfg.delta.dir if cfg.delta else None, verify=cfg.transport.verify_buckets,
                       secret=self._secret)

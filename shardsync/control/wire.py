@@ -300,6 +300,10 @@ class Keys:
     def slots(self, src: int, dst: int) -> str:
         return f"{self.name}/ipc/{src}->{dst}"
 
+    def signals(self, src: int, dst: int) -> str:
+        """How a mapped link signals, as its engine end chose at connect (``mailbox`` or ``group``)."""
+        return f"{self.name}/map/{src}->{dst}/signals"
+
 
 M = TypeVar("M", bound=BaseModel)
 

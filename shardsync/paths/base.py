@@ -32,6 +32,7 @@ class Endpoint:
     device: torch.device | str = "cpu"
     ipc: str | None = None  # colocated engines: "map" or "slots"
     ipc_stream: bool = True  # trainer, map: engines ack once their copies are queued (events)
+    ipc_mailbox: bool = True  # trainer, map: offer engines a shared-memory mailbox for the signals
     detail: bool = False
     tensors: Mapping[str, torch.Tensor] | None = None  # what IPC exports or maps into at compile
     rank_layout: RankLayout | None = None  # engine ranks: the pieces this rank holds

@@ -66,7 +66,8 @@ def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
         raise ValueError("the p2p path needs a sync group")
     steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
     if ep.ipc == "map":
-        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream)
+        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
+                                          mailbox=ep.ipc_mailbox)
         if ep.is_trainer:
             mapped.export(ep.tensors)
         else:

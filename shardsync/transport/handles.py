@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.multiprocessing as tmp
@@ -66,6 +66,13 @@ class HandleSet(BaseModel):
 
     tensors: dict[str, TensorHandle]
     written: EventHandle | None = None  # recorded after the exporter's writes (``transport.events``)
+    mailbox: TensorHandle | None = None  # the link's signal words (``transport.mailbox``), first set only
+
+
+class OpenedSet(NamedTuple):
+    tensors: dict[str, torch.Tensor]
+    written: EventHandle | None
+    mailbox: TensorHandle | None  # opened by the caller, which may fall back where it cannot
 
 
 def export_tensor(t: torch.Tensor) -> TensorHandle:
@@ -90,9 +97,11 @@ def export_tensor(t: torch.Tensor) -> TensorHandle:
     return TensorHandle(kind="cpu", storage_bytes=size, manager=_b64(manager), name=_b64(name), **common)
 
 
-def export_tensors(tensors: Mapping[str, torch.Tensor], written: EventHandle | None = None) -> str:
+def export_tensors(tensors: Mapping[str, torch.Tensor], written: EventHandle | None = None,
+                   mailbox: torch.Tensor | None = None) -> str:
     """JSON of a ``HandleSet`` for one reader."""
-    return HandleSet(tensors={k: export_tensor(t) for k, t in tensors.items()}, written=written).model_dump_json()
+    return HandleSet(tensors={k: export_tensor(t) for k, t in tensors.items()}, written=written,
+                     mailbox=None if mailbox is None else export_tensor(mailbox)).model_dump_json()
 
 
 def _storage(h: TensorHandle, opened: dict) -> torch.UntypedStorage:
@@ -145,13 +154,17 @@ def open_tensors(blob: str | bytes, *, where: str = "the store") -> dict[str, to
     return open_set(blob, where=where)[0]
 
 
-def open_set(blob: str | bytes, *, where: str = "the store") -> tuple[dict[str, torch.Tensor], EventHandle | None]:
-    """``open_tensors`` and the set's ``written`` event handle (None when it has none)."""
+def open_set(blob: str | bytes, *, where: str = "the store") -> OpenedSet:
+    """``open_tensors``, the set's ``written`` event handle and its mailbox handle (None when
+    it has none)."""
     try:
         handles = HandleSet.model_validate_json(blob)
     except ValidationError as e:
         first = e.errors()[0]
         raise ValueError(f"{where} holds no valid tensor handle set ({first['msg']} at "
                          f"{'.'.join(map(str, first['loc'])) or 'top level'}); refusing to map it") from None
+    if handles.mailbox is not None and (handles.mailbox.kind != "cpu" or handles.mailbox.dtype != "int64"):
+        raise ValueError(f"{where} holds a mailbox that is not int64 host memory; refusing to map it")
     opened: dict = {}
-    return {k: open_tensor(h, opened) for k, h in handles.tensors.items()}, handles.written
+    tensors = {k: open_tensor(h, opened) for k, h in handles.tensors.items()}
+    return OpenedSet(tensors, handles.written, handles.mailbox)

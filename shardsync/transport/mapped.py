@@ -11,7 +11,9 @@ events (``transport.events``): the engine's copies wait on the trainer's event, 
 ``stream`` (``ColocatedConfig(complete="stream")``) the engine acks as soon as its copies are
 queued and the trainer's stream waits on the engine's event, so neither CPU waits for the
 copy; otherwise (host memory on either side, ``complete="host"``) the engine synchronizes
-before it acks.  A tensor that moved since export (offloaded and reloaded, reallocated)
+before it acks.  The signals travel through a shared-memory mailbox per link
+(``transport.mailbox``) where the engine could map it, else through the sync group.  A
+tensor that moved since export (offloaded and reloaded, reallocated)
 bumps the generation: the trainer re-exports and the engine re-maps before reading, so a
 stale mapping is never read.
 """
@@ -31,7 +33,9 @@ from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.topology import Topology
 from shardsync.transport import events
 from shardsync.transport.group import SyncGroup
-from shardsync.transport.handles import export_tensors, open_set
+from shardsync.transport.handles import export_tensors, open_set, open_tensor
+from shardsync.transport.mailbox import ACK as ACK_SLOT
+from shardsync.transport.mailbox import HEADER, Mailbox
 from shardsync.transport.pinning import HostPins
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 READY, FAILED, QUEUED, REFUSED = 1, 0, 2, 3  # ack status; QUEUED: complete at the ack's event
 ACK = 2 + events.WORDS  # generation, status, then the engine's event (QUEUED)
 ABORT = -1  # generation sent when the sender cannot offer its tensors this update
+MAILBOX, GROUP = "mailbox", "group"  # how a link signals (its engine end chose at connect)
 
 
 def identity(t: torch.Tensor) -> tuple:
@@ -73,13 +78,14 @@ class MappedTransport:
 
     def __init__(self, group: SyncGroup, copies: Sequence[Copy], *, sender: bool, peers: Sequence[int],
                  prefix: str, itemsize: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 trainers: int = 0, secret: str | None = None, stream: bool = True) -> None:
+                 trainers: int = 0, secret: str | None = None, stream: bool = True, mailbox: bool = True) -> None:
         """``copies``: this rank's copies of the p2p plan (as source or as destination);
         ``peers``: sync ranks of the other ends, in the order both sides walk them;
         ``shapes``: the sender's tensor shapes the plan was built for (checked at export);
-        ``stream`` (sender): let engines ack once their copies are queued on the GPU."""
+        ``stream`` (sender): let engines ack once their copies are queued on the GPU;
+        ``mailbox`` (sender): offer each engine rank a shared-memory mailbox for the signals."""
         self.group, self.sender, self.prefix, self.secret = group, sender, prefix, secret
-        self.stream = stream
+        self.stream, self.mailbox = stream, mailbox
         self._written: torch.cuda.Event | None = None  # sender: recorded after its writes
         self._device: torch.device | None = None  # sender: where its exported tensors live
         self._done: torch.cuda.Event | None = None  # receiver: recorded after its copies
@@ -100,6 +106,10 @@ class MappedTransport:
         self._pins: dict[int, HostPins] = {}  # peer -> its CPU storages, page-locked here for H2D copies
         self.nbytes = sum(c.numel for c in self.copies) * itemsize  # on the wire dtype
         self.peer_bytes = {p: 0 for p in self.peers}
+        self._boxes: dict[int, Mailbox] = {}  # peer -> the link's mailbox (sender: made at first export)
+        self._signals: dict[int, str] = {}  # sender: peer -> MAILBOX | GROUP, read at the first update
+        self._number = 0  # sender: updates signalled
+        self._taken: dict[int, int] = {}  # receiver: peer -> number of the last header taken
         for c in self.copies:
             self.peer_bytes[self._other(c)] += c.numel * itemsize
 
@@ -109,7 +119,7 @@ class MappedTransport:
 
     @classmethod
     def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None = None,
-                 stream: bool = True) -> MappedTransport:
+                 stream: bool = True, mailbox: bool = True) -> MappedTransport:
         """Sync rank ``group.rank``'s end of ``topo``'s p2p plan (trainer ranks send)."""
         me, trainers = group.rank, topo.trainer.world_size
         plan = topo.p2p_plan
@@ -121,7 +131,8 @@ class MappedTransport:
             peers = sorted({c.src for c in copies})
         shapes = {t.name: tuple(t.shape) for t in plan.src.ranks[me].tensors} if me < trainers else None
         return cls(group, copies, sender=me < trainers, peers=peers, prefix=prefix,
-                   itemsize=plan.itemsize, shapes=shapes, trainers=trainers, secret=secret, stream=stream)
+                   itemsize=plan.itemsize, shapes=shapes, trainers=trainers, secret=secret, stream=stream,
+                   mailbox=mailbox)
 
     def _key(self, src: int, dst: int, generation: int) -> str:
         return Keys(self.prefix).mapped(src, dst, generation)
@@ -147,7 +158,11 @@ class MappedTransport:
             written = events.handle_of(self._written, self._device)
         for peer in self.peers:  # one handle set per reader: each holds one reference
             key = self._key(self.group.rank, peer, self.generation)
-            self.group.store.set(key, seal(key, export_tensors(tensors, written), self.secret))
+            box = Mailbox.words() if self.mailbox and self.generation == 1 else None  # the first set carries it
+            self.group.store.set(key, seal(key, export_tensors(tensors, written, box), self.secret))
+            if box is not None:
+                self._boxes[peer] = Mailbox(box)  # exporting moved it into shared memory
+                self.shm_names.add(identity(box)[1].decode())
         self._exported = {n: identity(t) for n, t in tensors.items()}
         # shared-memory names (CPU): torch removes them when the last process unmaps
         self.shm_names.update(i[1].decode() for i in self._exported.values() if len(i) == 2 and i[1])
@@ -164,7 +179,9 @@ class MappedTransport:
         self._copies.pop(peer, None)
         self._mapped.pop(peer, None)  # the old mapping is released before the new one opens
         self._pins.pop(peer, HostPins()).release()
-        mapped, written = open_set(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
+        mapped, written, box = open_set(unseal(key, self.group.store.get(key), self.secret), where=f"store key {key}")
+        if peer not in self._taken:  # the link's first set: choose how it signals
+            self._open_mailbox(peer, box)
         self._peer_written.pop(peer, None)
         if written is not None:
             self._peer_written[peer] = self._opened.of_handle(written)
@@ -176,6 +193,20 @@ class MappedTransport:
         self._mapped[peer] = (generation, mapped)
         self._copies[peer] = {}
         self._compiled(peer, local)
+
+    def _open_mailbox(self, peer: int, handle) -> None:
+        """Map the link's mailbox (if offered) and tell the sender which way this end signals."""
+        self._taken[peer] = 0
+        how = GROUP
+        if handle is not None:
+            try:
+                self._boxes[peer] = Mailbox(open_tensor(handle))
+                how = MAILBOX
+            except Exception as e:  # another /dev/shm or shm manager than the trainer's
+                log.info("sync rank %d: cannot map sync rank %d's mailbox (%s): signalling over the sync group",
+                         self.group.rank, peer, e)
+        key = Keys(self.prefix).signals(peer, self.group.rank)
+        self.group.store.set(key, seal(key, how, self.secret))
 
     def _compiled(self, peer: int, local: Mapping[str, torch.Tensor]) -> tuple[Copies, Copies]:
         """The copies from ``peer``'s mapped tensors into ``local``, compiled once per local
@@ -210,6 +241,9 @@ class MappedTransport:
             pins.release()
         self._pins.clear()
         self._mapped.clear()
+        if not self.sender:
+            self._boxes.clear()
+            self._taken.clear()
 
     # -- one update --
 
@@ -229,30 +263,85 @@ class MappedTransport:
             self._mark_written()  # the engines read only after every write to the weights
         except Exception as e:  # tell the engines now rather than let them wait for a timeout
             error = e
-        header = torch.tensor([ABORT if error else self.generation, int(self.stream)], dtype=torch.int64)
-        sends = [self.group.send(header, p) for p in self.peers]
-        acks = [torch.zeros(ACK, dtype=torch.int64) for _ in self.peers]
-        works = [self.group.recv(a, p) for a, p in zip(acks, self.peers, strict=True)]
+        acks = self._signal([ABORT if error else self.generation, int(self.stream)])
         t1 = time.perf_counter()
-        for w in sends + works:
-            w.wait()
+        acks = [a() for a in acks]
         for a in acks:  # before any error is raised: the weights stay unwritten until the reads end
-            if int(a[1]) == QUEUED:
-                self._after_reads(a[2:].tolist())
+            if a[1] == QUEUED:
+                self._after_reads(a[2:])
         stats.pack_s = t1 - t0
         stats.transfer_s = time.perf_counter() - t1
         if error is not None:
             raise error
         stats.steps = [StepTiming("map", f"{self.group.rank}->{p}", self.peer_bytes[p], transfer_s=stats.transfer_s)
                        for p in self.peers]
-        refused = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) == REFUSED]
+        refused = [p for a, p in zip(acks, self.peers, strict=True) if a[1] == REFUSED]
         if refused:
             raise Refused(f"sync rank(s) {refused} refused this update before reading (the engine's answer says why)")
-        failed = [p for a, p in zip(acks, self.peers, strict=True) if int(a[1]) not in (READY, QUEUED)]
+        failed = [p for a, p in zip(acks, self.peers, strict=True) if a[1] not in (READY, QUEUED)]
         if failed:
             raise RuntimeError(f"sync rank(s) {failed} failed reading this rank's mapped tensors")
         stats.bytes_sent = self.nbytes
         return stats
+
+    def _signal(self, header: list[int]) -> list:
+        """Sender: post ``header`` to every engine rank; one callable per peer returns its ack."""
+        self._number += 1
+        number, timeout = self._number, self.group.rdv.timeout_s
+        acks = []
+        for peer in self.peers:
+            if self._signal_of(peer) == MAILBOX:
+                box = self._boxes[peer]
+                box.post(HEADER, number, header)
+
+                def ack(box=box, peer=peer) -> list[int]:
+                    got, words = box.take(ACK_SLOT, ACK, after=number - 1, timeout_s=timeout,
+                                          what=f"ack of update {number} from sync rank {peer}")
+                    if got != number:
+                        raise RuntimeError(f"sync rank {peer} acked update {got}, expected {number}")
+                    return words
+            else:
+                send = self.group.send(torch.tensor(header, dtype=torch.int64), peer)
+                buf = torch.zeros(ACK, dtype=torch.int64)
+                recv = self.group.recv(buf, peer)
+
+                def ack(send=send, recv=recv, buf=buf) -> list[int]:
+                    send.wait()
+                    recv.wait()
+                    return buf.tolist()
+            acks.append(ack)
+        return acks
+
+    def _signal_of(self, peer: int) -> str:
+        how = self._signals.get(peer)
+        if how is None:
+            key = Keys(self.prefix).signals(self.group.rank, peer)
+            self.group.store.wait([key], self.group.rdv.timeout)
+            how = unseal(key, self.group.store.get(key), self.secret)
+            how = how.decode() if isinstance(how, bytes) else how
+            if how not in (MAILBOX, GROUP) or (how == MAILBOX and peer not in self._boxes):
+                raise ValueError(f"store key {key} holds {how[:40]!r}, not {MAILBOX!r} or {GROUP!r}")
+            self._signals[peer] = how
+        return how
+
+    def _header(self, peer: int) -> list[int]:
+        """Receiver: ``peer``'s next header [generation, stream]."""
+        box = self._boxes.get(peer)
+        if box is None:
+            header = torch.zeros(2, dtype=torch.int64)
+            self.group.recv(header, peer).wait()
+            return header.tolist()
+        got, words = box.take(HEADER, 2, after=self._taken.get(peer, 0), timeout_s=self.group.rdv.timeout_s,
+                              what=f"update signal from trainer sync rank {peer}")
+        self._taken[peer] = got
+        return words
+
+    def _answer(self, peer: int, ack: list[int]) -> None:
+        box = self._boxes.get(peer)
+        if box is None:
+            self.group.send(torch.tensor(ack, dtype=torch.int64), peer).wait()
+        else:
+            box.post(ACK_SLOT, self._taken[peer], ack)
 
     def _mark_written(self) -> None:
         """Sender: where the engines' copies start (its stream's writes before this point)."""
@@ -302,10 +391,9 @@ class MappedTransport:
         gens, waits, queued = {}, {}, {}
         for peer in self.peers:
             t0 = time.perf_counter()
-            header = torch.zeros(2, dtype=torch.int64)
-            self.group.recv(header, peer).wait()
-            gens[peer] = gen = int(header[0])
-            queued[peer] = bool(header[1])
+            gen, stream = self._header(peer)
+            gens[peer] = gen
+            queued[peer] = bool(stream)
             waits[peer] = time.perf_counter() - t0
             try:
                 if gen == ABORT:
@@ -338,8 +426,7 @@ class MappedTransport:
                     status = QUEUED if done else READY
             except Exception as e:
                 error = error or e
-            ack = [gens[peer], status, *(done or [0] * events.WORDS)]
-            self.group.send(torch.tensor(ack, dtype=torch.int64), peer).wait()
+            self._answer(peer, [gens[peer], status, *(done or [0] * events.WORDS)])
             t2 = time.perf_counter()
             stats.transfer_s += waits[peer]
             stats.unpack_s += t2 - t1
@@ -354,10 +441,7 @@ class MappedTransport:
         """Receiver: answer an update the engine refused (a pipelined begin: the trainer's
         signal is on its way): take each sender's header, ack ``REFUSED``, touch nothing."""
         for peer in self.peers:
-            header = torch.zeros(2, dtype=torch.int64)
-            self.group.recv(header, peer).wait()
-            ack = [int(header[0]), REFUSED] + [0] * events.WORDS
-            self.group.send(torch.tensor(ack, dtype=torch.int64), peer).wait()
+            self._answer(peer, [self._header(peer)[0], REFUSED] + [0] * events.WORDS)
 
     # -- Transport (control messages only) --
 

@@ -22,15 +22,16 @@ from tests.dist._engine import shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 
 
-def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
+def _trainer(rank: int, world: int, port: int, url: str, signals: str, out) -> None:
     spec = PRESETS["tiny-qwen3"]
     par = MegatronParallel(tp=2, dtype="float32")
     lay, params = join_trainer(rank, world, port, spec, par, seed=31)
-    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(), detail=True,
+    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(signals=signals), detail=True,
                                                              transport=TransportConfig(timeout_s=30)),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res = {"records": [], "verify": [], "generation": []}
+    res["signals"] = sorted(set(sync.programs[Mode.P2P].mapped._signals.values()))  # none yet: read at the first update
     for version in (1, 2, 3):
         fresh = load_rank(lay, rank, random_source(spec, seed=200 + version))
         for k, v in params.items():
@@ -44,6 +45,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
                                "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)})
         res["verify"].append(sync.verify())
         res["generation"].append(sync.programs[Mode.P2P].mapped.generation)
+    res["signals"] += sorted(set(sync.programs[Mode.P2P].mapped._signals.values()))
     # an older version: the engine refuses the pipelined begin and answers the trainer's signal
     # in place of the copies, so the refusal is prompt and the connection stays usable
     try:
@@ -77,14 +79,17 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     out.put((rank, res))
 
 
-@pytest.mark.parametrize("window", [False, True], ids=["in-place", "window"])
+@pytest.mark.parametrize("window", [False, True], ids=["in-place-mailbox", "window-group"])
 def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(window: bool) -> None:
-    """``window``: a third of the shard staged; the engine copies into staging first, then
+    """In place, the signals go through shared-memory mailboxes; ``window`` (signals over the
+    sync group): a third of the shard staged; the engine copies into staging first, then
     pauses and copies the rest into its served weights."""
     proc, url = start_engine("tiny-qwen3", 2, staging_bytes=shard_bytes("tiny-qwen3", 2) // 3 if window else 0)
     try:
-        results = run_world(_trainer, 2, args=(2, free_port(), url), timeout=180)
+        signals = "group" if window else "mailbox"
+        results = run_world(_trainer, 2, args=(2, free_port(), url, signals), timeout=180)
         for rank, res in results.items():
+            assert res["signals"] == [signals], res["signals"]  # as offered, as the engine chose
             assert all(r["ok"] and r["mode"] == "p2p" for r in res["records"])
             assert res["verify"] == [[], [], []], f"rank {rank}: checksum mismatch {res['verify']}"
             assert all(r["bytes"] == r["plan_bytes"] == r["step_bytes"] > 0 for r in res["records"])

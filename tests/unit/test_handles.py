@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shardsync.transport.events import EventHandle
-from shardsync.transport.handles import export_tensors, open_set, open_tensors
+from shardsync.transport.handles import export_tensors, open_set, open_tensor, open_tensors
+from shardsync.transport.mailbox import ACK, HEADER, Mailbox
 
 
 def test_cpu_export_opens_the_same_memory_and_views() -> None:
@@ -54,6 +55,22 @@ def test_malformed_handles_are_refused(blob, match) -> None:
 def test_a_set_carries_its_writers_event_handle() -> None:
     """The written event travels with the tensors; a set without one opens with None."""
     h = EventHandle(device=0, handle=base64.b64encode(bytes(range(64))).decode())
-    tensors, written = open_set(export_tensors({"t": torch.arange(4.0)}, h))
-    assert written == h and torch.equal(tensors["t"], torch.arange(4.0))
+    tensors, written, box = open_set(export_tensors({"t": torch.arange(4.0)}, h))
+    assert written == h and box is None and torch.equal(tensors["t"], torch.arange(4.0))
     assert open_set(export_tensors({"t": torch.zeros(2)}))[1] is None
+
+
+def test_a_set_carries_a_mailbox_both_ends_write() -> None:
+    """The mailbox opens as its own mapping of the exporter's words (writes cross both ways);
+    one that is not int64 host memory is refused before anything is mapped."""
+    words = Mailbox.words()
+    _, _, handle = open_set(export_tensors({"t": torch.zeros(2)}, mailbox=words))
+    mine, theirs = Mailbox(words), Mailbox(open_tensor(handle))
+    mine.post(HEADER, 1, [7, 1])
+    assert theirs.take(HEADER, 2, after=0, timeout_s=1, what="header") == (1, [7, 1])
+    theirs.post(ACK, 1, [7, 2, 9])
+    assert mine.take(ACK, 3, after=0, timeout_s=1, what="ack") == (1, [7, 2, 9])
+    bad = json.loads(export_tensors({"t": torch.zeros(2)}, mailbox=words))
+    bad["mailbox"]["dtype"] = "float32"
+    with pytest.raises(ValueError, match="mailbox that is not int64 host memory"):
+        open_set(json.dumps(bad), where="key k")
