@@ -31,6 +31,7 @@ from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import load_spec
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
+from shardsync.transport.gather import configured
 from shardsync.transport.group import free_port
 
 
@@ -155,7 +156,7 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     return out
 
 
-def ipc_updates(kind: str, control: str, complete: str, spec, par, params: dict, url: str, args,
+def ipc_updates(kind: str, control: str, complete: str, signals: str, spec, par, params: dict, url: str, args,
                 first: int) -> dict:
     """Connect with one IPC kind and control plane, run ``--updates`` full updates after a
     warm-up, verify.  Kind ``host``: the trainer's weights offloaded to (pinned) host memory,
@@ -164,7 +165,7 @@ def ipc_updates(kind: str, control: str, complete: str, spec, par, params: dict,
         params = {k: v.cpu().pin_memory() for k, v in params.items()}
     sync = WeightSync(spec, par, 0, params, [url],
                       SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="map" if kind == "host" else kind,
-                                                                       complete=complete),
+                                                                       complete=complete, signals=signals),
                                  control=ControlConfig(channel=control, http_timeout_s=300),
                                  transport=TransportConfig(bucket_mb=args.bucket_mb, timeout_s=300)))
     sync.connect()
@@ -186,7 +187,7 @@ def ipc_updates(kind: str, control: str, complete: str, spec, par, params: dict,
            for k in ("pack", "transfer", "unpack", "control", "total")}
     # the data path: from the trainer's first byte handed over to the engine's last ack
     data = [(r.phases["pack"] + r.phases["transfer"]) * 1e3 for r in measured]
-    return {"kind": kind, "control": control, "complete": complete, "source": recs[-1].source,
+    return {"kind": kind, "control": control, "complete": complete, "signals": signals, "source": recs[-1].source,
             "data_ms": statistics.median(data), "data_p99_ms": max(data),
             "total_ms": statistics.median(done[1:]) * 1e3, "returned_ms": statistics.median(returned[1:]) * 1e3,
             "total_max_ms": max(done[1:]) * 1e3,
@@ -200,8 +201,9 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--bucket-mb", type=float, default=256)
     ap.add_argument("--runs", default="map:store,map:store:host,map:http,slots:store,host:store",
-                    help="IPC kind:control plane[:complete] to compare, comma separated (host: map from "
-                         "weights offloaded to pinned host memory; complete: stream (default) or host)")
+                    help="IPC kind:control plane[:complete[:signals]] to compare, comma separated (host: map "
+                         "from weights offloaded to pinned host memory; complete: stream (default) or host; "
+                         "signals: mailbox (default) or group)")
     ap.add_argument("--no-kernels", action="store_true",
                     help="skip the in-process kernel measures (they hold two more copies of the model: "
                          "Qwen3-14B does not fit beside the engine on one H200 with them)")
@@ -217,6 +219,7 @@ def main() -> None:
           f"({model_bytes / d2d_ms / 1e6:.0f} GB/s counting bytes once); pinned H2D copy {h2d_ms:.1f} ms",
           flush=True)
 
+    print(f"gather kernel: {configured()}", flush=True)
     engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
                                             threads=4))
     runs = []
@@ -237,11 +240,12 @@ def main() -> None:
             print(f"one gather launch: {kernels['mapped_gather']:.0f} GB/s (bitwise vs per-copy launches: "
                   f"{kernels['mapped_gather_bitwise']})", flush=True)
         for i, run in enumerate(args.runs.split(",")):
-            kind, control, complete = (run.split(":") + ["stream"])[:3]
-            r = ipc_updates(kind, control, complete, spec, par, params, url, args, first=1 + i * (args.updates + 1))
+            kind, control, complete, signals = (run.split(":") + ["stream", "mailbox"][len(run.split(":")) - 2:])[:4]
+            r = ipc_updates(kind, control, complete, signals, spec, par, params, url, args,
+                            first=1 + i * (args.updates + 1))
             runs.append(r)
             limit, name = (h2d_ms, "H2D") if kind == "host" else (d2d_ms, "D2D")
-            print(f"IPC {kind:5s} control={control:5s} complete={complete:6s} (trainer TP1 -> engine TP1, same GPU, "
+            print(f"IPC {kind:5s} control={control:5s} complete={complete:6s} signals={signals:7s} (trainer TP1 -> engine TP1, same GPU, "
                   f"{args.updates} updates): data path "
                   f"median {r['data_ms']:.2f} ms (max {r['data_p99_ms']:.2f}); whole update until complete on the "
                   f"GPU {r['total_ms']:.2f} ms = {r['total_ms'] / limit:.2f}x {name} (update() returned after "
@@ -260,12 +264,13 @@ def main() -> None:
     print(f"| pinned H2D copy (one call) | {h2d_ms:.2f} | 1.00 |")
     for r in runs:
         limit = h2d_ms if r["kind"] == "host" else d2d_ms
-        name = f"IPC {r['kind']}, control {r['control']}, complete {r['complete']}"
+        name = f"IPC {r['kind']}, control {r['control']}, complete {r['complete']}, signals {r['signals']}"
         print(f"| {name}: update() returned | {r['returned_ms']:.2f} | {r['returned_ms'] / limit:.2f} |")
         print(f"| {name}: whole update, complete on the GPU | {r['total_ms']:.2f} | {r['total_ms'] / limit:.2f} |")
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "model": spec.name, "model_bytes": model_bytes,
+                   "gather_tuning": configured().__dict__,
                    "d2d_ms": d2d_ms, "h2d_ms": h2d_ms, "kernels_GBps": kernels, "ipc": runs, "delta": deltas}, f, indent=2)
 
 

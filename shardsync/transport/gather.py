@@ -9,6 +9,8 @@ Triton only: ``available()`` says whether this process can).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,39 +104,72 @@ def _compile():
         import triton.language as tl
 
         @triton.jit
-        def gather(src_base, dst_base, src_off, dst_off, lens, TILE: tl.constexpr, BLOCK: tl.constexpr,
-                   PAIRS: tl.constexpr):
+        def gather(src_base, dst_base, src_off, dst_off, lens, count, TILE: tl.constexpr, BLOCK: tl.constexpr,
+                   PAIRS: tl.constexpr, STREAMING: tl.constexpr, PERSISTENT: tl.constexpr):
             pid = tl.program_id(0)
-            s = tl.load(src_off + pid)
-            d = tl.load(dst_off + pid)
-            n = tl.load(lens + pid)
-            if PAIRS:  # every offset is a multiple of two words: 16-byte accesses
-                s = tl.multiple_of(s, 2)
-                d = tl.multiple_of(d, 2)
-            for i in tl.range(0, TILE, BLOCK):
-                idx = i + tl.arange(0, BLOCK)
-                m = idx < n
-                tl.store(dst_base + d + idx, tl.load(src_base + s + idx, mask=m), mask=m)
+            step = tl.num_programs(0) if PERSISTENT else count  # one tile per program unless persistent
+            for t in tl.range(pid, count, step):
+                s = tl.load(src_off + t)
+                d = tl.load(dst_off + t)
+                n = tl.load(lens + t)
+                if PAIRS:  # every offset is a multiple of two words: 16-byte accesses
+                    s = tl.multiple_of(s, 2)
+                    d = tl.multiple_of(d, 2)
+                for i in tl.range(0, TILE, BLOCK):
+                    idx = i + tl.arange(0, BLOCK)
+                    m = idx < n
+                    if STREAMING:  # each byte is touched once: keep it out of the caches' way
+                        v = tl.load(src_base + s + idx, mask=m, eviction_policy="evict_first")
+                        tl.store(dst_base + d + idx, v, mask=m, cache_modifier=".cs")
+                    else:
+                        tl.store(dst_base + d + idx, tl.load(src_base + s + idx, mask=m), mask=m)
 
         _kernel = gather
     return _kernel
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """How the kernel walks the table (``benchmarks/gather_kernel.py`` sweeps these)."""
+
+    tile_bytes: int = TILE_BYTES
+    block_bytes: int = 16384  # bytes one loop step of a program moves
+    num_warps: int = 16
+    streaming: bool = True  # evict-first loads, streaming stores
+    per_sm: int = 0  # persistent: this many programs per SM loop over the tiles (0: one per tile)
+
+
+def configured() -> Tuning:
+    """The kernel's tuning: ``Tuning()`` unless ``SHARDSYNC_GATHER`` holds JSON of its fields
+    (for a device the defaults were not measured on; ``benchmarks/gather_kernel.py`` finds them)."""
+    raw = os.environ.get("SHARDSYNC_GATHER")
+    if not raw:
+        return Tuning()
+    try:
+        return Tuning(**json.loads(raw))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"SHARDSYNC_GATHER must be JSON of {sorted(Tuning.__dataclass_fields__)}, "
+                         f"got {raw[:80]!r}: {e}") from None
+
+
 class Gather:
     """Every copy of ``pairs`` (device memory on both sides) in one launch on the current stream.
 
-    Defaults from a sweep on the H200 (``benchmarks/gpu_update.py``, Qwen3-4B's 362 runs):
-    64 KiB tiles, 8 KiB per loop step, 16 warps: 2027 GB/s against 1896 for per-copy launches
-    over four streams and 2112 for one flat D2D copy."""
+    Defaults (``Tuning``) from a sweep on the H200 (``benchmarks/gather_kernel.py``, Qwen3-4B's
+    362 copies, 27 tunings in one run): 64 KiB tiles, 16 KiB per loop step, 16 warps, streaming
+    cache hints: 2040 GB/s (1.043x one flat D2D copy at 2127) against 2010 for the previous
+    defaults (8 KiB steps, plain accesses) and 1924 for per-copy launches over four streams;
+    persistent programs were slower in every tuning tried."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], tile_bytes: int = TILE_BYTES, *,
-                 block_bytes: int = 8192, num_warps: int = 16) -> None:
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], tuning: Tuning | None = None) -> None:
+        tuning = tuning or configured()
         seg = Segments.of(pairs)
+        self.tuning = tuning
         self.nbytes = int(seg.nbytes.sum())
         self.word = seg.word()
         dtype = _WORDS[self.word]
         unit = torch.empty((), dtype=dtype).element_size()
-        tiles = seg.tiles(tile_bytes)
+        tiles = seg.tiles(tuning.tile_bytes)
         self.count = tiles.nbytes.numel()
         device = pairs[0][0].device
         # word offsets from two base storages (any address works: flat 64-bit device addresses)
@@ -143,12 +178,16 @@ class Gather:
         src0, dst0 = (b.data_ptr() for b in self._bases)
         self._tables = [((tiles.src - src0) // unit).to(device), ((tiles.dst - dst0) // unit).to(device),
                         (tiles.nbytes // unit).to(device)]
-        self._tile = tile_bytes // unit
-        self._block, self._warps = max(1, min(tile_bytes, block_bytes) // unit), num_warps
-        self._pairs_aligned = self.word == 16
+        programs = self.count
+        if tuning.per_sm:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            programs = min(self.count, sms * tuning.per_sm)
+        self._grid = (max(1, programs),)
+        self._meta = dict(TILE=tuning.tile_bytes // unit, BLOCK=max(1, min(tuning.tile_bytes, tuning.block_bytes) // unit),
+                          PAIRS=self.word == 16, STREAMING=tuning.streaming, PERSISTENT=bool(tuning.per_sm),
+                          num_warps=tuning.num_warps)
 
     def run(self) -> None:
         if self.count == 0:
             return
-        _compile()[(self.count,)](*self._bases, *self._tables, TILE=self._tile, BLOCK=self._block,
-                                  PAIRS=self._pairs_aligned, num_warps=self._warps)
+        _compile()[self._grid](*self._bases, *self._tables, self.count, **self._meta)

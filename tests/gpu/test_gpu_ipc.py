@@ -5,6 +5,8 @@ CUDA events order both processes' work with no CPU synchronize."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
@@ -50,10 +52,12 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
             bad.append(sync.verify())
         program = sync.programs[Mode.P2P]
         generation = program.mapped.generation if ipc == "map" else None
+        signals = set(program.mapped._signals.values()) if ipc == "map" else None
         sync.close()
         assert bad == [[], [], []]
         if ipc == "map":
             assert generation == 2  # re-exported once, for the moved tensor
+            assert signals == {"mailbox"}
     finally:
         stop_engine(proc)
 
@@ -64,7 +68,8 @@ def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(co
     called: the engine's copies must wait for them (the trainer's event).  Right after
     ``update()`` the trainer overwrites every tensor: those writes must wait for the engine's
     copies (the engine's event with ``stream``; the engine's synchronize with ``host``).  The
-    engine then holds exactly the values written before the update."""
+    engine then holds exactly the values written before the update.  ``host`` signals over the
+    sync group instead of the mailbox."""
     import torch
 
     spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
@@ -74,7 +79,8 @@ def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(co
     try:
         params = load_rank(lay, 0, random_source(spec, seed=5), device="cuda")
         sync = WeightSync(spec, par, 0, params, [url], SyncConfig(
-            mode="p2p", colocated=ColocatedConfig(ipc="map", complete=complete)))
+            mode="p2p", colocated=ColocatedConfig(ipc="map", complete=complete,
+                                                  signals="group" if complete == "host" else "mailbox")))
         sync.connect()
         bad = []
         for version in (1, 2, 3):
@@ -97,13 +103,14 @@ def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(co
 
 @pytest.mark.parametrize("ttp,etp", [(1, 1), (2, 1), (1, 2)])
 def test_the_gather_kernel_copies_what_the_per_copy_path_copies(ttp: int, etp: int) -> None:
-    """One Triton launch over the tile table = the per-copy path, bitwise (bf16 both sides)."""
+    """One Triton launch over the tile table = the per-copy path, bitwise (bf16 both sides),
+    one tile per program and persistent programs with streaming accesses."""
     import torch
 
     from shardsync.layout import EngineParallel
     from shardsync.plan.local import allocate
     from shardsync.plan.runs import Copies, coalesce, compile_runs
-    from shardsync.transport.gather import Gather, available
+    from shardsync.transport.gather import Gather, Tuning, available
 
     assert available(), "triton and CUDA are on the GPU machine"
     spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
@@ -111,14 +118,15 @@ def test_the_gather_kernel_copies_what_the_per_copy_path_copies(ttp: int, etp: i
     plan = topo.p2p_plan
     sources = [{n: t.cuda() for n, t in load_rank(topo.trainer_layout, r, random_source(spec, seed=9)).items()}
                for r in range(ttp)]
-    for e in range(etp):
+    tunings = (Tuning(tile_bytes=4096), Tuning(tile_bytes=4096, streaming=True, per_sm=1))
+    for e, tuning in itertools.product(range(etp), tunings):
         ref, got = allocate(plan, e, device="cuda"), allocate(plan, e, device="cuda")
         for t in range(ttp):
             runs = coalesce([c for c in plan.copies if c.dst == e and c.src == t])
             if not runs:
                 continue
             Copies.of(compile_runs(runs, sources[t], ref), gather=False).run()
-            Gather(compile_runs(runs, sources[t], got), tile_bytes=4096).run()
+            Gather(compile_runs(runs, sources[t], got), tuning).run()
         torch.cuda.synchronize()
         for name in ref:
-            assert torch.equal(ref[name].view(torch.int16), got[name].view(torch.int16)), name
+            assert torch.equal(ref[name].view(torch.int16), got[name].view(torch.int16)), (name, tuning)

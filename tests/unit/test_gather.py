@@ -48,3 +48,15 @@ def test_the_word_is_the_widest_common_alignment() -> None:
     assert Segments.of([(a[1:9], b[1:9])]).word() == 2
     with pytest.raises(ValueError, match="one shape and dtype"):
         Segments.of([(a[:8], b[:4])])
+
+
+def test_the_kernels_tuning_comes_from_the_environment_or_its_defaults(monkeypatch) -> None:
+    from shardsync.transport.gather import Tuning, configured
+
+    monkeypatch.delenv("SHARDSYNC_GATHER", raising=False)
+    assert configured() == Tuning()
+    monkeypatch.setenv("SHARDSYNC_GATHER", '{"per_sm": 2, "streaming": false}')
+    assert configured() == Tuning(per_sm=2, streaming=False)
+    monkeypatch.setenv("SHARDSYNC_GATHER", '{"tile": 2}')
+    with pytest.raises(ValueError, match="SHARDSYNC_GATHER must be JSON of .*tile_bytes"):
+        configured()

@@ -1,0 +1,98 @@
+"""The map path's copy kernel alone, in one process on one GPU: every tuning of
+``transport.gather.Gather`` in the sweep over the same (destination, source) pairs the engine
+compiles for a model, side by side with one flat D2D copy of the same bytes (the limit) and
+the per-copy launches; each tuning's result checked bitwise against the per-copy path, and
+the CPU time one launch takes (what the engine spends before the GPU starts).
+
+    cd benchmarks && python gather_kernel.py --model Qwen3-4B --out gather_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+from gpu_update import cuda_ms, d2d_copy_ms, fast_source
+
+from shardsync.layout import MegatronParallel
+from shardsync.models.weights import load_rank
+from shardsync.plan.local import allocate
+from shardsync.plan.runs import SIDE_STREAMS, Copies, coalesce, compile_runs
+from shardsync.spec import load_spec
+from shardsync.topology import Topology
+from shardsync.transport.gather import Gather, Tuning
+
+KiB = 1 << 10
+
+
+def sweep() -> list[Tuning]:
+    """Around the defaults: tile and loop step sizes, cache hints, persistent programs."""
+    grid = itertools.product((64 * KiB, 256 * KiB), (8 * KiB, 16 * KiB), (False, True), (0, 2, 4))
+    tunings = [Tuning(tile_bytes=t, block_bytes=b, streaming=s, per_sm=p) for t, b, s, p in grid]
+    return tunings + [Tuning(num_warps=8, streaming=s, per_sm=p) for s, p in ((False, 0), (True, 0), (True, 4))]
+
+
+def launch_us(fn, n: int = 20) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="Qwen3-4B")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="gather_kernel.json")
+    args = ap.parse_args()
+    spec = load_spec(args.model, dtype="bfloat16")
+    topo = Topology(spec, MegatronParallel(tp=1, dtype="bfloat16"))
+    plan = topo.p2p_plan
+    nbytes = plan.total_bytes
+    d2d = d2d_copy_ms(nbytes)
+    params = load_rank(topo.trainer_layout, 0, fast_source(spec, 1), device="cuda")
+    torch.cuda.empty_cache()
+    engine = allocate(plan, 0, device="cuda")
+    pairs = compile_runs(coalesce(plan.copies), params, engine)
+    per_copy = Copies.of(pairs, gather=False)
+    streams = [torch.cuda.Stream() for _ in range(SIDE_STREAMS)]
+    rows = [{"kernel": "one flat D2D copy (the limit)", "ms": d2d},
+            {"kernel": f"per-copy launches, {1 + SIDE_STREAMS} streams", "ms": cuda_ms(lambda: per_copy.run(streams)),
+             "launch_us": launch_us(lambda: per_copy.run(streams))}]
+    reference = {n: t.clone() for n, t in engine.items()}
+    for tuning in sweep():
+        for t in engine.values():
+            t.zero_()
+        g = Gather(pairs, tuning)
+        ms = cuda_ms(g.run, iters=args.iters)
+        torch.cuda.synchronize()
+        ok = all(torch.equal(engine[n].view(torch.uint8), reference[n].view(torch.uint8)) for n in engine)
+        rows.append({"kernel": "gather", **tuning.__dict__, "programs": g._grid[0], "ms": ms,
+                     "launch_us": launch_us(g.run), "bitwise": ok})
+    for r in rows:
+        r["GBps"] = nbytes / r["ms"] / 1e6
+        r["x_d2d"] = r["ms"] / d2d
+    print(f"{spec.name}: {nbytes / 2**30:.2f} GiB, {len(pairs)} copies; medians of {args.iters} launches")
+    print(f"{'kernel':<40} {'tile':>5} {'block':>5} {'warps':>5} {'strm':>4} {'/SM':>3} {'ms':>7} {'GB/s':>6} "
+          f"{'x D2D':>6} {'launch us':>9} ok")
+    for r in sorted(rows, key=lambda r: r["ms"]):
+        t = (f"{r['tile_bytes'] // KiB:>4}K {r['block_bytes'] // KiB:>4}K {r['num_warps']:>5} "
+             f"{'y' if r['streaming'] else 'n':>4} {r['per_sm']:>3}") if r["kernel"] == "gather" else " " * 28
+        print(f"{r['kernel']:<40} {t} {r['ms']:7.3f} {r['GBps']:6.0f} {r['x_d2d']:6.3f} "
+              f"{r.get('launch_us', float('nan')):9.1f} {r.get('bitwise', '')}")
+    best = min((r for r in rows if r["kernel"] == "gather" and r["bitwise"]), key=lambda r: r["ms"])
+    print(f"best gather: {best['ms']:.3f} ms = {best['x_d2d']:.3f}x D2D ({best['GBps']:.0f} GB/s)")
+    out = {"model": spec.name, "bytes": nbytes, "copies": len(pairs), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "rows": rows, "best": best}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
