@@ -97,7 +97,8 @@ class MappedTransport:
         self.copies = list(copies)
         self.peers = list(peers)
         self.generation = 0
-        self._exported: dict[str, int] = {}
+        self._exported: dict[str, tuple] = {}
+        self._addresses: list[int] | None = None  # every exported tensor's address (all CUDA): the fast check
         self.shm_names: set[str] = set()  # of exported CPU storages
         self._mapped: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # peer -> (generation, tensors)
         self._copies: dict[int, dict[int, tuple[object, tuple[Copies, Copies]]]] = {}  # peer -> id(local) -> copies
@@ -164,10 +165,13 @@ class MappedTransport:
                 self._boxes[peer] = Mailbox(box)  # exporting moved it into shared memory
                 self.shm_names.add(identity(box)[1].decode())
         self._exported = {n: identity(t) for n, t in tensors.items()}
+        self._addresses = [t.data_ptr() for t in tensors.values()] if all(t.is_cuda for t in tensors.values()) else None
         # shared-memory names (CPU): torch removes them when the last process unmaps
         self.shm_names.update(i[1].decode() for i in self._exported.values() if len(i) == 2 and i[1])
 
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
+        if self._addresses is not None and [local[k].data_ptr() for k in self._exported] == self._addresses:
+            return []  # device tensors: an address is the whole identity (one list compare per update)
         return [k for k, i in self._exported.items() if identity(local[k]) != i]
 
     # -- receiver --
