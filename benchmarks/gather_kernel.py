@@ -28,8 +28,13 @@ from shardsync.transport.gather import Gather, Tuning
 KiB = 1 << 10
 
 
-def sweep() -> list[Tuning]:
-    """Around the defaults: tile and loop step sizes, cache hints, persistent programs."""
+def sweep(quick: bool = False) -> list[Tuning]:
+    """Around the defaults: tile and loop step sizes, cache hints, persistent programs
+    (``quick``: the defaults and their nearest neighbours)."""
+    if quick:
+        return [Tuning(), Tuning(streaming=False), Tuning(tile_bytes=16 * KiB), Tuning(tile_bytes=64 * KiB),
+                Tuning(tile_bytes=64 * KiB, block_bytes=16 * KiB), Tuning(block_bytes=16 * KiB),
+                Tuning(num_warps=8), Tuning(tile_bytes=128 * KiB, block_bytes=16 * KiB)]
     grid = itertools.product((64 * KiB, 256 * KiB), (8 * KiB, 16 * KiB), (False, True), (0, 2, 4))
     tunings = [Tuning(tile_bytes=t, block_bytes=b, streaming=s, per_sm=p) for t, b, s, p in grid]
     return tunings + [Tuning(num_warps=8, streaming=s, per_sm=p) for s, p in ((False, 0), (True, 0), (True, 4))]
@@ -49,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen3-4B")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="only the defaults and their nearest neighbours")
     ap.add_argument("--out", default="gather_kernel.json")
     args = ap.parse_args()
     spec = load_spec(args.model, dtype="bfloat16")
@@ -66,7 +72,7 @@ def main() -> None:
             {"kernel": f"per-copy launches, {1 + SIDE_STREAMS} streams", "ms": cuda_ms(lambda: per_copy.run(streams)),
              "launch_us": launch_us(lambda: per_copy.run(streams))}]
     reference = {n: t.clone() for n, t in engine.items()}
-    for tuning in sweep():
+    for tuning in sweep(args.quick):
         for t in engine.values():
             t.zero_()
         g = Gather(pairs, tuning)

@@ -363,7 +363,7 @@ class MappedTransport:
     def _after_writes(self, peer: int, device: torch.device | None) -> None:
         """Receiver: this rank's copies from ``peer`` start after the sender's writes."""
         written = self._peer_written.get(peer)
-        if written is None:
+        if written is None or written.query():  # nothing recorded, or the writes already ran
             return
         if device is not None and device.type == "cuda":
             torch.cuda.current_stream(device).wait_event(written)

@@ -104,7 +104,8 @@ def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(co
 @pytest.mark.parametrize("ttp,etp", [(1, 1), (2, 1), (1, 2)])
 def test_the_gather_kernel_copies_what_the_per_copy_path_copies(ttp: int, etp: int) -> None:
     """One Triton launch over the tile table = the per-copy path, bitwise (bf16 both sides),
-    one tile per program and persistent programs with streaming accesses."""
+    one tile per program replayed as a CUDA graph, and persistent programs with streaming
+    accesses launched again."""
     import torch
 
     from shardsync.layout import EngineParallel
@@ -118,15 +119,23 @@ def test_the_gather_kernel_copies_what_the_per_copy_path_copies(ttp: int, etp: i
     plan = topo.p2p_plan
     sources = [{n: t.cuda() for n, t in load_rank(topo.trainer_layout, r, random_source(spec, seed=9)).items()}
                for r in range(ttp)]
-    tunings = (Tuning(tile_bytes=4096), Tuning(tile_bytes=4096, streaming=True, per_sm=1))
+    tunings = (Tuning(tile_bytes=4096), Tuning(tile_bytes=4096, streaming=True, per_sm=1, graph=False))
     for e, tuning in itertools.product(range(etp), tunings):
         ref, got = allocate(plan, e, device="cuda"), allocate(plan, e, device="cuda")
+        gathers = []
         for t in range(ttp):
             runs = coalesce([c for c in plan.copies if c.dst == e and c.src == t])
             if not runs:
                 continue
             Copies.of(compile_runs(runs, sources[t], ref), gather=False).run()
-            Gather(compile_runs(runs, sources[t], got), tuning).run()
+            gathers.append(Gather(compile_runs(runs, sources[t], got), tuning))
+        for g in gathers:
+            g.run()  # launched (and captured as a graph where the tuning says so)
+        for t in got.values():
+            t.zero_()
+        for g in gathers:
+            g.run()  # replayed: what every later update runs
         torch.cuda.synchronize()
+        assert all((g._graph is not None) == tuning.graph for g in gathers)
         for name in ref:
             assert torch.equal(ref[name].view(torch.int16), got[name].view(torch.int16)), (name, tuning)
