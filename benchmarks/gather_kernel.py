@@ -79,7 +79,7 @@ def main() -> None:
         ms = cuda_ms(g.run, iters=args.iters)
         torch.cuda.synchronize()
         ok = all(torch.equal(engine[n].view(torch.uint8), reference[n].view(torch.uint8)) for n in engine)
-        rows.append({"kernel": "gather", **tuning.__dict__, "programs": g._grid[0], "ms": ms,
+        rows.append({"kernel": "gather", **tuning.__dict__, "programs": g.programs, "ms": ms,
                      "launch_us": launch_us(g.run), "bitwise": ok})
     for r in rows:
         r["GBps"] = nbytes / r["ms"] / 1e6

@@ -10,11 +10,14 @@ Triton only: ``available()`` says whether this process can).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 TILE_BYTES = 32 << 10  # one program's share: large enough to amortize its start, small enough to balance
 
@@ -187,7 +190,8 @@ class Gather:
         if tuning.per_sm:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             programs = min(self.count, sms * tuning.per_sm)
-        self._grid = (max(1, programs),)
+        self.programs = max(1, programs)
+        self._grid = (self.programs,)
         self._meta = dict(TILE=tuning.tile_bytes // unit, BLOCK=max(1, min(tuning.tile_bytes, tuning.block_bytes) // unit),
                           PAIRS=self.word == 16, STREAMING=tuning.streaming, PERSISTENT=bool(tuning.per_sm),
                           num_warps=tuning.num_warps)
@@ -204,7 +208,10 @@ class Gather:
             self._launch()
             self._runs += 1
             if self.tuning.graph and self._runs == 1:
-                self._graph = self._capture()
+                try:
+                    self._graph = self._capture()
+                except RuntimeError as e:  # a torch or Triton that cannot capture it: keep launching
+                    log.info("gather: launches stay plain (capturing one as a CUDA graph failed: %s)", e)
 
     def _launch(self) -> None:
         _compile()[self._grid](*self._bases, *self._tables, self.count, **self._meta)
