@@ -1,8 +1,8 @@
 """One GPU, colocated: a trainer process and an engine server share the device; full
 updates go through CUDA IPC.  In one run: a plain device-to-device copy of the model's
 bytes (the limit); in-process pack, unpack and mapped-copy throughput; full updates with
-both IPC kinds ("map": the engine reads the trainer's weights in place; "slots": buckets
-staged through exported buffers) and both control planes (begin/finish through the sync
+the IPC kinds ("map": the engine reads the trainer's weights in place; "slots": buckets
+staged through exported buffers; "push": the trainer writes a staged engine's staging copy) and both control planes (begin/finish through the sync
 store or over HTTP) with their phases and the bitwise checksum; delta
 encode/apply throughput on the device at 1 % and 10 % density.  An update counts until its
 copies finished on the GPU ("complete": ``update()`` then a synchronize of the trainer's
@@ -202,8 +202,9 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=256)
     ap.add_argument("--runs", default="map:store,map:store:host,map:http,slots:store,host:store",
                     help="IPC kind:control plane[:complete[:signals]] to compare, comma separated (host: map "
-                         "from weights offloaded to pinned host memory; complete: stream (default) or host; "
-                         "signals: mailbox (default) or group)")
+                         "from weights offloaded to pinned host memory; push: the trainer writes the staging copy "
+                         "of an engine that stages whole shards, run after the others; complete: stream (default) "
+                         "or host; signals: mailbox (default) or group)")
     ap.add_argument("--no-kernels", action="store_true",
                     help="skip the in-process kernel measures (they hold two more copies of the model: "
                          "Qwen3-14B does not fit beside the engine on one H200 with them)")
@@ -220,8 +221,13 @@ def main() -> None:
           flush=True)
 
     print(f"gather kernel: {configured()}", flush=True)
+    plan = [(run.split(":") + ["stream", "mailbox"][len(run.split(":")) - 2:])[:4] for run in args.runs.split(",")]
+    # push writes an engine's staging copy: those runs go to an engine that stages whole shards,
+    # started once the in-place engine's runs are done (one engine beside the trainer at a time)
+    plan.sort(key=lambda r: r[0] == "push")
+    staged = plan[0][0] == "push"
     engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
-                                            threads=4))
+                                            threads=4, staging_bytes=-1 if staged else 0))
     runs = []
     try:
         t0 = time.time()
@@ -239,8 +245,14 @@ def main() -> None:
         if "mapped_gather" in kernels:
             print(f"one gather launch: {kernels['mapped_gather']:.0f} GB/s (bitwise vs per-copy launches: "
                   f"{kernels['mapped_gather_bitwise']})", flush=True)
-        for i, run in enumerate(args.runs.split(",")):
-            kind, control, complete, signals = (run.split(":") + ["stream", "mailbox"][len(run.split(":")) - 2:])[:4]
+        for i, (kind, control, complete, signals) in enumerate(plan):
+            if (kind == "push") != staged:
+                engine.terminate()
+                engine.wait(60)
+                staged = kind == "push"
+                engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda",
+                                                        dtype="bfloat16", threads=4, staging_bytes=-1))
+                wait_healthy(url, engine, 500)
             r = ipc_updates(kind, control, complete, signals, spec, par, params, url, args,
                             first=1 + i * (args.updates + 1))
             runs.append(r)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 MODES = ("auto", "p2p", "broadcast")
 DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
-IPC_KINDS = ("map", "slots")
+IPC_KINDS = ("map", "slots", "push")
 COMPLETIONS = ("stream", "host")  # when a colocated map update returns (ColocatedConfig.complete)
 SIGNALS = ("mailbox", "group")  # how a colocated map update's signals travel (ColocatedConfig.signals)
 CHANNELS = ("store", "http", "vllm", "sglang")
@@ -54,7 +54,9 @@ class DeltaConfig:
 @dataclass(frozen=True, kw_only=True)
 class ColocatedConfig:
     """Engines on the trainer's machine: ``map`` reads the trainer's tensors in place (CUDA
-    IPC or CPU shared memory); ``slots`` stages buckets through exported device buffers."""
+    IPC or CPU shared memory); ``slots`` stages buckets through exported device buffers;
+    ``push``: the trainer writes each engine's staging copy itself (engines that stage whole
+    shards), so the copies start with ``update()`` and the engine only checks and commits."""
 
     ipc: str = "map"
     # map between GPUs: "stream" returns once the engines' copies are queued, the trainer's
@@ -72,6 +74,9 @@ class ColocatedConfig:
             raise ValueError(f"complete must be one of {COMPLETIONS}, got {self.complete!r}")
         if self.signals not in SIGNALS:
             raise ValueError(f"signals must be one of {SIGNALS}, got {self.signals!r}")
+        if self.ipc == "push" and self.signals != "mailbox":
+            raise ValueError("ipc='push' learns which staging copy to write from the engine's mailbox: "
+                             "keep signals='mailbox'")
 
 
 @dataclass(frozen=True, kw_only=True)

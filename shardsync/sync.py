@@ -329,6 +329,9 @@ class WeightSync:
         t0 = time.perf_counter()
         self._calls += 1
         n = self._calls
+        launch = getattr(self.programs.get(Mode.P2P), "launch", None)
+        if launch is not None and requested in (None, Mode.P2P):
+            launch(self.params)  # push: the copies into staging start before the engines hear of it
         go = self._signal(self._keys.go(n), self._rank0(lambda: self._begin(version, requested), Go), Go)
         if go.error:
             raise SyncError(f"update {version} refused: {go.error}")

@@ -38,6 +38,13 @@ HOPS = [  # (module, class.function): the trainer's side, then the engine's, in 
     ("shardsync.transport.mapped", "MappedTransport._after_writes"), ("shardsync.plan.runs", "Copies.run"),
     ("shardsync.transport.gather", "Gather.run"), ("shardsync.transport.mapped", "MappedTransport._complete"),
     ("shardsync.transport.mapped", "MappedTransport._answer"),
+    # push (a staged engine): the trainer's copies, the engine's stage thread and its commit
+    ("shardsync.transport.pushed", "PushedTransport._send"), ("shardsync.transport.pushed", "PushedTransport._push"),
+    ("shardsync.transport.pushed", "PushedTransport._staged_set"),
+    ("shardsync.transport.pushed", "PushedTransport._receive"), ("shardsync.transport.pushed", "PushedTransport.committed"),
+    ("shardsync.engine.worker", "EngineWorker.stage"), ("shardsync.engine.worker", "EngineWorker.update"),
+    ("shardsync.engine.dispatch", "Dispatcher._on_staged"), ("shardsync.engine.worker", "EngineWorker.commit"),
+    ("shardsync.receiver.destination", "Staged.commit"), ("shardsync.receiver.destination", "Staged.prepare"),
 ]
 FLUSH = {"WeightSync.update", "StoreListener._serve"}  # one update ended in this process
 MODULE_FUNCTIONS = [("shardsync.control.listener", "put", "shardsync.control.wire"),

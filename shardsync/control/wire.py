@@ -70,7 +70,7 @@ class ConnectRequest(Msg):
     bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)
     relay: bool = False
-    ipc: Literal[False, "map", "slots"] = False
+    ipc: Literal[False, "map", "slots", "push"] = False
     verify: bool = False  # every sync-group message followed by its digest (both sides must agree)
     control: Literal["http", "store", "vllm", "sglang"] = "http"  # where begin/finish arrive (engines: their own)
     rendezvous: RendezvousMsg
@@ -299,6 +299,10 @@ class Keys:
 
     def slots(self, src: int, dst: int) -> str:
         return f"{self.name}/ipc/{src}->{dst}"
+
+    def staging(self, src: int, dst: int) -> str:
+        """Handles of engine sync rank ``src``'s staging copies that trainer rank ``dst`` writes (push)."""
+        return f"{self.name}/push/{src}->{dst}"
 
     def signals(self, src: int, dst: int) -> str:
         """How a mapped link signals, as its engine end chose at connect (``mailbox`` or ``group``)."""

@@ -196,6 +196,8 @@ class EngineWorker:
         fn = COMMANDS.get(kind)
         if fn is None:
             raise ValueError(f"unknown engine command {kind!r}")
+        if kind in READS and self.staged:
+            self.destination.settle()  # a pushed update's copies, before its weights are read
         with torch.no_grad():
             return fn(self, **args)
 
@@ -204,4 +206,4 @@ COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.admit, E
                                      EngineWorker.score, EngineWorker.join, EngineWorker.update,
                                      EngineWorker.pull, EngineWorker.refuse, EngineWorker.stage, EngineWorker.open, EngineWorker.commit,
                                      EngineWorker.checksum, EngineWorker.disconnect)}
-
+READS = {"generate", "admit", "step", "score", "checksum"}  # commands that read the served weights

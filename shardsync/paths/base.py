@@ -18,6 +18,7 @@ from shardsync.layout.piece import RankLayout
 from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology
 from shardsync.transport.group import SyncGroup
+from shardsync.transport.pushed import Staging
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Endpoint:
     bucket_bytes: int
     credits: int = 2
     device: torch.device | str = "cpu"
-    ipc: str | None = None  # colocated engines: "map" or "slots"
+    ipc: str | None = None  # colocated engines: "map", "slots" or "push"
     ipc_stream: bool = True  # trainer, map: engines ack once their copies are queued (events)
     ipc_mailbox: bool = True  # trainer, map: offer engines a shared-memory mailbox for the signals
     detail: bool = False
@@ -40,6 +41,7 @@ class Endpoint:
     delta_dir: str | None = None  # trainer ranks with delta over disk
     verify: bool = False  # every message of the sync group checked against its digest
     secret: str | None = field(default=None, repr=False)  # signs and checks store values (handles)
+    staging: Staging | None = None  # engine ranks, push: the staging copies the trainer writes
 
     @property
     def is_trainer(self) -> bool:

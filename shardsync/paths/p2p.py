@@ -1,5 +1,6 @@
 """p2p: every trainer rank sends each engine rank exactly its plan copies (and relays, if
-any), over the sync group, CUDA IPC slots, or - colocated - read in place by the engine."""
+any), over the sync group, CUDA IPC slots, or - colocated - read in place by the engine or
+written by the trainer into the engine's staging copy (push)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shardsync.runtime.stats import Stats
 from shardsync.runtime.steps import Step
 from shardsync.transport.ipc import IpcTransport
 from shardsync.transport.mapped import MappedTransport
+from shardsync.transport.pushed import PushedTransport
 
 
 class P2pProgram:
@@ -59,21 +61,39 @@ class MappedProgram:
         self.mapped.detach()
 
 
+class PushedProgram(MappedProgram):
+    """Colocated, push: the trainer writes the engine's staging copy before it signals, so a
+    receive only checks and acks; the receiver hears of each commit (the next set to write)."""
+
+    overwrites = True  # the staging copy is written before the receive starts: nothing to catch up
+
+    def launch(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Trainer: start the copies before the engines hear of the update (``run`` signals)."""
+        self.mapped.launch(tensors)
+
+    def committed(self) -> None:
+        self.mapped.committed()
+
+
 def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
     """Collective with the other end when ``ipc`` is set: trainer ranks export before engine
     ranks map (engines wait for the handles, bounded by the group timeout)."""
     if ep.group is None:
         raise ValueError("the p2p path needs a sync group")
     steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
-    if ep.ipc == "map":
-        mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
-                                          mailbox=ep.ipc_mailbox)
+    if ep.ipc in ("map", "push"):
+        push = ep.ipc == "push"
+        if push and not ep.is_trainer and ep.staging is None:
+            raise ValueError("ipc='push' needs the engine's staging copies (Endpoint.staging)")
+        kind, extra = (PushedTransport, {"staging": ep.staging}) if push else (MappedTransport, {})
+        mapped = kind.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
+                               mailbox=ep.ipc_mailbox, **extra)
         if ep.is_trainer:
             mapped.export(ep.tensors)
         else:
             for peer in mapped.peers:
                 mapped.attach(peer, 1, ep.tensors)
-        return MappedProgram(ep, mapped, len(steps))
+        return (PushedProgram if push else MappedProgram)(ep, mapped, len(steps))
     if ep.ipc == "slots":
         slots = IpcTransport(ep.group, slots=ep.credits, secret=ep.secret)
         if ep.is_trainer:
@@ -86,5 +106,5 @@ def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
                 slots.attach(peer)
         return P2pProgram(ep, steps, slots, slots)
     if ep.ipc:
-        raise ValueError(f"ipc must be 'map' or 'slots', got {ep.ipc!r}")
+        raise ValueError(f"ipc must be 'map', 'slots' or 'push', got {ep.ipc!r}")
     return P2pProgram(ep, steps, ep.group)

@@ -101,6 +101,9 @@ class Staged:
     leaves the served weights untouched unless it had passed the gate (``touched``).  After a
     swap, or a failed receive, staging lags the served weights; ``prepare`` (run off the
     pause, before the next receive) catches it up, so a delta applies to what is served.
+    A pushing trainer (``transport.pushed``) writes ``sets()`` from its own process: the
+    commit then orders the served stream after its writes (``ready_at``) and records
+    ``fence()`` for the trainer's next writes.
     Memory: the staged tensors (``nbytes``; one copy of the shard without a budget).
     """
 
@@ -117,7 +120,10 @@ class Staged:
         self.shard_bytes = sum(_nbytes(t) for t in self._live.values())
         self.gate: Callable[[], None] | None = None  # pauses the engine before the first in-place write
         self.touched = False  # this receive passed the gate (served weights written)
-        self._fence: object | None = None  # CUDA event: served-side reads of old storages done
+        self._fence: torch.cuda.Event | None = None  # interprocess: served-side reads of old storages done
+        self._fenced = False  # recorded since the last prepare
+        self._ready: list = []  # CUDA events another process's writes into staging end at
+        self._served_ready: list = []  # ... of the set served now, not waited for yet (``settle``)
         self.window: tuple[str, ...] = ()
         self.plan_window(list(self._live))
 
@@ -169,12 +175,67 @@ class Staged:
         """What the engine serves from (checksums read these)."""
         return self._live
 
-    def prepare(self) -> None:
-        """Before a receive: staging := served where it lags (bases of deltas, rows no plan writes)."""
+    def sets(self) -> list[dict[str, torch.Tensor]]:
+        """Every mapping a receive may write, for a writer in another process to map once:
+        with ``swap`` both (the second is the served storages until the first swap), with
+        ``copy`` the one staging copy; ``staging_index`` says which the next receive writes."""
+        if not self.whole:
+            raise ValueError("a staging window is written partly in place, after the engine paused: only "
+                             "whole staged shards can be written from another process (no staging budget)")
+        if self.mode == "copy":
+            return self._sets[:1]
+        if not self._sets[1]:
+            self._sets[1] = {n: self._live[n].data for n in self.window}
+        return self._sets
+
+    @property
+    def staging_index(self) -> int:
+        return self._staging
+
+    def fence(self) -> torch.cuda.Event | None:
+        """An interprocess event (CUDA shards) recorded after every commit on the committing
+        stream: a writer of the next staging set waits on it, so it never writes storages a
+        step queued before the commit still reads."""
+        first = next(iter(self._live.values()), None)
+        if first is None or not first.is_cuda:
+            return None
+        if self._fence is None:
+            from shardsync.transport.events import new_event
+
+            self._fence = new_event()
+            self._fence.record(torch.cuda.current_stream(first.device))  # creates it on the shard's device
+        return self._fence
+
+    def ready_at(self, event: torch.cuda.Event) -> None:
+        """This receive's writes into staging (another process's) end at ``event`` on the GPU:
+        after ``commit`` swapped them in, ``settle`` (before anything reads the served weights)
+        orders that read after the event; no CPU waits for the copies."""
+        self._ready.append(event)
+
+    def settle(self) -> None:
+        """Before the served weights are read (a step, a checksum): wait, on the GPU, for writes
+        of another process that a commit swapped in (``ready_at``) and are still running.
+        Deferred to here, not done in the commit, so an idle engine queues no GPU work while
+        the writer's copy runs: another context's work on the GPU costs the copy a time slice
+        (~1.9 ms on the H200, docs/gpu.md)."""
+        if self._served_ready:
+            stream = torch.cuda.current_stream()
+            for event in self._served_ready:
+                if not event.query():
+                    stream.wait_event(event)
+            self._served_ready.clear()
+
+    def prepare(self, *, overwrites: bool = False) -> None:
+        """Before a receive: staging := served where it lags (bases of deltas, rows no plan
+        writes).  ``overwrites``: the receive writes every element a plan writes and was
+        written already (a push): nothing is caught up - a copy now would race its writes,
+        and what no plan writes is the same in both sets (both began as the served weights)."""
         self.touched = False
-        if self._fence is not None:
+        if overwrites:  # nothing is written here: the writer waits on the fence itself
+            self._behind = False
+        elif self._fenced:
             torch.cuda.current_stream().wait_event(self._fence)
-            self._fence = None
+        self._fenced = False
         if self._behind:
             staging = self._sets[self._staging]
             names = list(staging)
@@ -186,11 +247,16 @@ class Staged:
         """A receive into staging failed: the staged window is dropped (the served weights
         stand unless ``touched``); staging is caught up later."""
         self._behind = True
+        self._ready.clear()
 
     def commit(self) -> None:
+        ready, self._ready = self._ready, []
         staging = self._sets[self._staging]
         names = list(staging)
         if self.mode == "copy":
+            self.settle()
+            for event in ready:  # the copy below reads another process's writes
+                torch.cuda.current_stream().wait_event(event)
             if names:
                 torch._foreach_copy_([self._live[n].data for n in names], [staging[n] for n in names])
         else:
@@ -200,10 +266,11 @@ class Staged:
             for n in names:
                 self._live[n].data = staging[n]
             self._staging, self._behind = old, True
-        first = next(iter(self._live.values()), None)
-        if first is not None and first.is_cuda:
-            self._fence = torch.cuda.Event()
-            self._fence.record()
+            self._served_ready = ready  # what the served weights now wait for (``settle``)
+        fence = self.fence()
+        if fence is not None and (self.mode == "copy" or not torch.cuda.current_stream().query()):
+            fence.record()  # after the steps still queued on the old storages
+            self._fenced = True
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -28,6 +28,7 @@ from shardsync.runtime.schedule import broadcast_steps, p2p_steps, subgroups, wr
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
 from shardsync.transport.group import Rendezvous, SyncGroup
+from shardsync.transport.pushed import Staging
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Receiver:
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc or None,
                       tensors=self._tensors(), rank_layout=self.rank_layout, verify=req.verify,
-                      secret=self._secret)
+                      secret=self._secret, staging=self._staging() if req.ipc == "push" else None)
         deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
         programs: dict[Mode, Program] = {}
         try:
@@ -107,6 +108,16 @@ class Receiver:
         self.leave()
         self.group, self.programs, self.sync_rank = group, programs, me
         return me
+
+    def _staging(self) -> Staging:
+        """What a pushing trainer writes: the destination's staging sets, as the layout addresses them."""
+        dest = self.destination
+        if not hasattr(dest, "sets"):
+            raise ValueError(f"ipc='push' writes an engine's staging copy, and this engine receives into "
+                             f"{dest.name}: start it with whole-shard staging (EngineConfig(staging_bytes=-1), "
+                             f"--staging-bytes shard) or connect with ipc='map'")
+        return Staging(sets=[self._addressed(s) for s in dest.sets()], index=lambda: dest.staging_index,
+                       ready_at=dest.ready_at, fence=dest.fence)
 
     def _plan_window(self, topo, me: int, req: ConnectRequest, full: list[Mode]) -> None:
         """A staging window holds the tensors this connection's receive writes first."""
@@ -126,10 +137,10 @@ class Receiver:
         if program is None:
             raise RuntimeError(f"not connected for {mode} (have {sorted(m.value for m in self.programs)})")
         try:
-            self._prepare()
+            self._prepare(overwrites=getattr(program, "overwrites", False))
             stats = program.run(self._tensors(), args or UpdateArgs())
             if commit:
-                self.destination.commit()
+                self.commit()
         except Exception as e:
             log.warning("tp%d: receive (%s) failed: %s", self.tp_rank, mode, e)
             self._discard()
@@ -160,17 +171,22 @@ class Receiver:
             self._discard()
             raise
         if commit:
-            self.destination.commit()
+            self.commit()
         return stats
 
     def commit(self) -> None:
-        """Make a receive made with ``commit=False`` the engine's weights."""
+        """Make a receive made with ``commit=False`` the engine's weights; programs that write
+        from another process learn where the next receive lands (``committed``)."""
         self.destination.commit()
+        for program in self.programs.values():
+            committed = getattr(program, "committed", None)
+            if committed is not None:
+                committed()
 
-    def _prepare(self) -> None:
+    def _prepare(self, *, overwrites: bool = False) -> None:
         prepare = getattr(self.destination, "prepare", None)
         if prepare is not None:
-            prepare()
+            prepare(overwrites=True) if overwrites else prepare()
 
     def _discard(self) -> None:
         discard = getattr(self.destination, "discard", None)

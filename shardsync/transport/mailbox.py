@@ -1,5 +1,6 @@
-"""A mapped link's signals as words in shared host memory: the trainer's header and the
-engine's ack, each a numbered record in one small CPU tensor both processes map.
+"""A mapped link's signals as words in shared host memory: the trainer's header, the
+engine's ack and (push) the engine's next staging set, each a numbered record in one small
+CPU tensor both processes map.
 
 Over gloo each signal costs a socket hop and a wake of its helper thread (~0.3 ms per header
 on the H200 host); a record here is read by polling a word.  A record is [number, check,
@@ -19,7 +20,8 @@ from collections.abc import Sequence
 import torch
 
 SLOT = 16  # words per record: number, check, up to 14 payload words
-HEADER, ACK = 0, 1  # the sender's slot, the receiver's slot
+HEADER, ACK, STAGED = 0, 1, 2  # the sender's slot, the receiver's slot, the receiver's staging (push)
+SLOTS = 3
 SPIN_S = 2e-3  # polls only yield the CPU this long before the first sleep (most signals land within it)
 PAUSE_S = 1e-3  # the longest sleep between polls
 _MASK = (1 << 63) - 1
@@ -33,20 +35,20 @@ def _check(number: int, payload: Sequence[int]) -> int:
 
 
 class Mailbox:
-    """Two record slots over a shared int64 tensor: the sender wraps ``words()`` once it was
+    """``SLOTS`` record slots over a shared int64 tensor: the sender wraps ``words()`` once it was
     exported (exporting moves it into shared memory), the receiver the tensor it mapped."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu" or tensor.dtype != torch.int64 or tensor.numel() != 2 * SLOT \
+        if tensor.device.type != "cpu" or tensor.dtype != torch.int64 or tensor.numel() != SLOTS * SLOT \
                 or not tensor.is_contiguous():
-            raise ValueError(f"a mailbox is {2 * SLOT} contiguous int64 words in host memory, got "
+            raise ValueError(f"a mailbox is {SLOTS * SLOT} contiguous int64 words in host memory, got "
                              f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
         self.tensor = tensor
         self._words = tensor.numpy()
 
     @staticmethod
     def words() -> torch.Tensor:
-        return torch.zeros(2 * SLOT, dtype=torch.int64)
+        return torch.zeros(SLOTS * SLOT, dtype=torch.int64)
 
     def post(self, slot: int, number: int, payload: Sequence[int]) -> None:
         if len(payload) > SLOT - 2 or number <= 0:

@@ -63,6 +63,9 @@ def identity(t: torch.Tensor) -> tuple:
         return (t.data_ptr(), None)
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+
+
 def _cuda_device(tensors) -> torch.device | None:
     return next((t.device for t in tensors if t.is_cuda), None)
 
@@ -120,7 +123,7 @@ class MappedTransport:
 
     @classmethod
     def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None = None,
-                 stream: bool = True, mailbox: bool = True) -> MappedTransport:
+                 stream: bool = True, mailbox: bool = True, **extra) -> MappedTransport:
         """Sync rank ``group.rank``'s end of ``topo``'s p2p plan (trainer ranks send)."""
         me, trainers = group.rank, topo.trainer.world_size
         plan = topo.p2p_plan
@@ -133,7 +136,7 @@ class MappedTransport:
         shapes = {t.name: tuple(t.shape) for t in plan.src.ranks[me].tensors} if me < trainers else None
         return cls(group, copies, sender=me < trainers, peers=peers, prefix=prefix,
                    itemsize=plan.itemsize, shapes=shapes, trainers=trainers, secret=secret, stream=stream,
-                   mailbox=mailbox)
+                   mailbox=mailbox, **extra)
 
     def _key(self, src: int, dst: int, generation: int) -> str:
         return Keys(self.prefix).mapped(src, dst, generation)
@@ -146,7 +149,7 @@ class MappedTransport:
         tensors = {n: local[n] for n in names}
         wrong = [f"{n} {tuple(t.shape)} (plan: {self.shapes[n]})" for n, t in tensors.items()
                  if n in self.shapes and tuple(t.shape) != self.shapes[n]]
-        if wrong:  # engines would read out of bounds: refuse before anything is published
+        if wrong:  # copies would run out of bounds: refuse before anything is published
             raise ValueError(f"tensor(s) changed shape since connect: {', '.join(wrong[:3])}; "
                              "restore the shapes or reconnect with the new model")
         self.generation += 1
@@ -160,7 +163,7 @@ class MappedTransport:
         for peer in self.peers:  # one handle set per reader: each holds one reference
             key = self._key(self.group.rank, peer, self.generation)
             box = Mailbox.words() if self.mailbox and self.generation == 1 else None  # the first set carries it
-            self.group.store.set(key, seal(key, export_tensors(tensors, written, box), self.secret))
+            self.group.store.set(key, seal(key, export_tensors(self._offered(tensors), written, box), self.secret))
             if box is not None:
                 self._boxes[peer] = Mailbox(box)  # exporting moved it into shared memory
                 self.shm_names.add(identity(box)[1].decode())
@@ -169,8 +172,12 @@ class MappedTransport:
         # shared-memory names (CPU): torch removes them when the last process unmaps
         self.shm_names.update(i[1].decode() for i in self._exported.values() if len(i) == 2 and i[1])
 
+    def _offered(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the engines map of the tensors the copies read: all of them (they copy)."""
+        return tensors
+
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
-        if self._addresses is not None and [local[k].data_ptr() for k in self._exported] == self._addresses:
+        if self._addresses is not None and list(map(_DATA_PTR, map(local.__getitem__, self._exported))) == self._addresses:
             return []  # device tensors: an address is the whole identity (one list compare per update)
         return [k for k, i in self._exported.items() if identity(local[k]) != i]
 
@@ -275,6 +282,10 @@ class MappedTransport:
                 self._after_reads(a[2:])
         stats.pack_s = t1 - t0
         stats.transfer_s = time.perf_counter() - t1
+        return self._judged(stats, acks, error)
+
+    def _judged(self, stats: Stats, acks: list[list[int]], error: Exception | None) -> Stats:
+        """Sender: the update's stats, or the error it ends with (its own first, then the engines')."""
         if error is not None:
             raise error
         stats.steps = [StepTiming("map", f"{self.group.rank}->{p}", self.peer_bytes[p], transfer_s=stats.transfer_s)
@@ -288,15 +299,17 @@ class MappedTransport:
         stats.bytes_sent = self.nbytes
         return stats
 
-    def _signal(self, header: list[int]) -> list:
-        """Sender: post ``header`` to every engine rank; one callable per peer returns its ack."""
+    def _signal(self, header: list[int], extra: Mapping[int, list[int]] | None = None) -> list:
+        """Sender: post ``header`` (and ``extra[peer]`` after it) to every engine rank; one
+        callable per peer returns its ack."""
         self._number += 1
         number, timeout = self._number, self.group.rdv.timeout_s
         acks = []
         for peer in self.peers:
+            words = header + list((extra or {}).get(peer, ()))
             if self._signal_of(peer) == MAILBOX:
                 box = self._boxes[peer]
-                box.post(HEADER, number, header)
+                box.post(HEADER, number, words)
 
                 def ack(box=box, peer=peer) -> list[int]:
                     got, words = box.take(ACK_SLOT, ACK, after=number - 1, timeout_s=timeout,
@@ -305,7 +318,7 @@ class MappedTransport:
                         raise RuntimeError(f"sync rank {peer} acked update {got}, expected {number}")
                     return words
             else:
-                send = self.group.send(torch.tensor(header, dtype=torch.int64), peer)
+                send = self.group.send(torch.tensor(words, dtype=torch.int64), peer)
                 buf = torch.zeros(ACK, dtype=torch.int64)
                 recv = self.group.recv(buf, peer)
 
@@ -328,14 +341,17 @@ class MappedTransport:
             self._signals[peer] = how
         return how
 
+    HEADER_WORDS = 2  # generation, stream
+
     def _header(self, peer: int) -> list[int]:
         """Receiver: ``peer``'s next header [generation, stream]."""
         box = self._boxes.get(peer)
         if box is None:
-            header = torch.zeros(2, dtype=torch.int64)
+            header = torch.zeros(self.HEADER_WORDS, dtype=torch.int64)
             self.group.recv(header, peer).wait()
             return header.tolist()
-        got, words = box.take(HEADER, 2, after=self._taken.get(peer, 0), timeout_s=self.group.rdv.timeout_s,
+        got, words = box.take(HEADER, self.HEADER_WORDS, after=self._taken.get(peer, 0),
+                              timeout_s=self.group.rdv.timeout_s,
                               what=f"update signal from trainer sync rank {peer}")
         self._taken[peer] = got
         return words

@@ -18,19 +18,28 @@ from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
 from shardsync.mode import Mode
 from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
+from shardsync.transport.mailbox import STAGED
 from tests.dist._engine import shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 
 
-def _trainer(rank: int, world: int, port: int, url: str, signals: str, out) -> None:
+def _staged_sets(sync: WeightSync) -> list[int]:
+    """push: the staging set each engine rank of this trainer rank's links posted last (map: none)."""
+    boxes = getattr(sync.programs[Mode.P2P].mapped, "_boxes", {})
+    return [box._read(STAGED, 1)[1][0] for box in boxes.values() if box._read(STAGED, 1)] if \
+        type(sync.programs[Mode.P2P].mapped).__name__ == "PushedTransport" else []
+
+
+def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str, out) -> None:
     spec = PRESETS["tiny-qwen3"]
     par = MegatronParallel(tp=2, dtype="float32")
     lay, params = join_trainer(rank, world, port, spec, par, seed=31)
-    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(signals=signals), detail=True,
+    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc=ipc, signals=signals), detail=True,
                                                              transport=TransportConfig(timeout_s=30)),
                       trainer_group=dist.group.WORLD)
     sync.connect()
-    res = {"records": [], "verify": [], "generation": []}
+    res = {"records": [], "verify": [], "generation": [], "sets": []}
+    res["kind"] = type(sync.programs[Mode.P2P].mapped).__name__
     res["signals"] = sorted(set(sync.programs[Mode.P2P].mapped._signals.values()))  # none yet: read at the first update
     for version in (1, 2, 3):
         fresh = load_rank(lay, rank, random_source(spec, seed=200 + version))
@@ -45,6 +54,7 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, out) -> N
                                "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)})
         res["verify"].append(sync.verify())
         res["generation"].append(sync.programs[Mode.P2P].mapped.generation)
+        res["sets"].append(_staged_sets(sync))
     res["signals"] += sorted(set(sync.programs[Mode.P2P].mapped._signals.values()))
     # an older version: the engine refuses the pipelined begin and answers the trainer's signal
     # in place of the copies, so the refusal is prompt and the connection stays usable
@@ -54,6 +64,7 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, out) -> N
     except SyncError as e:
         res["refused"] = str(e)
     res["kept_group"] = sync.group is not None
+    res["sets_after_refusal"] = _staged_sets(sync)
     # a tensor whose shape changed since connect (a user bug) fails the update on every rank,
     # promptly (rank 1 aborts, engines ack), and the engine refuses to serve the mix it holds
     name = next(k for k in params if k.endswith("linear_fc2.weight"))
@@ -79,16 +90,28 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, out) -> N
     out.put((rank, res))
 
 
-@pytest.mark.parametrize("window", [False, True], ids=["in-place-mailbox", "window-group"])
-def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(window: bool) -> None:
+CASES = {  # id: (ipc, signals, the engine's staging bytes: 0 in place, -1 its whole shard)
+    "in-place-mailbox": ("map", "mailbox", 0),
+    "window-group": ("map", "group", shard_bytes("tiny-qwen3", 2) // 3),
+    "push-staged": ("push", "mailbox", -1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(case: str) -> None:
     """In place, the signals go through shared-memory mailboxes; ``window`` (signals over the
     sync group): a third of the shard staged; the engine copies into staging first, then
-    pauses and copies the rest into its served weights."""
-    proc, url = start_engine("tiny-qwen3", 2, staging_bytes=shard_bytes("tiny-qwen3", 2) // 3 if window else 0)
+    pauses and copies the rest into its served weights.  ``push``: the trainer writes the
+    engine's whole staging copy itself (alternating sets), the engine swaps it in."""
+    ipc, signals, staging = CASES[case]
+    window = staging != 0
+    proc, url = start_engine("tiny-qwen3", 2, staging_bytes=staging)
     try:
-        signals = "group" if window else "mailbox"
-        results = run_world(_trainer, 2, args=(2, free_port(), url, signals), timeout=180)
+        results = run_world(_trainer, 2, args=(2, free_port(), url, signals, ipc), timeout=180)
         for rank, res in results.items():
+            assert res["kind"] == ("PushedTransport" if ipc == "push" else "MappedTransport")
+            if ipc == "push":  # every commit swapped the sets: the next update writes the other one
+                assert res["sets"] == [[1, 1], [0, 0], [1, 1]] and res["sets_after_refusal"] == [1, 1], res
             assert res["signals"] == [signals], res["signals"]  # as offered, as the engine chose
             assert all(r["ok"] and r["mode"] == "p2p" for r in res["records"])
             assert res["verify"] == [[], [], []], f"rank {rank}: checksum mismatch {res['verify']}"

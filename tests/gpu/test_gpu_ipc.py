@@ -21,14 +21,16 @@ from tests.dist._engine import start_engine, stop_engine
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kind", ["map", "slots", "host"])
+@pytest.mark.parametrize("kind", ["map", "slots", "host", "push"])
 def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
     """``host``: the trainer's weights offloaded to pinned host memory, read by the GPU engine
-    through the map path (page-locked on its side, strided QKV reads through a bounce buffer)."""
+    through the map path (page-locked on its side, strided QKV reads through a bounce buffer).
+    ``push``: the trainer writes the staged engine's staging sets, alternating."""
     spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
     par = MegatronParallel(tp=1, dtype="bfloat16")
     lay = Topology(spec, par).trainer_layout
-    proc, url = start_engine("tiny-qwen3", 1, device="cuda", dtype="bfloat16")
+    proc, url = start_engine("tiny-qwen3", 1, device="cuda", dtype="bfloat16",
+                             staging_bytes=-1 if kind == "push" else 0)
     device = "cpu" if kind == "host" else "cuda"
     try:
         params = load_rank(lay, 0, random_source(spec, seed=3), device=device)
@@ -51,35 +53,39 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
             assert rec.source == ("device" if kind != "host" else "host"), rec.source
             bad.append(sync.verify())
         program = sync.programs[Mode.P2P]
-        generation = program.mapped.generation if ipc == "map" else None
-        signals = set(program.mapped._signals.values()) if ipc == "map" else None
+        mapped = ipc in ("map", "push")
+        generation = program.mapped.generation if mapped else None
+        signals = set(program.mapped._signals.values()) if mapped else None
         sync.close()
         assert bad == [[], [], []]
-        if ipc == "map":
+        if mapped:
             assert generation == 2  # re-exported once, for the moved tensor
             assert signals == {"mailbox"}
     finally:
         stop_engine(proc)
 
 
-@pytest.mark.parametrize("complete", ["stream", "host"])
-def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(complete: str) -> None:
+@pytest.mark.parametrize("ipc,complete", [("map", "stream"), ("map", "host"), ("push", "stream")])
+def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(ipc: str, complete: str) -> None:
     """The trainer's writes are still queued behind ~0.1 s of GPU sleep when ``update()`` is
     called: the engine's copies must wait for them (the trainer's event).  Right after
     ``update()`` the trainer overwrites every tensor: those writes must wait for the engine's
     copies (the engine's event with ``stream``; the engine's synchronize with ``host``).  The
     engine then holds exactly the values written before the update.  ``host`` signals over the
-    sync group instead of the mailbox."""
+    sync group instead of the mailbox.  ``push``: the engine commits (and ``verify`` reads what
+    it serves) while the trainer's copies still wait behind the sleep: what it serves must wait
+    for them on the GPU (the trainer's event)."""
     import torch
 
     spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
     par = MegatronParallel(tp=1, dtype="bfloat16")
     lay = Topology(spec, par).trainer_layout
-    proc, url = start_engine("tiny-qwen3", 1, device="cuda", dtype="bfloat16")
+    proc, url = start_engine("tiny-qwen3", 1, device="cuda", dtype="bfloat16",
+                             staging_bytes=-1 if ipc == "push" else 0)
     try:
         params = load_rank(lay, 0, random_source(spec, seed=5), device="cuda")
         sync = WeightSync(spec, par, 0, params, [url], SyncConfig(
-            mode="p2p", colocated=ColocatedConfig(ipc="map", complete=complete,
+            mode="p2p", colocated=ColocatedConfig(ipc=ipc, complete=complete,
                                                   signals="group" if complete == "host" else "mailbox")))
         sync.connect()
         bad = []

@@ -70,3 +70,28 @@ def test_views_and_compiled_reads_keep_the_gate() -> None:
     assert set(views.ungated) == {"l0", "l1", "l2", "l3"} and gates == []
     views["l1"].zero_()
     assert gates == [1]
+
+
+def test_a_pushing_writer_sees_both_sets_and_its_receive_catches_nothing_up() -> None:
+    """``sets()``: set 0 the staging copies, set 1 the served storages (swap); a push receive
+    (``overwrites``) runs no catch-up copy - it would race the writer's copies - and each
+    commit moves ``staging_index`` to the set that was served."""
+    params = _params()
+    d = Staged(params)
+    sets = d.sets()
+    assert len(sets) == 2 and d.staging_index == 0
+    assert all(sets[1][n].data_ptr() == params[n].data_ptr() for n in params)  # served storages
+    for n in params:  # the writer fills set 0 from its process
+        sets[0][n].fill_(7.0)
+    d.prepare(overwrites=True)
+    d.commit()
+    assert d.staging_index == 1 and all(float(params[n][0]) == 7.0 for n in params)
+    for n in params:  # the next update writes set 1 (the storages served before)
+        sets[1][n].fill_(8.0)
+    d.prepare(overwrites=True)  # a catch-up here would copy 7s over the pushed 8s
+    assert all(float(sets[1][n][0]) == 8.0 for n in params)
+    d.commit()
+    assert d.staging_index == 0 and all(float(params[n][0]) == 8.0 for n in params)
+    assert Staged(_params(), commit="copy").sets().__len__() == 1
+    with pytest.raises(ValueError, match="whole staged shards"):
+        _staged(budget=32, order=["l0"])[1].sets()
