@@ -72,7 +72,8 @@ class WeightService:
                                connected=self.session.connected)
 
     def connect(self, req: ConnectRequest) -> dict[str, Any]:
-        fingerprints = check_connect(req, self.worker.spec, self.worker.tp, self.worker.dtype, self.worker.ep)
+        fingerprints = check_connect(req, self.worker.spec, self.worker.tp, self.worker.dtype, self.worker.ep,
+                                     staging=self.worker.receiver.unpushable)
         self.session.offer(req, fingerprints)
         return {"ok": True, "fingerprints": fingerprints}
 

@@ -74,12 +74,20 @@ def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
     return Topology(spec, trainer, engines, relay=req.relay)
 
 
+PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engine receives into {where}: "
+                      "start it with whole-shard staging (EngineConfig(staging_bytes=-1), --staging-bytes shard) "
+                      "or connect with ipc='map'")
+
+
 def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1,
-                  pp: int = 1) -> dict[str, str]:
+                  pp: int = 1, *, staging: str | None = None) -> dict[str, str]:
     """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
-    differs when trainer and engine disagree (nothing is joined or changed)."""
+    differs when trainer and engine disagree (nothing is joined or changed).  ``staging``:
+    where this engine receives, unless it stages whole shards (what a push needs)."""
     if req.protocol != PROTOCOL_VERSION:
         raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
+    if req.ipc == "push" and staging is not None:
+        raise Conflict(PUSH_NEEDS_STAGING.format(where=staging))
     try:  # the architecture first (cheap): nothing is planned for a model this engine is not
         theirs = spec_from_dict(req.spec)
     except (TypeError, ValueError) as e:

@@ -90,7 +90,8 @@ class HostedRank:
         if self.layout_reason and not whole:
             raise ValueError(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: {self.layout_reason}")
         rx = self._receiver_for(whole)
-        return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp)
+        return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp,
+                                      staging=rx.unpushable)
 
     def join(self, connect: dict, mac: str | None, *, session_open: bool = False) -> None:
         """Check, then join the sync group (bounded); tells the trainer whether an update

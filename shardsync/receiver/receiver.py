@@ -20,7 +20,7 @@ from shardsync.layout.piece import addressed
 from shardsync.mode import FULL, Mode
 from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path, release
 from shardsync.paths.disk import DiskApply
-from shardsync.receiver.connect import topology_from_connect
+from shardsync.receiver.connect import PUSH_NEEDS_STAGING, topology_from_connect
 from shardsync.receiver.destination import Destination
 from shardsync.runtime.checksum import BoxKey, piece_checksums
 from shardsync.runtime.gated import Gated
@@ -91,12 +91,13 @@ class Receiver:
         me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.index
         full = [m for m in FULL if m.value in req.fingerprints]
         self._plan_window(topo, me, req, full)
+        staging = self._staging() if req.ipc == "push" else None  # refused before the group is joined
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc or None,
                       tensors=self._tensors(), rank_layout=self.rank_layout, verify=req.verify,
-                      secret=self._secret, staging=self._staging() if req.ipc == "push" else None)
+                      secret=self._secret, staging=staging)
         deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
         programs: dict[Mode, Program] = {}
         try:
@@ -109,13 +110,19 @@ class Receiver:
         self.group, self.programs, self.sync_rank = group, programs, me
         return me
 
+    @property
+    def unpushable(self) -> str | None:
+        """Where this rank receives, if a pushing trainer cannot write it (None: it can)."""
+        dest = self.destination
+        if hasattr(dest, "sets") and getattr(dest, "whole", False):
+            return None
+        return f"{dest.name} ({'a staging window' if hasattr(dest, 'sets') else 'no staging copy'})"
+
     def _staging(self) -> Staging:
         """What a pushing trainer writes: the destination's staging sets, as the layout addresses them."""
         dest = self.destination
-        if not hasattr(dest, "sets"):
-            raise ValueError(f"ipc='push' writes an engine's staging copy, and this engine receives into "
-                             f"{dest.name}: start it with whole-shard staging (EngineConfig(staging_bytes=-1), "
-                             f"--staging-bytes shard) or connect with ipc='map'")
+        if self.unpushable is not None:
+            raise ValueError(PUSH_NEEDS_STAGING.format(where=self.unpushable))
         return Staging(sets=[self._addressed(s) for s in dest.sets()], index=lambda: dest.staging_index,
                        ready_at=dest.ready_at, fence=dest.fence)
 

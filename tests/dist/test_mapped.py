@@ -138,3 +138,31 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(case: str) 
         assert gen.json()["weight_version"] == 5
     finally:
         stop_engine(proc)
+
+
+def _push_connect(rank: int, world: int, port: int, url: str, out) -> None:
+    spec = PRESETS["tiny-qwen3"]
+    par = MegatronParallel(tp=1, dtype="float32")
+    _, params = join_trainer(rank, world, port, spec, par, seed=7)
+    sync = WeightSync(spec, par, rank, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="push"),
+                                                             transport=TransportConfig(timeout_s=30)),
+                      trainer_group=dist.group.WORLD)
+    try:
+        sync.connect()
+        out.put((rank, "connected"))
+    except SyncError as e:
+        out.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_push_into_an_engine_without_whole_staging_is_refused_at_connect() -> None:
+    """An in-place engine has no staging copy for the trainer to write: the connect fails
+    naming the engine setting, and the engine keeps serving its weights."""
+    proc, url = start_engine("tiny-qwen3", 1, staging_bytes=0)
+    try:
+        result = run_world(_push_connect, 1, args=(1, free_port(), url), timeout=120)[0]
+        assert "staging_bytes=-1" in result and "ipc='map'" in result, result
+        gen = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 1}, timeout=30)
+        assert gen.status_code == 200
+    finally:
+        stop_engine(proc)

@@ -13,3 +13,8 @@ def test_colocated_config_refuses_a_value_outside_its_table(field: str, choices:
         assert getattr(ColocatedConfig(**{field: ok}), field) == ok
     with pytest.raises(ValueError, match=rf"{field} must be one of .*got 'bogus'"):
         ColocatedConfig(**{field: "bogus"})
+
+
+def test_push_needs_the_mailbox() -> None:
+    with pytest.raises(ValueError, match="keep signals='mailbox'"):
+        ColocatedConfig(ipc="push", signals="group")
