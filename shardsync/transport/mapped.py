@@ -176,6 +176,14 @@ class MappedTransport:
         """What the engines map of the tensors the copies read: all of them (they copy)."""
         return tensors
 
+    def _export_moved(self, local: Mapping[str, torch.Tensor]) -> None:
+        """Sender: export again if a tensor moved since the last export (a stale mapping is never read)."""
+        moved = self._moved(local)
+        if moved:
+            log.info("rank %d: %d exported tensor(s) moved since export (e.g. %s): exporting them again",
+                     self.group.rank, len(moved), moved[0])
+            self.export(local)
+
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
         if self._addresses is not None and list(map(_DATA_PTR, map(local.__getitem__, self._exported))) == self._addresses:
             return []  # device tensors: an address is the whole identity (one list compare per update)
@@ -266,11 +274,7 @@ class MappedTransport:
         t0 = time.perf_counter()
         error = None
         try:
-            moved = self._moved(local)
-            if moved:
-                log.info("rank %d: %d exported tensor(s) moved since export (e.g. %s): re-exporting",
-                         self.group.rank, len(moved), moved[0])
-                self.export(local)
+            self._export_moved(local)
             self._mark_written()  # the engines read only after every write to the weights
         except Exception as e:  # tell the engines now rather than let them wait for a timeout
             error = e

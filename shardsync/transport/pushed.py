@@ -129,11 +129,7 @@ class PushedTransport(MappedTransport):
         number, sets, error = self._number + 1, {}, None
         t0 = time.perf_counter()
         try:
-            moved = self._moved(local)
-            if moved:
-                log.info("rank %d: %d tensor(s) moved since export (e.g. %s): copying from their new memory",
-                         self.group.rank, len(moved), moved[0])
-                self.export(local)
+            self._export_moved(local)  # and the copies compiled again from the new memory
             for peer in self.peers:
                 sets[peer] = self._push(peer, local, number)
             self._mark_written()  # the engines' commits order their served streams after this
