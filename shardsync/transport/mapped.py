@@ -420,11 +420,7 @@ class MappedTransport:
             queued[peer] = bool(stream)
             waits[peer] = time.perf_counter() - t0
             try:
-                if gen == ABORT:
-                    raise RuntimeError(f"trainer sync rank {peer} aborted the update before sending")
-                if error is None:
-                    if self._mapped.get(peer, (None,))[0] != gen:
-                        self.attach(peer, gen, local)
+                if self._mapped_for(peer, gen, local, error):
                     staged, live = self._compiled(peer, local)
                     queued[peer] &= staged.on_device and live.on_device
                     self._after_writes(peer, staged.device or live.device)
@@ -460,6 +456,17 @@ class MappedTransport:
             raise error
         stats.bytes_received = self.nbytes
         return stats
+
+    def _mapped_for(self, peer: int, gen: int, local: Mapping[str, torch.Tensor], error: Exception | None) -> bool:
+        """Receiver: whether ``peer``'s part of this update proceeds (no earlier error), its
+        generation mapped; an abort the sender signalled raises."""
+        if gen == ABORT:
+            raise RuntimeError(f"trainer sync rank {peer} aborted the update before sending")
+        if error is not None:
+            return False
+        if self._mapped.get(peer, (None,))[0] != gen:
+            self.attach(peer, gen, local)
+        return True
 
     def refuse(self) -> None:
         """Receiver: answer an update the engine refused (a pipelined begin: the trainer's

@@ -199,11 +199,7 @@ class PushedTransport(MappedTransport):
             gen, stream, index = self._header(peer)
             status = FAILED
             try:
-                if gen == ABORT:
-                    raise RuntimeError(f"trainer sync rank {peer} aborted the update before sending")
-                if error is None:
-                    if self._mapped.get(peer, (None,))[0] != gen:
-                        self.attach(peer, gen, local)
+                if self._mapped_for(peer, gen, local, error):
                     if index != self.staging.index():
                         raise RuntimeError(f"trainer sync rank {peer} wrote staging set {index}; this rank "
                                            f"stages into set {self.staging.index()}")
