@@ -39,7 +39,8 @@ HOPS = [  # (module, class.function): the trainer's side, then the engine's, in 
     ("shardsync.transport.gather", "Gather.run"), ("shardsync.transport.mapped", "MappedTransport._complete"),
     ("shardsync.transport.mapped", "MappedTransport._answer"),
     # push (a staged engine): the trainer's copies, the engine's stage thread and its commit
-    ("shardsync.transport.pushed", "PushedTransport._send"), ("shardsync.transport.pushed", "PushedTransport._push"),
+    ("shardsync.transport.pushed", "PushedTransport.launch"), ("shardsync.transport.mapped", "MappedTransport._export_moved"),
+    ("shardsync.transport.pushed", "PushedTransport._send"), ("shardsync.transport.pushed", "PushedTransport._copy"),
     ("shardsync.transport.pushed", "PushedTransport._staged_set"),
     ("shardsync.transport.pushed", "PushedTransport._receive"), ("shardsync.transport.pushed", "PushedTransport.committed"),
     ("shardsync.engine.worker", "EngineWorker.stage"), ("shardsync.engine.worker", "EngineWorker.update"),

@@ -19,7 +19,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-TILE_BYTES = 32 << 10  # one program's share: large enough to amortize its start, small enough to balance
+TILE_BYTES = 16 << 10  # one program's share: large enough to amortize its start, small enough to balance
 
 
 def available() -> bool:
@@ -136,7 +136,7 @@ class Tuning:
     """How the kernel walks the table (``benchmarks/gather_kernel.py`` sweeps these)."""
 
     tile_bytes: int = TILE_BYTES
-    block_bytes: int = 8192  # bytes one loop step of a program moves
+    block_bytes: int = 16384  # bytes one loop step of a program moves (the default: one step, the whole tile)
     num_warps: int = 16
     streaming: bool = True  # evict-first loads, streaming stores
     per_sm: int = 0  # persistent: this many programs per SM loop over the tiles (0: one per tile)
@@ -159,10 +159,11 @@ def configured() -> Tuning:
 class Gather:
     """Every copy of ``pairs`` (device memory on both sides) in one launch on the current stream.
 
-    Defaults (``Tuning``) from sweeps on the H200 (``benchmarks/gather_kernel.py``): 32 KiB
-    tiles, 8 KiB per loop step, 16 warps, streaming cache hints: Qwen3-4B 2080 GB/s (1.022x one
-    flat D2D copy) against 2054 for the previous defaults (64 KiB tiles, plain accesses) and
-    1931 for per-copy launches over four streams; Qwen3-14B 1.036x against 1.051x.  Persistent
+    Defaults (``Tuning``) from sweeps on the H200 (``benchmarks/gather_kernel.py --fine
+    --repeat 3``): 16 KiB tiles copied in one step, 16 warps, streaming cache hints: Qwen3-4B
+    1.021x one flat D2D copy, Qwen3-14B 1.025x, against 1.027x and 1.030x for the previous
+    defaults (32 KiB tiles in 8 KiB steps) in the same runs; per-copy launches over four streams
+    1.11x and 1.06x, the same copies as one CUDA graph of memcpys 1.09x and 1.08x.  Persistent
     programs were slower in every tuning tried.  From its second run on the launch is a CUDA
     graph replay (~10 us of CPU where the Triton launch takes ~25 us hot, ~90 us in an engine
     between updates)."""

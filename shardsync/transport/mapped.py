@@ -66,6 +66,11 @@ def identity(t: torch.Tensor) -> tuple:
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+def addresses(local: Mapping[str, torch.Tensor], names: Sequence[str]) -> list[int]:
+    """The data addresses of ``names`` in ``local`` (~0.15-0.5 us a tensor: the per-update moved check)."""
+    return list(map(_DATA_PTR, map(local.__getitem__, names)))
+
+
 def _cuda_device(tensors) -> torch.device | None:
     return next((t.device for t in tensors if t.is_cuda), None)
 
@@ -185,7 +190,7 @@ class MappedTransport:
             self.export(local)
 
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
-        if self._addresses is not None and list(map(_DATA_PTR, map(local.__getitem__, self._exported))) == self._addresses:
+        if self._addresses is not None and addresses(local, self._exported) == self._addresses:
             return []  # device tensors: an address is the whole identity (one list compare per update)
         return [k for k, i in self._exported.items() if identity(local[k]) != i]
 

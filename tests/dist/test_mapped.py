@@ -41,10 +41,14 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str,
     res = {"records": [], "verify": [], "generation": [], "sets": []}
     res["kind"] = type(sync.programs[Mode.P2P].mapped).__name__
     res["signals"] = sorted(set(sync.programs[Mode.P2P].mapped._signals.values()))  # none yet: read at the first update
-    for version in (1, 2, 3):
+    # push checks and copies the largest tensor first, the rest while it copies: move either
+    largest = max(sorted(params), key=lambda k: params[k].numel() * params[k].element_size())
+    if res["kind"] == "PushedTransport":
+        res["lead"] = sync.programs[Mode.P2P].mapped._parts[0] == [largest]
+    for version in (1, 2, 3, 4):
         fresh = load_rank(lay, rank, random_source(spec, seed=200 + version))
         for k, v in params.items():
-            if version == 3 and k.endswith("linear_qkv.weight"):
+            if (version == 3 and k.endswith("linear_qkv.weight")) or (version == 4 and k == largest):
                 v.set_(fresh[k].clone())  # offloaded and reloaded: new memory the engine never mapped
             else:
                 v.copy_(fresh[k])  # in place: the engine reads the parameters where they live
@@ -72,7 +76,7 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str,
     if rank == 1:
         params[name].set_(good[:, :-1].contiguous())
     try:
-        sync.update(4)
+        sync.update(5)
         res["bad_update"] = "accepted"
     except SyncError as e:
         res["bad_update"] = str(e)
@@ -82,7 +86,7 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str,
     params[name].set_(good)
     sync.connect()
     print(f"DBG rank {rank} connected", flush=True)  # a failed update drops the group; reconnect and send a full update
-    sync.update(5)
+    sync.update(6)
     res["after"] = sync.verify()
     res["files"] = sorted(sync.programs[Mode.P2P].mapped.shm_names)
     sync.close()  # engines unmap: the trainer holds the last reference to its shared memory
@@ -111,15 +115,16 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(case: str) 
         for rank, res in results.items():
             assert res["kind"] == ("PushedTransport" if ipc == "push" else "MappedTransport")
             if ipc == "push":  # every commit swapped the sets: the next update writes the other one
-                assert res["sets"] == [[1, 1], [0, 0], [1, 1]] and res["sets_after_refusal"] == [1, 1], res
+                assert res["sets"] == [[1, 1], [0, 0], [1, 1], [0, 0]] and res["sets_after_refusal"] == [0, 0], res
+                assert res["lead"], "the test moves the tensor push copies first"
             assert res["signals"] == [signals], res["signals"]  # as offered, as the engine chose
             assert all(r["ok"] and r["mode"] == "p2p" for r in res["records"])
-            assert res["verify"] == [[], [], []], f"rank {rank}: checksum mismatch {res['verify']}"
+            assert res["verify"] == [[], [], [], []], f"rank {rank}: checksum mismatch {res['verify']}"
             assert all(r["bytes"] == r["plan_bytes"] == r["step_bytes"] > 0 for r in res["records"])
-            # version 3 moved a tensor: exported again (generation 2) and read from its new memory
-            assert res["generation"] == [1, 1, 2]
+            # versions 3 and 4 moved a tensor: exported again and read from its new memory
+            assert res["generation"] == [1, 1, 2, 3]
         for rank, res in results.items():
-            assert "refused" in res["refused"] and "older than the engine's 3" in res["refused"], res["refused"]
+            assert "refused" in res["refused"] and "older than the engine's 4" in res["refused"], res["refused"]
             assert res["kept_group"]
             # rank 1 refused its own tensors; rank 0 learns it from the engine, which heard the
             # abort (a receive that timed out would say so instead)
@@ -131,11 +136,11 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(case: str) 
         # once the trainer ranks let go, torch removes the names: nothing is left in /dev/shm
         files = [f for r in results.values() for f in r["files"]]
         assert files and [f for f in files if os.path.exists("/dev/shm" + f)] == []
-        begin = httpx.post(url + "/weights/begin", json={"version": 6, "mode": "p2p", "fingerprint": "x"},
+        begin = httpx.post(url + "/weights/begin", json={"version": 7, "mode": "p2p", "fingerprint": "x"},
                            timeout=30)
         assert begin.status_code == 409 and "not connected" in begin.text  # the engine left the group
         gen = httpx.post(url + "/generate", json={"prompts": [[1, 2, 3]], "max_new_tokens": 3}, timeout=30)
-        assert gen.json()["weight_version"] == 5
+        assert gen.json()["weight_version"] == 6
     finally:
         stop_engine(proc)
 
