@@ -65,7 +65,8 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
         stop_engine(proc)
 
 
-@pytest.mark.parametrize("ipc,complete", [("map", "stream"), ("map", "host"), ("push", "stream")])
+@pytest.mark.parametrize("ipc,complete", [("map", "stream"), ("map", "host"), ("push", "stream"),
+                                          ("slots", "stream")])
 def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(ipc: str, complete: str) -> None:
     """The trainer's writes are still queued behind ~0.1 s of GPU sleep when ``update()`` is
     called: the engine's copies must wait for them (the trainer's event).  Right after
@@ -74,7 +75,9 @@ def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(ip
     engine then holds exactly the values written before the update.  ``host`` signals over the
     sync group instead of the mailbox.  ``push``: the engine commits (and ``verify`` reads what
     it serves) while the trainer's copies still wait behind the sleep: what it serves must wait
-    for them on the GPU (the trainer's event)."""
+    for them on the GPU (the trainer's event).  ``slots``: small buckets cycle through the two
+    slots; the engine's copies out wait for each slot's event, the trainer's copies in for the
+    engine's (no CPU synchronizes per bucket)."""
     import torch
 
     spec = PRESETS["tiny-qwen3"].replace(dtype="bfloat16")
@@ -86,7 +89,8 @@ def test_map_reads_wait_for_queued_writes_and_later_writes_wait_for_the_reads(ip
         params = load_rank(lay, 0, random_source(spec, seed=5), device="cuda")
         sync = WeightSync(spec, par, 0, params, [url], SyncConfig(
             mode="p2p", colocated=ColocatedConfig(ipc=ipc, complete=complete,
-                                                  signals="group" if complete == "host" else "mailbox")))
+                                                  signals="group" if complete == "host" else "mailbox"),
+            transport=TransportConfig(bucket_mb=0.05) if ipc == "slots" else TransportConfig()))
         sync.connect()
         bad = []
         for version in (1, 2, 3):
