@@ -54,7 +54,7 @@ class DeltaConfig:
 @dataclass(frozen=True, kw_only=True)
 class ColocatedConfig:
     """Engines on the trainer's machine: ``map`` reads the trainer's tensors in place (CUDA
-    IPC or CPU shared memory); ``slots`` stages buckets through exported device buffers;
+    IPC or CPU shared memory); ``slots`` stages buckets through exported buffers (device or shared memory);
     ``push``: the trainer writes each engine's staging copy itself (engines that stage whole
     shards), so the copies start with ``update()`` and the engine only checks and commits."""
 

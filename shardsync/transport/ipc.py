@@ -1,4 +1,6 @@
-"""CUDA IPC transport for engines that share a GPU with a trainer rank (colocated).
+"""CUDA IPC transport for engines that share a GPU with a trainer rank (colocated); on CPU
+the same slots live in shared memory (how the CPU tests run it), host order standing in for
+the events.
 
 The sender owns ``slots`` preallocated device buffers per link, exported once through the
 rendezvous store; the receiver maps them once.  A message is: copy in, record the slot's
@@ -19,6 +21,8 @@ from shardsync.runtime.executor import Pooled
 from shardsync.transport import events
 from shardsync.transport.group import SyncGroup
 from shardsync.transport.handles import export_tensors, open_tensors
+
+_NO_EVENT = [0] * events.WORDS  # a signal's event words between host buffers
 
 
 class _Done:
@@ -94,7 +98,10 @@ class IpcTransport(Pooled):
             self._release(peer, k, buf.device)
 
     def _mark(self, peer: int, k: int, device: torch.device) -> list[int]:
-        """Record this side's event of slot ``k`` on the current stream; its words for the signal."""
+        """Record this side's event of slot ``k`` on the current stream; its words for the signal
+        (host memory: zeros, the copy is done when it returns)."""
+        if device.type != "cuda":
+            return _NO_EVENT
         hit = self._events.get((peer, k))
         if hit is None:
             ev = events.new_event()
@@ -110,7 +117,8 @@ class IpcTransport(Pooled):
 
     def _after(self, values: list[int], device: torch.device) -> None:
         """The current stream's later work waits for the other side's event (given by its words)."""
-        torch.cuda.current_stream(device).wait_event(self._opened.of_words(values))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self._opened.of_words(values))
 
     # -- Transport --
 
@@ -151,7 +159,7 @@ class IpcTransport(Pooled):
         for (peer, k), ack in self._acks.items():  # the next update's copies in wait for these reads
             self._after(ack.wait(), self._out[peer][k].device)
         self._acks.clear()
-        if self._device is not None:  # receiver: the update's copies out are done before it commits
+        if self._device is not None and self._device.type == "cuda":  # receiver: copies out done before commit
             torch.cuda.current_stream(self._device).synchronize()
             self._device = None
         self.group.synchronize()
