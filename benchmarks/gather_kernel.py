@@ -24,7 +24,7 @@ from shardsync.plan.local import allocate
 from shardsync.plan.runs import SIDE_STREAMS, Copies, coalesce, compile_runs
 from shardsync.spec import load_spec
 from shardsync.topology import Topology
-from shardsync.transport.gather import Gather, Tuning
+from shardsync.transport.gather import Gather, Tuning, capture
 
 KiB = 1 << 10
 
@@ -64,18 +64,6 @@ def sweep_rows(rows: list[dict]) -> list[tuple[Tuning, float]]:
             if r["kernel"] == "gather" and r["bitwise"]]
 
 
-def graphed(fn) -> torch.cuda.CUDAGraph:
-    """``fn``'s launches captured once as a CUDA graph (replayed: no per-copy CPU cost)."""
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph.capture_begin(capture_error_mode="thread_local")
-        fn()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    return graph
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen3-4B")
@@ -102,7 +90,7 @@ def main() -> None:
              "launch_us": launch_us(lambda: per_copy.run(streams))}]
     reference = {n: t.clone() for n, t in engine.items()}
     for side in (streams, streams[:0]):  # the driver's copies, one launch: a graph of memcpy nodes
-        graph = graphed(lambda side=side: per_copy.run(side))
+        graph = capture(lambda side=side: per_copy.run(side), torch.device("cuda", torch.cuda.current_device()))
         rows.append({"kernel": f"per-copy memcpys as one graph, {1 + len(side)} stream(s)", "ms": cuda_ms(graph.replay),
                      "launch_us": launch_us(graph.replay)})
         del graph
@@ -130,10 +118,10 @@ def main() -> None:
             t.zero_()
         ms = cuda_ms(lambda parts=parts: [g.run() for g in parts], iters=args.iters)
         torch.cuda.synchronize()
-        ok = all(torch.equal(engine[n].view(torch.uint8), reference[n].view(torch.uint8)) for n in engine)
+        same = all(torch.equal(engine[n].view(torch.uint8), reference[n].view(torch.uint8)) for n in engine)
         rows.append({"kernel": "gather, largest tensor first (2 launches)", **tuning.__dict__,
                      "programs": sum(g.programs for g in parts), "ms": ms,
-                     "launch_us": launch_us(lambda parts=parts: [g.run() for g in parts]), "bitwise": ok})
+                     "launch_us": launch_us(lambda parts=parts: [g.run() for g in parts]), "bitwise": same})
     for r in rows:
         r["GBps"] = nbytes / r["ms"] / 1e6
         r["x_d2d"] = r["ms"] / d2d

@@ -219,14 +219,20 @@ class Gather:
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """The launch as a graph (fixed tables and addresses: valid for this mapping's life);
-        captured after a real launch compiled the kernel, on a side stream, copying nothing."""
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self._launch()
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        return graph
+        captured after a real launch compiled the kernel, copying nothing."""
+        return capture(self._launch, self.device)
+
+
+def capture(fn, device: torch.device) -> torch.cuda.CUDAGraph:
+    """``fn``'s launches as a CUDA graph, captured on a side stream of ``device`` that follows
+    the current stream (which then follows it); errors of other threads do not break it."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return graph

@@ -192,7 +192,11 @@ class MappedTransport:
     def _moved(self, local: Mapping[str, torch.Tensor]) -> list[str]:
         if self._addresses is not None and addresses(local, self._exported) == self._addresses:
             return []  # device tensors: an address is the whole identity (one list compare per update)
-        return [k for k, i in self._exported.items() if identity(local[k]) != i]
+        return self._moved_of(local, self._exported)
+
+    def _moved_of(self, local: Mapping[str, torch.Tensor], names) -> list[str]:
+        """Those of ``names`` whose identity changed since export (host tensors: the shm name too)."""
+        return [k for k in names if identity(local[k]) != self._exported[k]]
 
     # -- receiver --
 

@@ -37,7 +37,6 @@ from shardsync.transport.mapped import (
     REFUSED,
     MappedTransport,
     addresses,
-    identity,
 )
 
 log = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ class PushedTransport(MappedTransport):
         names = self._parts[part]
         if self._part_addresses is not None:  # device tensors: the address is the identity
             return addresses(local, names) != self._part_addresses[part]
-        return any(identity(local[n]) != self._exported[n] for n in names)
+        return bool(self._moved_of(local, names))
 
     def _target(self, peer: int) -> tuple[list[dict[str, torch.Tensor]], torch.cuda.Event | None]:
         """``peer``'s staging sets and commit fence, mapped at the first update."""

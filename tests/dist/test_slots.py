@@ -1,8 +1,11 @@
 """The slots transport end to end on CPU: trainer ranks export bucket slots in shared memory, a
 real engine server's TP workers map them; small buckets cycle through the two slots of each
-link, so every slot is reused within an update and across updates."""
+link, so every slot is reused within an update and across updates.  Once both sides let go,
+nothing of the slots is left in /dev/shm."""
 
 from __future__ import annotations
+
+import os
 
 import torch.distributed as dist
 
@@ -12,6 +15,7 @@ from shardsync.mode import Mode
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
 from shardsync.sync import WeightSync
+from shardsync.transport.mapped import identity
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 
@@ -38,7 +42,9 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
         res["verify"].append(sync.verify())
     res["through_slots"] = program.slots.copy_bytes == sent
     res["messages"] = sum(1 for s in program.steps if s.comm and s.comm[0] == "send")
-    sync.close()
+    res["links"] = len(program.slots._out)
+    res["files"] = [identity(t)[1].decode() for bufs in program.slots._out.values() for t in bufs]
+    sync.close()  # the engine unmaps the slots; this process holds the last reference
     dist.destroy_process_group()
     out.put((rank, res))
 
@@ -53,5 +59,8 @@ def test_slots_over_shared_memory_are_bitwise_with_every_slot_reused() -> None:
             assert res["verify"] == [[], [], []], f"rank {rank}: checksum mismatch {res['verify']}"
             assert res["through_slots"], "every byte sent went through the slots"
             assert res["messages"] > 2, "small buckets: more messages than a link's two slots"
+            assert res["links"] >= 1 and len(res["files"]) == 2 * res["links"], res["files"]  # two slots a link
+        files = [f for r in results.values() for f in r["files"]]
+        assert [f for f in files if os.path.exists("/dev/shm" + f)] == []
     finally:
         stop_engine(proc)
