@@ -44,8 +44,8 @@ from shardsync.models.weights import random_source
 from shardsync.spec import PRESETS
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sync_modes import _engine  # noqa: E402
 
+from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy  # noqa: E402
 from shardsync.transport.group import free_port  # noqa: E402
 
 SPEC = PRESETS["tiny-qwen3"].replace(name="bench-qwen3", hidden_size=512, num_layers=4, num_heads=8,
@@ -123,7 +123,8 @@ def _trainer(rank: int, world: int, port: int, url: str, args, transport: str, r
                          optim=OptimConfig(lr=args.e2e_lr))
     sync = WeightSync(SPEC, par, rank, dict(model.named_parameters()), [url],
                       SyncConfig(delta=DeltaConfig(transport=transport, dir=root),
-                                 transport=TransportConfig(bucket_mb=16, timeout_s=600)), trainer_group=dist.group.WORLD)
+                                 transport=TransportConfig(bucket_mb=16, timeout_s=600)),
+                      trainer_group=dist.group.WORLD)
     sync.connect()
     g = torch.Generator().manual_seed(1)
     sync.update(0)
@@ -144,7 +145,8 @@ def _trainer(rank: int, world: int, port: int, url: str, args, transport: str, r
 def part2(args) -> list[dict]:
     res = []
     for transport in args.transports.split(","):
-        proc, url = _engine(_spec_config(), 2)
+        proc, url = spawn_server(EngineConfig(model=_spec_config(), tp=2, port=free_port()))
+        wait_healthy(url, proc, 900)
         try:
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
@@ -154,7 +156,7 @@ def part2(args) -> list[dict]:
                      for r in range(2)]
             for p in procs:
                 p.start()
-            got = {}
+            got: dict[int, dict] = {}
             deadline = time.monotonic() + 1800
             while len(got) < len(procs):
                 try:

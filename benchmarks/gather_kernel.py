@@ -14,6 +14,7 @@ import itertools
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 from gpu_update import cuda_ms, d2d_copy_ms, fast_source
@@ -85,9 +86,10 @@ def main() -> None:
     pairs = compile_runs(runs, params, engine)
     per_copy = Copies.of(pairs, gather=False)
     streams = [torch.cuda.Stream() for _ in range(SIDE_STREAMS)]
-    rows = [{"kernel": "one flat D2D copy (the limit)", "ms": d2d},
-            {"kernel": f"per-copy launches, {1 + SIDE_STREAMS} streams", "ms": cuda_ms(lambda: per_copy.run(streams)),
-             "launch_us": launch_us(lambda: per_copy.run(streams))}]
+    rows: list[dict[str, Any]] = [
+        {"kernel": "one flat D2D copy (the limit)", "ms": d2d},
+        {"kernel": f"per-copy launches, {1 + SIDE_STREAMS} streams", "ms": cuda_ms(lambda: per_copy.run(streams)),
+         "launch_us": launch_us(lambda: per_copy.run(streams))}]
     reference = {n: t.clone() for n, t in engine.items()}
     for side in (streams, streams[:0]):  # the driver's copies, one launch: a graph of memcpy nodes
         graph = capture(lambda side=side: per_copy.run(side), torch.device("cuda", torch.cuda.current_device()))

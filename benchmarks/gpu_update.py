@@ -2,7 +2,8 @@
 updates go through CUDA IPC.  In one run: a plain device-to-device copy of the model's
 bytes (the limit); in-process pack, unpack and mapped-copy throughput; full updates with
 the IPC kinds ("map": the engine reads the trainer's weights in place; "slots": buckets
-staged through exported buffers; "push": the trainer writes a staged engine's staging copy) and both control planes (begin/finish through the sync
+staged through exported buffers; "push": the trainer writes a staged engine's staging copy)
+and both control planes (begin/finish through the sync
 store or over HTTP) with their phases and the bitwise checksum; delta
 encode/apply throughput on the device at 1 % and 10 % density.  An update counts until its
 copies finished on the GPU ("complete": ``update()`` then a synchronize of the trainer's
@@ -53,8 +54,8 @@ def d2d_copy_ms(nbytes: int) -> float:
     """A plain device-to-device copy of ``nbytes``: the floor for moving the weights once."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    ms = cuda_ms(lambda: dst.copy_(src))
-    src = dst = None  # free both before the model is loaded
+    ms = cuda_ms(lambda src=src, dst=dst: dst.copy_(src))  # bound as defaults: the lambda goes with the call
+    del src, dst  # free both before the model is loaded
     torch.cuda.empty_cache()
     return ms
 
@@ -63,8 +64,8 @@ def h2d_copy_ms(nbytes: int) -> float:
     """A pinned host-to-device copy of ``nbytes``: the floor for offloaded weights."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16).pin_memory()
     dst = torch.empty(src.shape, dtype=torch.bfloat16, device="cuda")
-    ms = cuda_ms(lambda: dst.copy_(src, non_blocking=True), iters=3)
-    src = dst = None
+    ms = cuda_ms(lambda src=src, dst=dst: dst.copy_(src, non_blocking=True), iters=3)
+    del src, dst
     torch.cuda.empty_cache()
     return ms
 
@@ -137,7 +138,8 @@ def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
         copies.run()
 
     gb = topo.p2p_plan.total_bytes / 1e9
-    out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack_all), ("unpack", unpack_all), ("mapped_copy", mapped),
+    out = {name: gb / cuda_ms(fn) * 1e3 for name, fn in (("pack", pack_all), ("unpack", unpack_all),
+                                                          ("mapped_copy", mapped),
                                                           ("mapped_copy_one_stream", mapped_one_stream))}
     from shardsync.transport.gather import Gather, available
 
@@ -238,7 +240,8 @@ def main() -> None:
         kernels = {} if args.no_kernels else kernels_GBps(topo, params, int(args.bucket_mb * 2**20))
         torch.cuda.empty_cache()
         if kernels:
-            print(f"in-process kernels (GB/s of model bytes): pack {kernels['pack']:.0f}, unpack {kernels['unpack']:.0f}, "
+            print(f"in-process kernels (GB/s of model bytes): pack {kernels['pack']:.0f}, "
+                  f"unpack {kernels['unpack']:.0f}, "
                   f"mapped copy {kernels['mapped_copy']:.0f} (one stream: {kernels['mapped_copy_one_stream']:.0f}; "
                   f"{kernels['mapped_copies']} strided copies for "
                   f"{kernels['plan_copies']} plan copies)", flush=True)
@@ -257,7 +260,8 @@ def main() -> None:
                             first=1 + i * (args.updates + 1))
             runs.append(r)
             limit, name = (h2d_ms, "H2D") if kind == "host" else (d2d_ms, "D2D")
-            print(f"IPC {kind:5s} control={control:5s} complete={complete:6s} signals={signals:7s} (trainer TP1 -> engine TP1, same GPU, "
+            print(f"IPC {kind:5s} control={control:5s} complete={complete:6s} signals={signals:7s} "
+                  f"(trainer TP1 -> engine TP1, same GPU, "
                   f"{args.updates} updates): data path "
                   f"median {r['data_ms']:.2f} ms (max {r['data_p99_ms']:.2f}); whole update until complete on the "
                   f"GPU {r['total_ms']:.2f} ms = {r['total_ms'] / limit:.2f}x {name} (update() returned after "
@@ -283,7 +287,8 @@ def main() -> None:
         json.dump({"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "model": spec.name, "model_bytes": model_bytes,
                    "gather_tuning": configured().__dict__,
-                   "d2d_ms": d2d_ms, "h2d_ms": h2d_ms, "kernels_GBps": kernels, "ipc": runs, "delta": deltas}, f, indent=2)
+                   "d2d_ms": d2d_ms, "h2d_ms": h2d_ms, "kernels_GBps": kernels, "ipc": runs, "delta": deltas},
+                  f, indent=2)
 
 
 if __name__ == "__main__":

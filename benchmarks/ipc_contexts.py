@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -55,6 +56,7 @@ def _child(sizes: list[int], inbox, outbox) -> None:
             start.record()
             pull.run()
             end.record()
+            assert _done is not None  # set by _recorded() above
             _done.record()
             outbox.put("queued")
             torch.cuda.synchronize()
@@ -116,6 +118,7 @@ def main() -> None:
     flat_src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     flat_dst = torch.empty_like(flat_src)
     rows = {}
+    run: Callable[[], float]  # the variants below bind different defaults, each called with none
     for case in ("d2d", "local", "ipc", "ipc+wait", "pull"):
         if case == "d2d":
             fn = lambda: flat_dst.copy_(flat_src)  # noqa: E731

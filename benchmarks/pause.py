@@ -138,7 +138,9 @@ def _throughput(got: list, windows: list[tuple[float, float]]) -> float:
 
 
 def bench_kind(kind: str, url: str, args: argparse.Namespace) -> dict:
-    stop, got, errors = threading.Event(), [], []
+    stop = threading.Event()
+    got: list[tuple[float, int, int]] = []  # (time, tokens, spans) per response
+    errors: list[str] = []
     threads = _clients(url, args, stop, got, errors)
     try:
         res = run_ranks(_trainer, args.trainer_tp, (args.trainer_tp, free_port(), url, args))

@@ -135,7 +135,8 @@ def main() -> None:
     layout = engine_layout(spec, EngineParallel(tp=1, dtype="bfloat16"))
     model_bytes = sum(t.numel for t in layout.ranks[0].tensors) * 2
     d2d_ms, h2d_ms = d2d_copy_ms(model_bytes), h2d_copy_ms(model_bytes)
-    print(f"{spec.name}: {model_bytes / 2**30:.2f} GiB bf16; D2D {d2d_ms:.2f} ms, pinned H2D {h2d_ms:.1f} ms", flush=True)
+    print(f"{spec.name}: {model_bytes / 2**30:.2f} GiB bf16; D2D {d2d_ms:.2f} ms, pinned H2D {h2d_ms:.1f} ms",
+          flush=True)
 
     engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
                                             threads=4))
@@ -153,13 +154,15 @@ def main() -> None:
         params = load_rank(Topology(spec, par).trainer_layout, 0, source, device="cuda")
         wait_healthy(url, engine, 600)
         ns = argparse.Namespace(updates=args.updates * 2, bucket_mb=args.bucket_mb)
-        host = ipc_updates("host", "store", spec, par, params, url, ns, first=1)
-        dev = ipc_updates("map", "store", spec, par, params, url, ns, first=2 + ns.updates)
+        host = ipc_updates("host", "store", "stream", "mailbox", spec, par, params, url, ns, first=1)
+        dev = ipc_updates("map", "store", "stream", "mailbox", spec, par, params, url, ns, first=2 + ns.updates)
     finally:
         engine.terminate()
         engine.wait(60)
-    rows = [("(a) checkpoint-engine 0.4.2, pinned host -> receiving process", ce["update_ms"], h2d_ms, ce["checksum_ok"]),
-            ("(b) shardsync map from pinned host (offloaded), whole update", host["total_ms"], h2d_ms, host["checksum_ok"]),
+    rows = [("(a) checkpoint-engine 0.4.2, pinned host -> receiving process", ce["update_ms"], h2d_ms,
+             ce["checksum_ok"]),
+            ("(b) shardsync map from pinned host (offloaded), whole update", host["total_ms"], h2d_ms,
+             host["checksum_ok"]),
             ("(c) shardsync map from GPU weights, whole update", dev["total_ms"], d2d_ms, dev["checksum_ok"]),
             ("(d) pinned H2D copy of the bytes", h2d_ms, h2d_ms, True),
             ("(d) D2D copy of the bytes", d2d_ms, d2d_ms, True)]

@@ -26,6 +26,8 @@ import os
 import platform
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -53,7 +55,7 @@ def _shm() -> set[str]:
 class Engine:
     def __init__(self, token_file: str, root: str) -> None:
         self.token_file, self.root = token_file, root
-        self.proc = None
+        self.proc: subprocess.Popen | None = None
         self.url = ""
         self.pids: set[int] = set()
         self.ports: set[int] = set()
@@ -239,7 +241,8 @@ class Trainers:
         self.commands = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_trainer, args=(r, world, port, url, token, ipc, self.commands[r], self.results))
+        self.procs = [ctx.Process(target=_trainer,
+                                  args=(r, world, port, url, token, ipc, self.commands[r], self.results))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -275,7 +278,8 @@ class Trainers:
         for q in (*self.commands, self.results):  # the driver's own semaphores go with its queues
             q.close()
             q.join_thread()
-        self.commands, self.results = [], None
+        self.commands = []
+        del self.results  # drop the closed queue (a later use fails as it did with None)
 
 
 # -- the run --
@@ -298,7 +302,7 @@ class Soak:
 
     def trainers(self, ipc: bool = False) -> Trainers:
         t = Trainers(self.engine.url, self.token, ipc=ipc)
-        self.trainer_pids |= {p.pid for p in t.procs}
+        self.trainer_pids |= {p.pid for p in t.procs if p.pid is not None}  # started: every pid is set
         res, s = t.call("connect", 120)
         if res is None or not res["ok"]:
             raise RuntimeError(f"trainer connect failed: {res}")
@@ -343,6 +347,7 @@ class Soak:
             detected = res is not None and not res["ok"]
         elif name == "engine TP worker killed":
             workers = self.engine.workers()
+            assert self.engine.proc is not None  # started in run() before any fault
             os.kill(workers[-1], signal.SIGKILL)
             deadline = time.monotonic() + TIMEOUT_S + SLACK_S
             while self.engine.proc.poll() is None and time.monotonic() < deadline:
@@ -351,6 +356,7 @@ class Soak:
             restart = True
         elif name == "engine launcher killed":
             workers = self.engine.workers()
+            assert self.engine.proc is not None  # started in run() before any fault
             self.engine.proc.send_signal(signal.SIGKILL)
             deadline = time.monotonic() + TIMEOUT_S + SLACK_S
             while any(alive(w) for w in workers) and time.monotonic() < deadline:
@@ -364,7 +370,9 @@ class Soak:
             res = self.update(t, fault="corrupt", mode="p2p")
             detected = res is not None and not res["ok"] and "corrupted" in res.get("error", "")
         elif name == "colocated trainer rank killed":  # its exported tensors are still mapped
-            os.kill(t.procs[-1].pid, signal.SIGKILL)
+            pid = t.procs[-1].pid
+            assert pid is not None  # the trainer processes are started
+            os.kill(pid, signal.SIGKILL)
             res = self.update(t, mode="p2p")
             detected = res is not None and not res["ok"]
         elif name == "delta against the wrong base":
@@ -464,7 +472,7 @@ def main() -> None:
     for k, v in res["totals"].items():
         print(f"{k}: {v}")
     with open(args.out, "w") as f:
-        json.dump({"command": "python benchmarks/soak.py " + " ".join(os.sys.argv[1:]),
+        json.dump({"command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
                    "machine": f"{platform.node()} {platform.platform()} {os.cpu_count()} cpus", **res}, f, indent=2)
     print(f"wrote {args.out}")
 

@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import subprocess
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,8 @@ from shardsync.transport.group import free_port
 def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     # on GPUs: the ones after the trainer's and earlier engines' (wrapping)
     device = f"cuda:{args.trainer_tp + index * tp}" if args.device == "cuda" else "cpu"
-    proc, url = spawn_server(EngineConfig(model=model, tp=tp, ep=args.engine_ep, port=free_port(), dtype=args.dtype, device=device))
+    proc, url = spawn_server(EngineConfig(model=model, tp=tp, ep=args.engine_ep, port=free_port(), dtype=args.dtype,
+                                          device=device))
     wait_healthy(url, proc, 900)
     return proc, url
 
@@ -61,7 +63,8 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
     if args.trainer == "fsdp2":  # FSDP2's row blocks (the layout tests/dist/test_fsdp2.py checks on real DTensors)
         par = Fsdp2Parallel(shard=args.trainer_dp, dtype=args.dtype or "float32")
     else:
-        par = MegatronParallel(tp=args.trainer_tp, dp=args.trainer_dp, ep=args.trainer_ep, dtype=args.dtype or "float32")
+        par = MegatronParallel(tp=args.trainer_tp, dp=args.trainer_dp, ep=args.trainer_ep,
+                               dtype=args.dtype or "float32")
     device = rank_device(args.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -99,7 +102,7 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
             proc.terminate()
         for proc, _ in engines:
             proc.wait(60)
-    summary = {"model": model, "checksum_ok": all(r["checksum_ok"] for r in res.values()), "modes": {}}
+    summary: dict[str, Any] = {"model": model, "checksum_ok": all(r["checksum_ok"] for r in res.values()), "modes": {}}
     for mode in ("p2p", "broadcast"):
         rows0 = [r for r in res[0]["rows"] if r["mode"] == mode]
         totals = sorted(r["phases"]["total"] for r in rows0)
@@ -115,7 +118,8 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
                                               for r, v in sorted(res.items())},
             "engine_buffer_bytes": max(r["engine_buffer_bytes"] for r in rows0),
         }
-    summary["ratio_p2p_over_broadcast"] = summary["modes"]["p2p"]["median_s"] / summary["modes"]["broadcast"]["median_s"]
+    summary["ratio_p2p_over_broadcast"] = (summary["modes"]["p2p"]["median_s"]
+                                           / summary["modes"]["broadcast"]["median_s"])
     return summary
 
 
@@ -149,8 +153,8 @@ def main() -> None:
     print(f"trainer {trainer} -> {args.engines} engine(s) of "
           f"TP{args.engine_tp} EP{args.engine_ep}, bucket {args.bucket_mb} MiB, "
           f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")
-    print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'pack':>7} {'xfer':>7} {'unpack':>7} "
-          f"{'ctl':>6} {'busiest MiB':>11} {'trainer buf MiB (per rank)':>27} {'engine buf MiB':>14}")
+    print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'pack':>7} {'xfer':>7} "
+          f"{'unpack':>7} {'ctl':>6} {'busiest MiB':>11} {'trainer buf MiB (per rank)':>27} {'engine buf MiB':>14}")
     for r in results:
         for mode, m in r["modes"].items():
             ph = m["phases_median_s"]

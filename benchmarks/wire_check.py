@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -107,7 +108,7 @@ def main() -> None:
             print(f"{r['model']:<14} {m:<10} {r[m]['off_ms']:>8.1f} {r[m]['on_ms']:>8.1f} {r[m]['overhead']:>8.1%}  "
                   f"{'ok' if r['bitwise'] else 'MISMATCH'}")
     with open(args.out, "w") as f:
-        json.dump({"command": "python benchmarks/wire_check.py " + " ".join(os.sys.argv[1:]),
+        json.dump({"command": "python benchmarks/wire_check.py " + " ".join(sys.argv[1:]),
                    "machine": f"{platform.node()} {platform.platform()} {os.cpu_count()} cpus",
                    "torch": torch.__version__, "digest_GBps": gbps, "results": rows}, f, indent=2)
     print(f"wrote {args.out}")

@@ -55,7 +55,8 @@ class Topo:
         dp = f" DP{self.trainer_dp}" if self.trainer_dp > 1 else ""
         ep = f" EP{self.trainer_ep} ETP{self.trainer_etp or self.trainer_tp}" if self.trainer_ep > 1 else ""
         eep = f" EP{self.engine_ep}" if self.engine_ep > 1 else ""
-        return f"trainer TP{self.trainer_tp}{pp}{dp}{ep} -> {len(self.engine_tp)} engine(s) TP {list(self.engine_tp)}{eep}"
+        engines = f"{len(self.engine_tp)} engine(s) TP {list(self.engine_tp)}{eep}"
+        return f"trainer TP{self.trainer_tp}{pp}{dp}{ep} -> {engines}"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,14 @@
-"""The ``shardsync`` command line: one subcommand per job, each in its own module."""
+"""shardsync: shard-level weight sync from a Megatron-style trainer into rollout engines.
+
+Plan what a sync moves (``plan``), watch it run end to end (``demo``: GRPO steps between a
+reference trainer and engine servers), measure transports on this machine (``bench``), or
+serve the reference rollout engine (``engine serve``).  ``shardsync COMMAND --help`` for each.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -112,6 +118,7 @@ def _staging_bytes(text: str) -> int:
 
 
 def cmd_engine_serve(args: argparse.Namespace) -> int:
+    _require_engine_extra()
     from shardsync.engine.launch import EngineConfig, serve
 
     return serve(EngineConfig(model=args.model, tp=args.tp, ep=args.ep, host=args.host, port=args.port,
@@ -122,7 +129,25 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
                               commit_wait_s=args.commit_wait_s))
 
 
+ENGINE_EXTRA = ("fastapi", "uvicorn")  # the reference engine's server (pyproject's ``engine`` extra)
+
+
+def _require_engine_extra() -> None:
+    """Refuse, in one line, before any process is spawned, when the reference engine's server
+    cannot start (a plain ``pip install shardsync``)."""
+    missing = [m for m in ENGINE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CliError(f"the reference engine needs {', '.join(missing)}: install the engine extra, "
+                       "pip install 'shardsync[engine]'")
+
+
+class CliError(Exception):
+    """A command line that cannot run: printed as one line, exit status 2."""
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.engine == "reference":
+        _require_engine_extra()
     from shardsync.demo import DemoConfig, run_demo
 
     tps = _engine_tps(args.engine_tp or ("1" if args.engine == "vllm" else "2"), args.engines)
@@ -130,7 +155,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(model=args.model, trainer_tp=trainer_tp, trainer_pp=args.trainer_pp,
                      trainer_dp=args.trainer_dp, trainer_ep=args.trainer_ep, trainer_etp=args.trainer_etp,
                      trainer_kind=args.trainer,
-                     engine_ep=args.engine_ep, engine_tp=tps, steps=args.steps, mode=args.mode, bucket_mb=args.bucket_mb,
+                     engine_ep=args.engine_ep, engine_tp=tps, steps=args.steps, mode=args.mode,
+                     bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
                      engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine,
                      staging=args.staging)
@@ -156,16 +182,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardsync", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="shardsync", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends with its default
 
-    p = sub.add_parser("plan", help="print what a sync moves, per path, and whether p2p applies")
+    p = sub.add_parser("plan", help="print what a sync moves, per path, and whether p2p applies",
+                       description="What a sync of a model between a trainer and engines moves, per path "
+                                   "(p2p, broadcast), from metadata only; whether p2p's preconditions hold.",
+                       formatter_class=fmt)
     p.add_argument("--model", default="Qwen3-4B", help="preset name or path to config.json")
-    p.add_argument("--trainer-tp", type=int, default=1)
-    p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--trainer-tp", type=int, default=1, help="trainer tensor parallel size")
+    p.add_argument("--trainer-pp", type=int, default=1, help="trainer pipeline stages")
     p.add_argument("--trainer", default="megatron", choices=["megatron", "fsdp2"],
                    help="trainer layout: Megatron-core, or FSDP2 (--trainer-dp ranks shard every tensor)")
-    p.add_argument("--trainer-dp", type=int, default=1)
+    p.add_argument("--trainer-dp", type=int, default=1,
+                   help="trainer data parallel size (fsdp2: the ranks sharding every tensor)")
     p.add_argument("--trainer-replicate", type=int, default=1, help="fsdp2: HSDP copies of the shard group")
     p.add_argument("--trainer-pp-layers", default=None, help="uneven stages: layers per stage, comma list")
     p.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE)")
@@ -174,39 +206,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron expert spelling: SequentialMLP local_experts.{j} or TE grouped weight{j}")
     p.add_argument("--engine-tp", default="1", help="engine TP, or a comma list (one per engine)")
     p.add_argument("--engine-ep", type=int, default=1, help="engine expert parallel within its TP group (MoE)")
-    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--engines", type=int, default=1, help="engines of --engine-tp each")
     p.add_argument("--engine-kind", default="reference", help="reference, sglang or vllm")
-    p.add_argument("--bucket-mb", type=float, default=512)
-    p.add_argument("--vocab-divisible-by", type=int, default=128)
+    p.add_argument("--bucket-mb", type=float, default=512, help="bucket size in MiB")
+    p.add_argument("--vocab-divisible-by", type=int, default=128,
+                   help="Megatron's make_vocab_size_divisible_by (the trainer's vocab padding)")
     p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--fabric", default=None, choices=["nvlink4", "ib400", "8x400g", "pcie5"],
                    help="print each path's lower-bound time on this named fabric (docs/fabric.md)")
     p.add_argument("--matrix", action="store_true",
                    help="print the fallback matrix (every topology x mode -> path and why) as markdown")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("demo", help="GRPO steps between a reference trainer and engine servers")
-    p.add_argument("--model", default="tiny-qwen3")
-    p.add_argument("--trainer-tp", type=int, default=None, help="default 2 (1 with --trainer fsdp2)")
-    p.add_argument("--trainer-pp", type=int, default=1)
+    p = sub.add_parser("demo", help="GRPO steps between a reference trainer and engine servers",
+                       description="GRPO on a verifiable task between reference trainer ranks and engine "
+                                   "servers on this machine, syncing the weights after every step and "
+                                   "checking them bitwise; writes records, steps and a plot under --out.",
+                       formatter_class=fmt)
+    p.add_argument("--model", default="tiny-qwen3", help="preset name or path to config.json (CPU-sized: tiny-*)")
+    p.add_argument("--trainer-tp", type=int, default=None, help="trainer tensor parallel size; None: 2 "
+                                                                 "(1 with --trainer fsdp2)")
+    p.add_argument("--trainer-pp", type=int, default=1, help="trainer pipeline stages")
     p.add_argument("--trainer", default="megatron", choices=["megatron", "fsdp2"],
                    help="the reference Megatron-layout trainer, or a transformers model under FSDP2 fully_shard")
-    p.add_argument("--trainer-dp", type=int, default=1)
+    p.add_argument("--trainer-dp", type=int, default=1, help="trainer data parallel size")
     p.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE models)")
-    p.add_argument("--trainer-etp", type=int, default=None, help="expert tensor parallel (default: trainer TP)")
+    p.add_argument("--trainer-etp", type=int, default=None, help="expert tensor parallel; None: the trainer TP")
     p.add_argument("--engine-ep", type=int, default=1, help="engine expert parallel within its TP group (MoE)")
     p.add_argument("--engine-tp", default=None,
-                   help="engine TP, or a comma list (one per engine); default 2 (vLLM: 1)")
-    p.add_argument("--engines", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--mode", default="both", choices=["both", "auto", "p2p", "broadcast", "delta"])
-    p.add_argument("--delta-transport", default="p2p", choices=["p2p", "broadcast", "disk"])
-    p.add_argument("--engine-dtype", default=None, help="engine weights dtype (delta: bfloat16)")
-    p.add_argument("--bucket-mb", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=None, help="default 1e-2; 1e-5 with --mode delta")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out/demo")
+                   help="engine TP, or a comma list (one per engine); None: 2 (vLLM: 1)")
+    p.add_argument("--engines", type=int, default=1, help="engines of --engine-tp each")
+    p.add_argument("--steps", type=int, default=5, help="GRPO steps (one weight update per mode after each)")
+    p.add_argument("--mode", default="both", choices=["both", "auto", "p2p", "broadcast", "delta"],
+                   help="how each step's weights reach the engines: both (p2p, then broadcast), auto (p2p "
+                        "where its preconditions hold), p2p, broadcast, or delta (changed elements only)")
+    p.add_argument("--delta-transport", default="p2p", choices=["p2p", "broadcast", "disk"],
+                   help="--mode delta: how the changed elements travel")
+    p.add_argument("--engine-dtype", default=None, help="engine weights dtype; None: the model's (delta: bfloat16)")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size in MiB")
+    p.add_argument("--lr", type=float, default=None, help="learning rate; None: 1e-2 (1e-5 with --mode delta)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
+    p.add_argument("--out", default="out/demo", help="directory for records.jsonl, steps.json and demo.png")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda: trainer ranks and engines share the GPU(s); p2p reads the "
                         "trainer's weights in place over CUDA IPC")
@@ -225,26 +266,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launcher ray: 'auto' or HOST:PORT of a running cluster (default: start a local one)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="sweep transports and engine-wave policies on this hardware")
+    p = sub.add_parser("bench", help="sweep transports and engine-wave policies on this hardware",
+                       formatter_class=fmt)
     from shardsync.bench.args import add_arguments as add_bench_arguments
 
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     eng = sub.add_parser("engine", help="the reference rollout engine")
-    esub = eng.add_subparsers(dest="engine_command", required=True)
-    p = esub.add_parser("serve", help="start TP workers and the HTTP server on the first")
+    esub = eng.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
+    p = esub.add_parser("serve", help="start TP workers and the HTTP server on the first",
+                        description="The reference rollout engine: TP worker processes and an HTTP server "
+                                    "(generation, weight updates) on the first.", formatter_class=fmt)
     p.add_argument("--model", required=True, help="preset, config.json or HF checkpoint directory")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel workers")
     p.add_argument("--ep", type=int, default=1, help="expert parallel within the TP group (MoE models)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (non-loopback needs a token)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--seed", type=int, default=0, help="random weights seed (presets/configs)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the model's)")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda (TP workers on GPUs 0..tp-1) or cuda:K (on GPUs K..K+tp-1, wrapping)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     p.add_argument("--advertise", default=None, metavar="kind=K,pp=N,quantization=Q",
                    help="test stand-in: report these engine facts at connect instead of the reference "
                         "engine's (exercises the trainer's fallbacks for engines that cannot run here)")
@@ -270,8 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 2 and one line on stderr for what the user can fix (a bad value, a missing
+    extra); a traceback only for what they cannot."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (CliError, ValueError) as e:
+        print(f"shardsync: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MODES = ("auto", "p2p", "broadcast")
-DELTA_TRANSPORTS = ("p2p", "broadcast", "disk")
-IPC_KINDS = ("map", "slots", "push")
-COMPLETIONS = ("stream", "host")  # when a colocated map update returns (ColocatedConfig.complete)
-SIGNALS = ("mailbox", "group")  # how a colocated map update's signals travel (ColocatedConfig.signals)
-CHANNELS = ("store", "http", "vllm", "sglang")
-CROSSINGS = ("finish", "span", "abort")  # what a weight change does to running requests
+from shardsync.vocab import Channel, Completion, Crossing, DeltaTransport, Ipc, Request, Signals, Word
+
+# Fields named in ``shardsync.vocab`` take their words or the words' text; ``__post_init__``
+# turns the text into the word once (a bad value is refused there, naming every choice).
+
+
+def _word(cfg: object, name: str, kind: type[Word], what: str) -> None:
+    object.__setattr__(cfg, name, kind.parse(cfg.__dict__[name], what))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,13 +41,12 @@ class TransportConfig:
 class DeltaConfig:
     """Send only changed elements when every engine holds the version synced last."""
 
-    transport: str = "p2p"  # p2p | broadcast | disk
+    transport: DeltaTransport = DeltaTransport.P2P
     dir: str | None = None  # disk: a directory every engine can read
     pin_memory: bool = False  # the snapshot of the last synced values
 
     def __post_init__(self) -> None:
-        if self.transport not in DELTA_TRANSPORTS:
-            raise ValueError(f"delta transport must be one of {DELTA_TRANSPORTS}, got {self.transport!r}")
+        _word(self, "transport", DeltaTransport, "delta transport")
         if self.transport == "disk" and not self.dir:
             raise ValueError("delta over disk needs dir (a directory every engine can read)")
 
@@ -58,22 +58,19 @@ class ColocatedConfig:
     ``push``: the trainer writes each engine's staging copy itself (engines that stage whole
     shards), so the copies start with ``update()`` and the engine only checks and commits."""
 
-    ipc: str = "map"
+    ipc: Ipc = Ipc.MAP
     # map between GPUs: "stream" returns once the engines' copies are queued, the trainer's
     # current stream waiting for them (its later writes there come after the reads); "host"
     # returns once they finished (for a trainer that writes its weights from other streams)
-    complete: str = "stream"
+    complete: Completion = Completion.STREAM
     # map: "mailbox" offers each engine rank a shared-memory mailbox for the per-update signals
     # (an engine that cannot map it signals over the sync group instead); "group": never offer
-    signals: str = "mailbox"
+    signals: Signals = Signals.MAILBOX
 
     def __post_init__(self) -> None:
-        if self.ipc not in IPC_KINDS:
-            raise ValueError(f"ipc must be one of {IPC_KINDS}, got {self.ipc!r}")
-        if self.complete not in COMPLETIONS:
-            raise ValueError(f"complete must be one of {COMPLETIONS}, got {self.complete!r}")
-        if self.signals not in SIGNALS:
-            raise ValueError(f"signals must be one of {SIGNALS}, got {self.signals!r}")
+        _word(self, "ipc", Ipc, "ipc")
+        _word(self, "complete", Completion, "complete")
+        _word(self, "signals", Signals, "signals")
         if self.ipc == "push" and self.signals != "mailbox":
             raise ValueError("ipc='push' learns which staging copy to write from the engine's mailbox: "
                              "keep signals='mailbox'")
@@ -86,7 +83,7 @@ class ControlConfig:
     ``vllm`` / ``sglang``: the engines are vLLM / SGLang servers, driven through their own
     endpoints (``control.vllm``, ``control.sglang``)."""
 
-    channel: str = "store"
+    channel: Channel = Channel.STORE
     http_timeout_s: float = 60.0
     # the secret shared with the engines (bearer token on state-changing calls, signature on
     # store values); None: $SHARDSYNC_TOKEN, else the file named by $SHARDSYNC_TOKEN_FILE
@@ -94,18 +91,20 @@ class ControlConfig:
     token_file: str | None = None
     # requests running when an engine's weights change: finish (on the old version) | span |
     # abort; None: each engine's own no-mixing default (docs/serving.md has what each allows)
-    crossing: str | None = None
+    crossing: Crossing | None = None
 
     def __post_init__(self) -> None:
-        if self.channel not in CHANNELS:
-            raise ValueError(f"control channel must be one of {CHANNELS}, got {self.channel!r}")
-        if self.crossing not in (None, *CROSSINGS):
-            raise ValueError(f"crossing must be one of {CROSSINGS} or None, got {self.crossing!r}")
+        _word(self, "channel", Channel, "control channel")
+        if self.crossing is not None:
+            _word(self, "crossing", Crossing, "crossing")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
-    mode: str = "auto"  # full updates: auto (p2p when its preconditions hold) | p2p | broadcast
+    """Every setting of one trainer's sync, nested by concern; engine facts are read at connect.
+    Refuses combinations that cannot work, naming the fix."""
+
+    mode: Request = Request.AUTO  # full updates: auto (p2p when its preconditions hold) | p2p | broadcast
     delta: DeltaConfig | None = None
     colocated: ColocatedConfig | None = None
     relay: bool = False  # engine i forwards to engine i+1 (p2p): the trainer sends one copy
@@ -115,8 +114,7 @@ class SyncConfig:
     detail: bool = False  # per-bucket timings in records
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        _word(self, "mode", Request, "mode")
         if self.colocated and self.mode == "broadcast":
             raise ValueError("colocated IPC moves full p2p updates between processes on one machine; "
                              "use mode='p2p' or 'auto'")
@@ -131,5 +129,5 @@ class SyncConfig:
                              "parts directly: use DeltaConfig(transport='broadcast') or relay=False")
 
     @property
-    def ipc(self) -> str | None:
+    def ipc(self) -> Ipc | None:
         return self.colocated.ipc if self.colocated else None

@@ -106,7 +106,8 @@ class ModelSpec:
         if moe and (self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group
                     or (self.router == "sigmoid" and self.num_experts // self.n_group < 2)):
             raise ValueError(f"{self.name}: expert groups need n_group dividing num_experts into groups of >= 2 "
-                             f"and 0 < topk_group <= n_group (got {self.num_experts}, {self.n_group}, {self.topk_group})")
+                             f"and 0 < topk_group <= n_group "
+                             f"(got {self.num_experts}, {self.n_group}, {self.topk_group})")
         if self.family == "glm4_moe" and (self.decoder_sparse_step != 1 or
                                           self.mlp_only_layers != tuple(range(len(self.mlp_only_layers)))):
             raise ValueError(f"{self.name}: GLM4-MoE's dense layers are the first k (first_k_dense_replace)")
@@ -282,7 +283,8 @@ def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "n_group": cfg.get("n_group", 1), "topk_group": cfg.get("topk_group", 1),
             "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
             "shared_expert_intermediate_size": inter * cfg.get("n_shared_experts", 0),
-            "attention_bias": bool(cfg.get("attention_bias", False)), "qk_layernorm": bool(cfg.get("use_qk_norm", False))}
+            "attention_bias": bool(cfg.get("attention_bias", False)),
+            "qk_layernorm": bool(cfg.get("use_qk_norm", False))}
 
 
 # family -> the MoE fields of its HF config

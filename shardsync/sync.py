@@ -21,7 +21,7 @@ import torch
 from shardsync.config import SyncConfig
 from shardsync.control import ranks
 from shardsync.control.auth import load_token
-from shardsync.control.client import Engines, HttpChannel, StoreChannel, SyncError, UpdateChannel
+from shardsync.control.client import EngineClient, Engines, SyncError, UpdateChannel
 from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines
 from shardsync.control.sglang import SglangEngines
 from shardsync.control.vllm import VllmEngines
@@ -37,6 +37,7 @@ from shardsync.control.wire import (
     Verdict,
 )
 from shardsync.delta.transfer import Snapshot
+from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.mode import Mode
 from shardsync.paths import (
@@ -118,14 +119,14 @@ class WeightSync:
             return "device"
         return "host-pinned" if torch.cuda.is_available() and t.is_pinned() else "host"
 
-    def _client(self) -> Engines | HostedEngines:
+    def _client(self) -> EngineClient:
         ctl = self.config.control
         hosted = HOSTED.get(ctl.channel)
         if hosted is not None:
             return hosted(self.urls, ctl.http_timeout_s, self._secret,
                           update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s,
                           crossing=ctl.crossing)
-        return Engines(self.urls, ctl.http_timeout_s, self._secret)
+        return Engines(self.urls, ctl.http_timeout_s, self._secret, store_channel=ctl.channel == "store")
 
     @property
     def _timeout(self) -> datetime.timedelta:
@@ -150,75 +151,36 @@ class WeightSync:
     # -- connect --
 
     def connect(self) -> None:
-        """Agree on engines and paths, join the sync group, compile every path once."""
+        """Agree on engines and paths, join the sync group, compile every path once.
+
+        Named steps, each collective over the trainer ranks: ``_decide`` (rank 0 reads the
+        engines' facts and picks the rendezvous), ``_plan_and_offer`` (plan the connection's
+        paths and offer them; an engine whose parameters are not shardsync's layout refuses,
+        and the plan falls back to whole tensors by broadcast), ``_join`` (the sync group and
+        every path compiled), then rank 0 opens the update channel."""
         t0 = time.perf_counter()
-        cfg = self.config
         decision = self._share(self._rank0(self._decide, Decision), Decision)
         if decision.error:
             raise SyncError(f"connect failed on trainer rank 0: {decision.error}")
-        dtype = decision.dtype
-        layout_reason = None
-        n = len(decision.tps)
-        eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
-        rdv = Rendezvous(cfg.transport.host, decision.port,
-                         self.parallel.world_size + sum(t * pp for t, pp in zip(decision.tps, pps, strict=True)),
-                         decision.name, cfg.transport.backend, cfg.transport.timeout_s)
-        store, self._keys = None, Keys(rdv.name)
+        rdv = self._rendezvous(decision)
+        self._keys = Keys(rdv.name)
+        store = None
         if self.rank == 0:  # hosted engines answer through the store from their first check on
             store = open_store(rdv, is_master=True)
-            if isinstance(self._engines, HostedEngines):
-                self._engines.bind(store, self._keys)
-        for whole in (False, True):  # whole: the engines' own loaders shard whole tensors
-            topo = Topology(self.spec.replace(dtype=dtype), self.parallel,
-                            tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole)
-                                  for t, ep, pp in zip(decision.tps, eps, pps, strict=True)),
-                            engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
-                            quantization=decision.facts["quantization"], relay=cfg.relay)
-            if whole:
-                self.mode, self.fallback_reason = Mode.BROADCAST, f"{LAYOUT_MISMATCH}: {layout_reason}"
-            else:
-                self.mode, self.fallback_reason = choose_full(topo, cfg.mode)
-            if cfg.ipc and self.mode is not Mode.P2P:
-                raise SyncError(f"colocated IPC needs the p2p path, but {self.fallback_reason}")
-            self.modes = connection_modes(self.mode, cfg.delta.transport if cfg.delta else None)
-            fingerprints = {m.value: topo.fingerprint(m.value) for m in self.modes if not m.is_delta}
-
-            def offer(topo=topo, fingerprints=fingerprints) -> Note:
-                self._engines.connect([connect_request(topo, i, fingerprints, rdv,
-                                                       bucket_bytes=cfg.transport.bucket_bytes,
-                                                       credits=cfg.transport.credits, ipc=cfg.ipc,
-                                                       control=cfg.control.channel,
-                                                       verify=cfg.transport.verify_buckets)
-                                       for i in range(len(self.urls))])
-                return Note()
-
-            offered = self._share(self._rank0(offer, Note), Note)
-            if not offered.error:
-                break
-            # an engine whose parameters are not shardsync's layout takes whole tensors by broadcast
-            if whole or LAYOUT_MISMATCH not in offered.error or cfg.mode == "p2p" or cfg.ipc:
-                raise SyncError(f"engines refused the connect: {offered.error}")
-            layout_reason = offered.error.split(LAYOUT_MISMATCH + ": ", 1)[1][:300]
+            self._engines.bind(store, self._keys)
+        topo = self._plan_and_offer(decision, rdv)
         self.plan_s = time.perf_counter() - t0
         self.topo = topo
-        if cfg.delta is not None and self._snapshot is None:
-            self._snapshot = Snapshot(self.params, getattr(torch, topo.wire_dtype), pin=cfg.delta.pin_memory)
-        if self.rank != 0:
-            store = open_store(rdv, is_master=False)
+        if self.config.delta is not None and self._snapshot is None:
+            self._snapshot = Snapshot(self.params, torch_dtype(topo.wire_dtype), pin=self.config.delta.pin_memory)
         if self.rank == 0:
             with ThreadPoolExecutor(1) as pool:
                 joined = pool.submit(self._engines.join)
                 self._join(topo, rdv, store)
                 joined.result()
+            self._channel = self._engines.channel()
         else:
-            self._join(topo, rdv, store)
-        if self.rank == 0:
-            if isinstance(self._engines, HostedEngines):
-                self._channel = self._engines.channel()
-            elif cfg.control.channel == "store":
-                self._channel = StoreChannel(store, self._keys, self.urls, cfg.control.http_timeout_s, self._secret)
-            else:
-                self._channel = HttpChannel(self._engines)
+            self._join(topo, rdv, open_store(rdv, is_master=False))
         self._synced = None  # a (re)connected engine set starts with a full update
         self._calls = 0
         if self.rank == 0:
@@ -226,6 +188,60 @@ class WeightSync:
                 log.info("[rank 0] mode=auto falls back to broadcast: %s", self.fallback_reason)
             log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
                      len(self.urls), decision.tps, self.mode, time.perf_counter() - t0)
+
+    def _rendezvous(self, decision: Decision) -> Rendezvous:
+        """The sync group's rendezvous: every trainer rank and every engine rank (TP x PP)."""
+        t = self.config.transport
+        pps = decision.pps or [1] * len(decision.tps)
+        engine_ranks = sum(tp * pp for tp, pp in zip(decision.tps, pps, strict=True))
+        return Rendezvous(t.host, decision.port, self.parallel.world_size + engine_ranks, decision.name,
+                          t.backend, t.timeout_s)
+
+    def _topology(self, decision: Decision, *, whole: bool) -> Topology:
+        """The connection's topology from the engines' facts (``whole``: engines whose own
+        loaders shard whole tensors)."""
+        n = len(decision.tps)
+        eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
+        dtype = decision.dtype
+        return Topology(self.spec.replace(dtype=dtype), self.parallel,
+                        tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole)
+                              for t, ep, pp in zip(decision.tps, eps, pps, strict=True)),
+                        engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
+                        quantization=decision.facts["quantization"], relay=self.config.relay)
+
+    def _plan_and_offer(self, decision: Decision, rdv: Rendezvous) -> Topology:
+        """Choose the full path for the engines' layout and offer the plan (rank 0 sends it,
+        every rank learns the answer).  An engine that refuses it as not its layout is offered
+        whole tensors by broadcast instead, once; any other refusal ends the connect."""
+        cfg = self.config
+        refused: str | None = None
+        for whole in (False, True):
+            topo = self._topology(decision, whole=whole)
+            if whole:
+                self.mode, self.fallback_reason = Mode.BROADCAST, f"{LAYOUT_MISMATCH}: {refused}"
+            else:
+                self.mode, self.fallback_reason = choose_full(topo, cfg.mode)
+            if cfg.ipc and self.mode is not Mode.P2P:
+                raise SyncError(f"colocated IPC needs the p2p path, but {self.fallback_reason}")
+            self.modes = connection_modes(self.mode, cfg.delta.transport if cfg.delta else None)
+            offered = self._share(self._rank0(lambda topo=topo: self._offer(topo, rdv), Note), Note)
+            if not offered.error:
+                return topo
+            # an engine whose parameters are not shardsync's layout takes whole tensors by broadcast
+            if whole or LAYOUT_MISMATCH not in offered.error or cfg.mode == "p2p" or cfg.ipc:
+                raise SyncError(f"engines refused the connect: {offered.error}")
+            refused = offered.error.split(LAYOUT_MISMATCH + ": ", 1)[1][:300]
+        raise AssertionError("unreachable: the whole-tensor offer returns or raises")
+
+    def _offer(self, topo: Topology, rdv: Rendezvous) -> Note:
+        """Rank 0: every engine gets the connection's plan fingerprints to check against its own."""
+        cfg = self.config
+        fingerprints = {m.value: topo.fingerprint(m.value) for m in self.modes if not m.is_delta}
+        self._engines.connect([connect_request(topo, i, fingerprints, rdv, bucket_bytes=cfg.transport.bucket_bytes,
+                                               credits=cfg.transport.credits, ipc=cfg.ipc,
+                                               control=cfg.control.channel, verify=cfg.transport.verify_buckets)
+                               for i in range(len(self.urls))])
+        return Note()
 
     def _decide(self) -> Decision:
         infos = self._engines.info()
@@ -297,8 +313,7 @@ class WeightSync:
         answers later, the transfer starts without waiting for them (one round trip less)."""
         mode = self._choose(requested)
         if mode.over_group:
-            pipelined = getattr(self.programs[mode], "answers_refusals", False) and getattr(
-                self._channel, "pipelines", False)
+            pipelined = self.programs[mode].answers_refusals and self._channel.pipelines
             self._channel.begin(BeginRequest(version=version, mode=mode, fingerprint=self.topo.fingerprint(
                 mode.plan.value), base_version=self._synced if mode.is_delta else None,
                 crossing=self.config.control.crossing, pipelined=pipelined))
@@ -329,9 +344,8 @@ class WeightSync:
         t0 = time.perf_counter()
         self._calls += 1
         n = self._calls
-        launch = getattr(self.programs.get(Mode.P2P), "launch", None)
-        if launch is not None and requested in (None, Mode.P2P):
-            launch(self.params)  # push: the copies into staging start before the engines hear of it
+        if Mode.P2P in self.programs and requested in (None, Mode.P2P):
+            self.programs[Mode.P2P].launch(self.params)  # push: copies into staging start before the engines hear
         go = self._signal(self._keys.go(n), self._rank0(lambda: self._begin(version, requested), Go), Go)
         if go.error:
             raise SyncError(f"update {version} refused: {go.error}")
@@ -379,9 +393,8 @@ class WeightSync:
         failed = next((x.error for x in notes if x.error), None)
         if failed:
             raise SyncError(f"writing version {version} failed: {failed}")
-        disk = self.programs[Mode.DELTA_DISK]
-        disk.publish(args)
-        return Done(engines=self._engines.pull(disk.root, version))
+        root = self.programs[Mode.DELTA_DISK].publish(args)
+        return Done(engines=self._engines.pull(root, version))
 
     # -- verify and close --
 
@@ -391,7 +404,7 @@ class WeightSync:
         if self.group is None or self.topo is None:
             raise SyncError("not connected; call connect() first")
         lay = self.topo.trainer_layout
-        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, getattr(torch, self.topo.wire_dtype))
+        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, torch_dtype(self.topo.wire_dtype))
         self._calls += 1
         sums = RankSums.of(mine)
         parts = ranks.gather(self.group.store, self._keys.check(self._calls, "sums"), sums, RankSums,

@@ -28,7 +28,7 @@ def _onoff(v: str) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default 5; torchrun: WORLD_SIZE)")
-    p.add_argument("--trainer-ranks", type=int, default=1)
+    p.add_argument("--trainer-ranks", type=int, default=1, help="ranks that send (the trainer's)")
     p.add_argument("--engine-group-size", type=int, default=None, help="homogeneous engine groups (default 1)")
     p.add_argument("--engine-group-sizes", type=_list(int), default=None,
                    help="heterogeneous groups, e.g. 2,1,4: must cover every non-trainer rank once")
@@ -37,12 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--messages", type=int, default=4, help="synthetic messages per engine rank")
     p.add_argument("--credits", type=_list(int), default=(2,), help="buffers in flight per rank")
     p.add_argument("--inflight-mb", type=_list(_cap), default=(None,), help="bytes-in-flight cap per rank (none)")
-    p.add_argument("--policy", type=_list(str), default=("all_at_once", "windowed", "serialized"))
+    p.add_argument("--policy", type=_list(str), default=("all_at_once", "windowed", "serialized"),
+                   help="engine-wave policies: when each engine group starts receiving")
     p.add_argument("--window", type=_list(int), default=(2,), help="W for windowed (a list sweeps W)")
     p.add_argument("--stride-us", type=_list(float), default=(0.0,), help="delay between engine groups' starts")
     p.add_argument("--reuse", type=_list(_onoff), default=(True,), help="on,off: preallocated buffers or per transfer")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10, help="measured iterations per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations first")
     p.add_argument("--model", default=None, help="move a real plan's buckets (preset or config.json)")
     p.add_argument("--trainer-tp", type=int, default=None, help="plan trainer TP (default --trainer-ranks)")
     p.add_argument("--engine-tp", type=int, default=None, help="plan engine TP (default: each group's size)")
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="JSON report path")
     p.add_argument("--plots", default=None, help="directory for latency.png and inflight.png")
     p.add_argument("--trace", action="store_true", help="keep per-transfer traces in the JSON report")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress line per configuration")
 
 
 def config_from_args(a: argparse.Namespace) -> BenchConfig:

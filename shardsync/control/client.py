@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import httpx
 import torch.distributed as dist
@@ -36,12 +36,63 @@ class SyncError(RuntimeError):
     """An update or connect that did not complete; engines keep (or mark stale) their weights."""
 
 
+class EngineClient(Protocol):
+    """Trainer rank 0's client of every engine of one trainer, whoever hosts the receivers
+    (the reference engine: ``Engines``; vLLM and SGLang: ``control.hosted``).  ``WeightSync``
+    calls these and nothing else, in this order: ``info`` -> ``bind`` -> ``connect`` ->
+    ``join`` -> ``channel`` once, then per update the channel's begin/finish and, as needed,
+    ``versions``, ``pull``, ``checksums``; ``disconnect`` and ``close`` at the end."""
+
+    urls: list[str]
+
+    def info(self) -> list[InfoResponse]:
+        """Every engine's facts (the trainer plans from these, never from its own config)."""
+        ...
+
+    def bind(self, store: dist.Store, keys: Keys) -> None:
+        """The sync's store, before the connect: engines that answer through it read it there."""
+        ...
+
+    def connect(self, requests: Sequence[ConnectRequest]) -> None:
+        """Offer every engine its connect request (``requests[i]`` to engine ``i``)."""
+        ...
+
+    def join(self) -> None:
+        """Every engine rank joins the sync group (returns once all did, bounded)."""
+        ...
+
+    def channel(self) -> UpdateChannel:
+        """The begin/finish of each update on this connection."""
+        ...
+
+    def versions(self) -> list[VersionResponse]:
+        ...
+
+    def pull(self, root: str, version: int) -> list[UpdateResult]:
+        """Every engine applies the disk delta ``version`` published under ``root``."""
+        ...
+
+    def checksums(self) -> list[ChecksumResponse]:
+        ...
+
+    def disconnect(self) -> None:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
 class Engines:
-    """HTTP client of every engine of one trainer (used on trainer rank 0 only)."""
+    """HTTP client of every engine of one trainer (used on trainer rank 0 only): an
+    ``EngineClient`` of reference engines.  ``store_channel``: each update's begin/finish go
+    through the sync group's store (``StoreChannel``) instead of two POSTs."""
 
     def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
-                 keepalive: bool = True) -> None:
+                 keepalive: bool = True, store_channel: bool = False) -> None:
         self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s, self.token, self.store_channel = timeout_s, token, store_channel
+        self.store: dist.Store | None = None
+        self.keys: Keys | None = None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
         self._http = httpx.Client(timeout=timeout_s, headers=headers, limits=limits)
@@ -67,8 +118,8 @@ class Engines:
         url = self.urls[i] + path
         if isinstance(body, BaseModel):
             body = body.model_dump(mode="json")
-        extra = {} if timeout is None else {"timeout": timeout}
-        r = self._http.request(method, url, json=body, **extra)
+        r = self._http.request(method, url, json=body,
+                               timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         if r.status_code >= 400:
             raise SyncError(f"{method} {url} -> {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
@@ -99,18 +150,32 @@ class Engines:
     def close(self) -> None:
         self._http.close()
 
+    def bind(self, store: dist.Store, keys: Keys) -> None:
+        self.store, self.keys = store, keys
 
-class UpdateChannel(Protocol):
+    def channel(self) -> UpdateChannel:
+        if not self.store_channel:
+            return HttpChannel(self)
+        if self.store is None or self.keys is None:
+            raise SyncError("the store channel needs the sync's store: bind() it before channel()")
+        return StoreChannel(self.store, self.keys, self.urls, self.timeout_s, self.token)
+
+
+class UpdateChannel:
     """Begin and finish of one update on every engine (trainer rank 0)."""
+
+    # the begin's answers can be read after the transfer as well as before: the trainer may
+    # send without waiting for them (with a program that ``answers_refusals``)
+    pipelines: ClassVar[bool] = False
 
     def begin(self, req: BeginRequest) -> None:
         """Every engine accepted ``req``, or ``SyncError`` naming the first refusal (a channel
         with ``pipelines``: with ``req.pipelined`` the answers are checked at ``finish``)."""
-        ...
+        raise NotImplementedError
 
     def finish(self, version: int) -> list[UpdateResult]:
         """Every engine's result of the update just moved (``SyncError`` if one failed)."""
-        ...
+        raise NotImplementedError
 
 
 def _check(urls: Sequence[str], version: int, results: list[UpdateResult]) -> list[UpdateResult]:
@@ -121,7 +186,9 @@ def _check(urls: Sequence[str], version: int, results: list[UpdateResult]) -> li
     return results
 
 
-class HttpChannel:
+class HttpChannel(UpdateChannel):
+    """Two POSTs per engine and update (``/weights/begin``, ``/weights/finish``)."""
+
     def __init__(self, engines: Engines) -> None:
         self.engines = engines
 
@@ -133,7 +200,7 @@ class HttpChannel:
         return [UpdateResult.model_validate(r) for r in out]
 
 
-class StoreChannel:
+class StoreChannel(UpdateChannel):
     """Keys under the sync's name in its store; each engine's listener answers (``listener``)."""
 
     def __init__(self, store: dist.Store, keys: Keys, urls: Sequence[str], timeout_s: float,
@@ -149,7 +216,7 @@ class StoreChannel:
             raise SyncError(f"no answer under {key} within {self.timeout.total_seconds()}s "
                             "(engine gone or stuck)") from None
 
-    pipelines = True  # answers are keys: they can be read after the transfer as well as before
+    pipelines = True  # answers are keys
     _unchecked = False  # this update's answers are read at finish
 
     def begin(self, req: BeginRequest) -> None:
@@ -164,11 +231,12 @@ class StoreChannel:
 
     def finish(self, version: int) -> list[UpdateResult]:
         """``Refused`` (after the others' results) when an engine refused a pipelined begin."""
-        taken = range(len(self.urls))
-        refusals = []
+        taken: Sequence[int] = range(len(self.urls))
+        refusals: list[str] = []
         if self._unchecked:
             answers = [self._get(self.keys.accepted(self.seq, i), Accepted) for i in taken]
-            refusals = [f"{self.urls[i]} refused update {version}: {a.error}" for i, a in enumerate(answers) if not a.ok]
+            refusals = [f"{self.urls[i]} refused update {version}: {a.error}"
+                        for i, a in enumerate(answers) if not a.ok]
             taken = [i for i, a in enumerate(answers) if a.ok]
         results = [self._get(self.keys.result(self.seq, i), UpdateResult) for i in taken]
         if refusals:

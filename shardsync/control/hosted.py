@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from shardsync.control.client import SyncError
+from shardsync.control.client import SyncError, UpdateChannel
 from shardsync.control.report import reduce_reports
 from shardsync.control.wire import (
     BeginRequest,
@@ -111,6 +111,11 @@ class HostedEngines:
     def bind(self, store: dist.Store, keys: Keys) -> None:
         self.store, self.keys, self.seq = store, keys, 0
 
+    def _bound(self) -> tuple[dist.Store, Keys]:
+        """The sync's store and keys (``WeightSync`` binds them before the connect)."""
+        assert self.store is not None and self.keys is not None, "bind() runs before the connect"
+        return self.store, self.keys
+
     def engine_ranks(self, i: int) -> int:
         """Engine ``i``'s ranks (TP x PP stages), as its connect request declares them."""
         req = self.requests[i]
@@ -122,16 +127,18 @@ class HostedEngines:
 
     def joined(self) -> bool:
         """Every rank's join note: whether any reported an update session left open."""
-        return any(get(self.store, self.keys.rank_joined(i, r), Joined, self._timeout, self.secret).session_open
+        store, keys = self._bound()
+        return any(get(store, keys.rank_joined(i, r), Joined, self._timeout, self.secret).session_open
                    for i, r in self.ranks())
 
     def update_info(self, version: int, mode: Mode, **extra) -> dict:
         return {"seq": self.seq, "version": version, "mode": mode.value, **extra}
 
     def results(self, version: int, mode: Mode) -> list[UpdateResult]:
+        store, keys = self._bound()
         out = []
         for i in range(len(self.requests)):
-            reports = [get(self.store, self.keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret)
+            reports = [get(store, keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret)
                        for r in range(self.engine_ranks(i))]
             out.append(reduce_reports(version, mode.value, reports))
         return out
@@ -174,16 +181,17 @@ class HostedEngines:
         self.seq += 1
         version = self.versions()[0].weight_version
         self.checksum_round(self.update_info(version, Mode.BROADCAST, op="checksum"))
+        store, keys = self._bound()
         out = []
         for i in range(len(self.requests)):
-            parts = [get(self.store, self.keys.rank_checksums(self.seq, i, r), RankSums, self._timeout,
+            parts = [get(store, keys.rank_checksums(self.seq, i, r), RankSums, self._timeout,
                          self.secret).keyed() for r in range(self.engine_ranks(i))]
             sums = {k: (None if v is None else str(v)) for k, v in combine(parts).items()}
             out.append(ChecksumResponse(weight_version=version, stale=False, checksums=sums))
         return out
 
 
-class HostedChannel:
+class HostedChannel(UpdateChannel):
     """Begin and finish of one update on every hosted engine (``control.UpdateChannel``):
     the engines' receive call runs in the background while the trainer ranks send."""
 
@@ -204,6 +212,7 @@ class HostedChannel:
     def finish(self, version: int) -> list[UpdateResult]:
         e = self.engines
         try:
+            assert self._sending is not None and self._mode is not None, "begin() runs before finish()"
             self._sending.result(timeout=e.update_timeout_s + 30)
         except Exception as err:
             e.close_session_quietly()

@@ -137,7 +137,7 @@ class StoreListener:
 
 
 def _is_stop(raw: bytes | str) -> bool:
-    if (b'"stop"' if isinstance(raw, bytes) else '"stop"') not in raw:
+    if not (b'"stop"' in raw if isinstance(raw, bytes) else '"stop"' in raw):
         return False  # a begin request (parsing it here would cost the update's start ~30 us)
     try:
         return bool(json.loads(raw).get("stop"))

@@ -35,7 +35,10 @@ def share(msg: M | None, model: type[M], *, rank: int, world: int, group) -> M:
     if world == 1:
         assert msg is not None
         return msg
-    data = msg.model_dump_json().encode() if rank == 0 else b""
+    data = b""
+    if rank == 0:
+        assert msg is not None, "rank 0 decides: it always has the message to share"
+        data = msg.model_dump_json().encode()
     return model.model_validate_json(_broadcast_bytes(data, rank=rank, group=group))
 
 

@@ -44,10 +44,10 @@ class SglangCall(Msg):
 
     op: Literal["check", "join", "update", "checksum", "leave"]
     name: str = Field(min_length=1, max_length=128)  # the sync (the rendezvous name)
-    attempt: int = Field(0, ge=0, le=1 << 20)  # check: which connect attempt answers
-    connect: dict | None = Field(None, max_length=32)  # check / join: a ConnectRequest
-    update: dict | None = Field(None, max_length=16)  # update / checksum: a ``receiver.hosted.Call``
-    mac: str | None = Field(None, max_length=128)
+    attempt: int = Field(default=0, ge=0, le=1 << 20)  # check: which connect attempt answers
+    connect: dict | None = Field(default=None, max_length=32)  # check / join: a ConnectRequest
+    update: dict | None = Field(default=None, max_length=16)  # update / checksum: a ``receiver.hosted.Call``
+    mac: str | None = Field(default=None, max_length=128)
 
     def body(self) -> str:
         """The canonical JSON a signature covers."""
@@ -63,7 +63,7 @@ class SglangCall(Msg):
 class Checked(Msg):
     """One rank's answer to a connect check: None, or what is wrong."""
 
-    error: str | None = Field(None, max_length=4096)
+    error: str | None = Field(default=None, max_length=4096)
 
 
 class _Bytes:
@@ -156,8 +156,9 @@ class SglangEngines(HostedEngines):
                 raise SyncError(f"{url}: SGLang runs --dp-size {dp}; give each data-parallel replica its own "
                                 "server (one engine URL per replica)")
             out.append(InfoResponse(spec={}, tp=int(raw.get("tp_size") or 1), pp=int(raw.get("pp_size") or 1),
-                                    ep=int(raw.get("ep_size") or 1), dtype=server_dtype(url, raw.get("dtype")), kind="sglang",
-                                    quantization=raw.get("quantization"), weight_version=weight_version(ver.get("weight_version")), stale=False))
+                                    ep=int(raw.get("ep_size") or 1), dtype=server_dtype(url, raw.get("dtype")),
+                                    kind="sglang", quantization=raw.get("quantization"),
+                                    weight_version=weight_version(ver.get("weight_version")), stale=False))
         return out
 
     def _begin(self) -> None:
@@ -187,7 +188,8 @@ class SglangEngines(HostedEngines):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         for i, r in self.ranks():
             try:
-                answer = get(self.store, self.keys.rank_checked(self.attempt, i, r), Checked, timeout, self.secret)
+                store, keys = self._bound()
+                answer = get(store, keys.rank_checked(self.attempt, i, r), Checked, timeout, self.secret)
             except Exception:
                 raise SyncError(f"{self.urls[i]}: tp{r} did not answer the connect check in {timeout.seconds}s "
                                 f"(SGLang started with --custom-weight-loader {ENTRY} and the same "

@@ -64,8 +64,10 @@ class ConnectRequest(Msg):
     engines: list[Annotated[int, Field(ge=1, le=1024)]] = Field(min_length=1, max_length=MAX_ENGINES)
     engine_index: int = Field(ge=0, lt=MAX_ENGINES)
     whole: list[bool] = Field(default_factory=list, max_length=MAX_ENGINES)  # per engine; [] = none
-    engine_ep: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)  # [] = 1
-    engine_pp: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)  # [] = 1
+    # per engine; [] = 1
+    engine_ep: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)
+    # per engine; [] = 1
+    engine_pp: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)
     fingerprints: dict[str, Annotated[str, Field(max_length=64)]] = Field(max_length=4)
     bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)

@@ -29,6 +29,7 @@ import xxhash
 from shardsync.delta.encode import xor_decode, xor_encode
 from shardsync.delta.parts import Part, apply_xor, stage_parts, targets_for
 from shardsync.delta.transfer import Snapshot, gather_stage
+from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import RankLayout
 from shardsync.runtime.executor import BufferPool
 from shardsync.runtime.stats import Stats
@@ -190,7 +191,7 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
                          f"this engine holds {current}; it needs a full update")
     stats = Stats()
     t0 = time.perf_counter()
-    dtype = getattr(torch, manifest["dtype"])
+    dtype = torch_dtype(manifest["dtype"])
     for stage_file in manifest["stages"]:
         with safe_open(str(version_dir(root, version) / stage_file), "pt") as f:
             meta = json.loads(f.metadata()["parts"])

@@ -17,6 +17,7 @@ import torch
 
 from shardsync.delta.encode import HEADER, decode, encode, encoding_of
 from shardsync.delta.parts import Part, apply_values, p2p_parts, stage_parts, targets_for
+from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import RankLayout
 from shardsync.runtime.executor import BufferPool, execute
 from shardsync.runtime.schedule import SyncRanks
@@ -178,7 +179,7 @@ class DeltaRunner:
 
     def __post_init__(self) -> None:
         self.ranks = SyncRanks(self.topo)
-        self.dtype = getattr(torch, self.topo.wire_dtype)
+        self.dtype = torch_dtype(self.topo.wire_dtype)
         self.pool = BufferPool(torch.uint8)
         # Metadata an update needs, derived once per connection (never per update).
         self._memo: dict[tuple, list[Part]] = {}

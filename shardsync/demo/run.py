@@ -15,10 +15,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import torch.multiprocessing as mp
 
 from shardsync.demo import report
+from shardsync.dtypes import torch_dtype
 from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
 from shardsync.layout import Fsdp2Parallel, MegatronParallel
 from shardsync.transport.group import free_port
@@ -118,7 +118,7 @@ def _start_vllm(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
     out = Path(cfg.out).resolve()
     spec, source = initial_weights(cfg)
     dtype = cfg.engine_dtype or ("bfloat16" if cfg.mode == "delta" else spec.dtype)
-    ckpt = str(write_checkpoint(spec, source, out / "checkpoint", dtype=getattr(torch, dtype)))
+    ckpt = str(write_checkpoint(spec, source, out / "checkpoint", dtype=torch_dtype(dtype)))
     engines = []
     try:
         for i, tp in enumerate(cfg.engine_tp):  # one at a time: two starting together crowd 2 cores

@@ -23,12 +23,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardsync.config import CROSSINGS
 from shardsync.control.report import reduce_reports
 from shardsync.control.session import Stale, UpdateSession
 from shardsync.control.wire import UpdateResult
 from shardsync.engine.fanout import FanOut, WorkerError, peer_loop
 from shardsync.engine.worker import EngineWorker
+from shardsync.vocab import Crossing
 
 __all__ = ["Aborted", "BusyError", "Dispatcher", "Serving", "WorkerError", "peer_loop"]
 
@@ -55,14 +55,13 @@ EVENT, STOP = -1, 9  # a staged receive's report goes ahead of everything
 class Serving:
     """How generation and weight updates share the engine."""
 
-    crossing: str = "finish"  # what a weight change does to running sequences (CROSSINGS)
+    crossing: Crossing = Crossing.FINISH  # what a weight change does to running sequences
     commit_wait_s: float = 30.0  # finish: the longest a change waits for them, then they abort
     max_running: int = 256  # sequences decoded per step
     tokens_per_step: int = 1  # tokens each sequence gets per step (weights change between steps)
 
     def __post_init__(self) -> None:
-        if self.crossing not in CROSSINGS:
-            raise ValueError(f"crossing must be one of {CROSSINGS}, got {self.crossing!r}")
+        object.__setattr__(self, "crossing", Crossing.parse(self.crossing, "crossing"))
         if self.commit_wait_s < 0 or self.max_running < 1 or self.tokens_per_step < 1:
             raise ValueError("commit_wait_s must be >= 0, max_running and tokens_per_step >= 1")
 
@@ -141,12 +140,12 @@ class Dispatcher:
         self.pending: Pending | None = None
         self._refill: set[int] = set()
         self._drop: list[int] = []
-        if getattr(worker, "staged", False):
+        if worker.staged:
             worker.notify = self._staged
 
     @property
     def staged(self) -> bool:
-        return bool(getattr(self.worker, "staged", False))
+        return self.worker.staged
 
     def submit(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
                timeout_s: float = 300.0) -> Future:
@@ -442,10 +441,10 @@ class Dispatcher:
             if p.staged:
                 commits = self.fanout.run("commit", {}, 60.0)
                 reports = self._ordered(p)
-                dest = self.worker.destination
+                facts = self.worker.staging_facts
+                assert facts is not None, "a staged update on a worker without staging"
                 extra.update(commit_s=max(c["commit_s"] for c in commits), stage_s=p.stage_s,
-                             staging=dest.mode, staging_bytes=getattr(dest, "nbytes", 0),
-                             shard_bytes=getattr(dest, "shard_bytes", 0))
+                             staging=facts.mode, staging_bytes=facts.nbytes, shard_bytes=facts.shard_bytes)
             else:
                 p.cmd.started.set_result(None)
                 reports = self.fanout.run(p.cmd.kind, p.cmd.args, p.cmd.timeout_s)

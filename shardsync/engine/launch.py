@@ -65,7 +65,8 @@ def parse_facts(text: str | None) -> dict:
 def engine_command(cfg: EngineConfig) -> list[str]:
     """``shardsync engine serve`` for ``cfg`` (the CLI front of ``serve``)."""
     cmd = [sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", cfg.model,
-           "--tp", str(cfg.tp), "--ep", str(cfg.ep), "--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed),
+           "--tp", str(cfg.tp), "--ep", str(cfg.ep), "--host", cfg.host, "--port", str(cfg.port),
+           "--seed", str(cfg.seed),
            "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level,
            "--staging-bytes", "shard" if cfg.staging_bytes == -1 else str(cfg.staging_bytes),
            "--crossing", cfg.crossing, "--commit-wait-s", str(cfg.commit_wait_s)]

@@ -42,10 +42,13 @@ from shardsync.engine.updates import WeightService
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 2**20
+# the phases of the last update `/metrics` shows, as `UpdateResult` names them
+PHASES = ("pack_s", "transfer_s", "unpack_s", "total_s", "stage_s", "drain_s", "commit_s", "pause_s")
 
 # typed errors -> status codes, most specific first
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
-    (Unauthorized, 401), (Forbidden, 403), (Invalid, 422), (NotConnected, 409), (Conflict, 409), (NotFound, 404), (Stale, 503),
+    (Unauthorized, 401), (Forbidden, 403), (Invalid, 422), (NotConnected, 409), (Conflict, 409), (NotFound, 404),
+    (Stale, 503),
     (SessionError, 409), (BusyError, 503), (Aborted, 503), (WorkerError, 503), (ValueError, 400),
 )
 
@@ -202,10 +205,8 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         for key, value in sorted(session.counters.items()):
             lines += [f"# TYPE shardsync_{key} counter", f"shardsync_{key} {value:g}"]
         if session.last is not None:
-            for phase in ("pack_s", "transfer_s", "unpack_s", "total_s", "stage_s", "drain_s", "commit_s",
-                          "pause_s"):
-                lines.append(f'shardsync_last_update_seconds{{phase="{phase[:-2]}"}} '
-                             f"{getattr(session.last, phase):.6f}")
+            last = session.last.model_dump(include=set(PHASES))
+            lines += [f'shardsync_last_update_seconds{{phase="{phase[:-2]}"}} {last[phase]:.6f}' for phase in PHASES]
         return "\n".join(lines) + "\n"
 
     return app

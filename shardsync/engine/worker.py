@@ -20,6 +20,7 @@ from shardsync.mode import Mode
 from shardsync.models.engine import Decoding, EngineModel, prompt_seed
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Destination, Params, Receiver, Staged
+from shardsync.receiver.destination import StagingFacts
 from shardsync.spec import ModelSpec
 
 SHARD = -1  # staging_bytes: exactly one copy of the rank's shard
@@ -44,6 +45,7 @@ class EngineWorker:
             p.requires_grad_(False)
         self.ep = model.ep
         self.destination = destination_for(dict(model.named_parameters()), staging_bytes)
+        self.staging: Staged | None = self.destination.staged()
         self.receiver = Receiver(model.spec, rank, tp, self.destination,
                                  dtype=model.dtype, device=model.device, secret=secret, ep=model.ep)
         self.seqs: dict[int, Decoding] = {}  # sequences being generated, by the dispatcher's id
@@ -54,7 +56,11 @@ class EngineWorker:
 
     @property
     def staged(self) -> bool:
-        return isinstance(self.destination, Staged)
+        return self.staging is not None
+
+    @property
+    def staging_facts(self) -> StagingFacts | None:
+        return None if self.staging is None else self.staging.facts
 
     @property
     def spec(self) -> ModelSpec:
@@ -133,7 +139,8 @@ class EngineWorker:
         worker keeps serving; the receive reports through ``notify`` when done.  A staging
         window's receive asks for the pause (``{"gate": True}``) before its first in-place
         write and waits, at most ``wait_s``, for ``open``."""
-        if self.notify is None or not self.staged:
+        staging, notify = self.staging, self.notify
+        if notify is None or staging is None:
             raise RuntimeError("this worker has no staging destination (staging_bytes=0)")
         if self._stage is not None and self._stage.is_alive():
             raise RuntimeError("the previous staged receive is still running")
@@ -142,12 +149,12 @@ class EngineWorker:
         self._open.clear()
 
         def gate() -> None:
-            self.notify((self.rank, version, {"gate": True}))
+            notify((self.rank, version, {"gate": True}))
             if not self._open.wait(wait_s):
                 raise TimeoutError(f"the engine did not pause within {wait_s:g}s for the in-place part of "
                                    f"update {version}; nothing in place was written")
 
-        self.destination.gate = gate
+        staging.gate = gate
 
         def body() -> None:
             try:
@@ -163,11 +170,11 @@ class EngineWorker:
                     else:
                         report = fn(**args, commit=False)
             except Exception as e:  # the dispatcher hears of every staged receive, whatever happened
-                self.destination.discard()
+                staging.discard()
                 report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            report["touched"] = self.destination.touched  # served weights written (past the gate)
-            self.destination.gate = None  # outside a staged receive nothing waits for a pause
-            self.notify((self.rank, version, report))
+            report["touched"] = staging.touched  # served weights written (past the gate)
+            staging.gate = None  # outside a staged receive nothing waits for a pause
+            notify((self.rank, version, report))
 
         self._stage = threading.Thread(target=body, name=f"stage-v{version}", daemon=True)
         self._stage.start()
@@ -196,14 +203,14 @@ class EngineWorker:
         fn = COMMANDS.get(kind)
         if fn is None:
             raise ValueError(f"unknown engine command {kind!r}")
-        if kind in READS and self.staged:
-            self.destination.settle()  # a pushed update's copies, before its weights are read
+        if kind in READS and self.staging is not None:
+            self.staging.settle()  # a pushed update's copies, before its weights are read
         with torch.no_grad():
             return fn(self, **args)
 
 
 COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.admit, EngineWorker.step,
                                      EngineWorker.score, EngineWorker.join, EngineWorker.update,
-                                     EngineWorker.pull, EngineWorker.refuse, EngineWorker.stage, EngineWorker.open, EngineWorker.commit,
-                                     EngineWorker.checksum, EngineWorker.disconnect)}
+                                     EngineWorker.pull, EngineWorker.refuse, EngineWorker.stage, EngineWorker.open,
+                                     EngineWorker.commit, EngineWorker.checksum, EngineWorker.disconnect)}
 READS = {"generate", "admit", "step", "score", "checksum"}  # commands that read the served weights

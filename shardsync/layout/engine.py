@@ -129,7 +129,8 @@ def _experts(spec: ModelSpec, par: EngineParallel, layer: int, r: int,
     if spec.shared_expert_intermediate_size:  # shared experts: a dense MLP split over the TP group
         fs, s = spec.shared_expert_intermediate_size // par.tp, p + "shared_experts."
         gu = [Segment(s + "gate_proj.weight", r * fs, fs), Segment(s + "up_proj.weight", r * fs, fs)]
-        out += [(s + "gate_up_proj.weight", (2 * fs, H), (2 * fs, H), stacked(s + "gate_up_proj.weight", gu, logical, 0)),
+        out += [(s + "gate_up_proj.weight", (2 * fs, H), (2 * fs, H),
+                 stacked(s + "gate_up_proj.weight", gu, logical, 0)),
                 (s + "down_proj.weight", (H, fs), (H, fs),
                  stacked(s + "down_proj.weight", [Segment(s + "down_proj.weight", r * fs, fs)], logical, 1))]
     return out

@@ -26,7 +26,8 @@ LAYER_NORM_NAMES = {
 }
 # Local expert j's (fc1, fc2) names: SequentialMLP or TE grouped GEMM.
 EXPERT_NAMES = {
-    "sequential": ("mlp.experts.local_experts.{j}.linear_fc1.weight", "mlp.experts.local_experts.{j}.linear_fc2.weight"),
+    "sequential": ("mlp.experts.local_experts.{j}.linear_fc1.weight",
+                   "mlp.experts.local_experts.{j}.linear_fc2.weight"),
     "grouped": ("mlp.experts.linear_fc1.weight{j}", "mlp.experts.linear_fc2.weight{j}"),
 }
 QK_NORMS = {
@@ -183,7 +184,8 @@ def _shared(spec: ModelSpec, pre: str, hf: str, r: int, t: int,
             logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
     f, H = spec.shared_expert_intermediate_size // t, spec.hidden_size
     fc1, fc2 = pre + "mlp.shared_experts.linear_fc1.weight", pre + "mlp.shared_experts.linear_fc2.weight"
-    segs = [Segment(hf + "shared_experts.gate_proj.weight", r * f, f), Segment(hf + "shared_experts.up_proj.weight", r * f, f)]
+    segs = [Segment(hf + "shared_experts.gate_proj.weight", r * f, f),
+            Segment(hf + "shared_experts.up_proj.weight", r * f, f)]
     return [(fc1, (2 * f, H), stacked(fc1, segs, logical, 0)),
             (fc2, (H, f), stacked(fc2, [Segment(hf + "shared_experts.down_proj.weight", r * f, f)], logical, 1))]
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
@@ -106,7 +107,7 @@ class _Leaf(nn.Module):
         super().__init__()
         for attr in attrs:
             meta = rl.tensor(f"{prefix}.{attr}")
-            data = torch.zeros(meta.stored, dtype=getattr(torch, meta.dtype), device=device)
+            data = torch.zeros(meta.stored, dtype=torch_dtype(meta.dtype), device=device)
             self.register_parameter(attr, nn.Parameter(data, requires_grad=False))
 
 
@@ -298,7 +299,7 @@ class EngineModel(nn.Module):
         self.model = _Decoder(spec, rl, self.tp, ep, self.device)
         if not spec.tie_word_embeddings:
             self.lm_head = _Leaf(rl, "lm_head", ("weight",), self.device)
-        self.dtype = getattr(torch, _dtype_name(dtype))
+        self.dtype = torch_dtype(_dtype_name(dtype))
         self.vocab_rows = rl.tensor("model.embed_tokens.weight").shape[0]
         got = [(n, tuple(p.shape)) for n, p in self.named_parameters()]
         assert got == [(t.name, t.stored) for t in rl.tensors], "parameters diverge from layout"

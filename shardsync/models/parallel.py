@@ -47,8 +47,9 @@ def megatron_groups(par: MegatronParallel, *, first_rank: int = 0,
     then PP).
 
     ``moe``: also the expert and expert-DP groups.  Collective over the default group: every
-    process of it calls this with the same arguments, in the same order as its other ``new_group`` calls, member or not.  Groups of
-    size 1 are not created.  Processes outside the model get ``rank=None``.
+    process of it calls this with the same arguments, in the same order as its other
+    ``new_group`` calls, member or not.  Groups of size 1 are not created.  Processes outside
+    the model get ``rank=None``.
     """
     me = dist.get_rank() - first_rank
     mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None, "expert": None,

@@ -145,8 +145,8 @@ class _Experts(nn.Module):
             for fc in ("linear_fc1", "linear_fc2"):
                 setattr(self.experts, fc, _Weights(tensors, f"{prefix}experts.{fc}", [f"weight{j}" for j in range(n)],
                                                    tp_sharded=False))
-            self._local = [(getattr(self.experts.linear_fc1, f"weight{j}"), getattr(self.experts.linear_fc2, f"weight{j}"))
-                           for j in range(n)]
+            fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
+            self._local = [(getattr(fc1, f"weight{j}"), getattr(fc2, f"weight{j}")) for j in range(n)]
         else:
             self.experts.local_experts = nn.ModuleList()
             for j in range(n):

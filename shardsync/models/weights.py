@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from shardsync.dtypes import torch_dtype
 from shardsync.layout import Layout, full_layout
 from shardsync.plan import build_plan
 from shardsync.plan.local import region
@@ -87,7 +88,7 @@ def load_rank(layout: Layout, rank: int, source: TensorSource, *,
     """Rank ``rank``'s local tensors (layout dtype), padding zero, filled from ``source``."""
     plan = build_plan(full_layout(layout.spec, dtype="float32"), layout)
     out = {
-        t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=device)
+        t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device)
         for t in layout.ranks[rank].tensors
     }
     mine = [c for c in plan.copies if c.dst == rank]

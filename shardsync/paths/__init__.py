@@ -43,7 +43,7 @@ def connection_modes(full: Mode, delta: str | None) -> tuple[Mode, ...]:
     """The paths one connection compiles: both full paths when p2p can run (an update may
     pick either), else broadcast; plus the delta path over ``delta`` when delta is on.  A
     delta over p2p without the p2p plan goes over broadcast."""
-    modes = FULL if full is Mode.P2P else (Mode.BROADCAST,)
+    modes: tuple[Mode, ...] = FULL if full is Mode.P2P else (Mode.BROADCAST,)
     if delta is not None:
         modes += (Mode.delta("broadcast" if delta == "p2p" and full is not Mode.P2P else delta),)
     return modes

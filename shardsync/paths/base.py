@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
 from shardsync.delta.transfer import Snapshot
+from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import RankLayout
 from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology
@@ -49,7 +50,7 @@ class Endpoint:
 
     @property
     def wire_dtype(self) -> torch.dtype:
-        return getattr(torch, self.topo.wire_dtype)
+        return torch_dtype(self.topo.wire_dtype)
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,45 @@ class UpdateArgs:
     root: str | None = None  # disk deltas: the published directory
 
 
-class Program(Protocol):
-    """One rank's compiled path; ``run`` is collective over every rank of the sync."""
+class Program:
+    """One rank's compiled path; ``run`` is collective over every rank of the sync.
 
-    buckets: int
+    A path declares what it can do beyond ``run`` here, so callers never ask an object what
+    it is: the flags say how the update around it is ordered, the hooks default to nothing.
+    """
 
-    def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats: ...
+    buckets: int = 0  # buckets one update moves on this rank (reported per update)
+    # the trainer may send before the engines' begin answers arrive: a refusal is answered
+    # through the path itself (``refuse``), in place of its bytes
+    answers_refusals: ClassVar[bool] = False
+    # a receive writes nothing the destination must catch up first (the bytes were written
+    # before the receive started: a push), so ``Destination.prepare`` copies nothing
+    overwrites: ClassVar[bool] = False
 
-    def close(self) -> None: ...
+    def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the program holds (mapped memory, slots); the group is not closed."""
+        return None
+
+    def launch(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Trainer, before the engines hear of the update: start what need not wait (a push
+        starts its copies).  Nothing by default."""
+        return None
+
+    def refuse(self) -> None:
+        """Engine: answer an update the host refused whose signal is already on its way
+        (``answers_refusals``).  Nothing by default: the trainer waited for the refusal."""
+        return None
+
+    def committed(self) -> None:
+        """Engine: the receive was committed (a writer in another process learns where the
+        next one lands).  Nothing by default."""
+        return None
+
+    def publish(self, args: UpdateArgs) -> str:
+        """Trainer rank 0, after every rank ran: make the update visible to the engines and
+        say where they read it (disk deltas: the version's directory).  Paths that move
+        bytes over a group publish nothing."""
+        raise NotImplementedError(f"{type(self).__name__} has nothing to publish: engines receive it in run()")

@@ -11,13 +11,13 @@ from collections.abc import Mapping
 
 import torch
 
-from shardsync.paths.base import Endpoint, UpdateArgs
+from shardsync.paths.base import Endpoint, Program, UpdateArgs
 from shardsync.runtime.executor import BufferPool, execute
 from shardsync.runtime.schedule import broadcast_steps
 from shardsync.runtime.stats import Stats
 
 
-class BroadcastProgram:
+class BroadcastProgram(Program):
     def __init__(self, ep: Endpoint) -> None:
         if ep.group is None:
             raise ValueError("the broadcast path needs a sync group")
@@ -35,6 +35,3 @@ class BroadcastProgram:
         total.peak_buffer_bytes = self.pool.allocated_bytes
         total.buckets = self.buckets
         return total
-
-    def close(self) -> None:
-        return None

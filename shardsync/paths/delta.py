@@ -11,13 +11,11 @@ import torch
 
 from shardsync.delta.transfer import DeltaRunner
 from shardsync.mode import Mode
-from shardsync.paths.base import Endpoint, UpdateArgs
+from shardsync.paths.base import Endpoint, Program, UpdateArgs
 from shardsync.runtime.stats import Stats
 
 
-class DeltaProgram:
-    buckets = 0
-
+class DeltaProgram(Program):
     def __init__(self, ep: Endpoint, mode: Mode) -> None:
         if ep.group is None:
             raise ValueError(f"the {mode} path needs a sync group")
@@ -32,6 +30,3 @@ class DeltaProgram:
         stats = self.runner.run(self.mode.plan.value, tensors, self.group)
         stats.peak_buffer_bytes = self.runner.pool.allocated_bytes
         return stats
-
-    def close(self) -> None:
-        return None

@@ -11,14 +11,12 @@ import torch
 
 from shardsync.delta.disk import DiskPublisher, apply_version
 from shardsync.layout.piece import RankLayout
-from shardsync.paths.base import Endpoint, UpdateArgs
+from shardsync.paths.base import Endpoint, Program, UpdateArgs
 from shardsync.runtime.stats import Stats
 
 
-class DiskWrite:
+class DiskWrite(Program):
     """Trainer side; collective over the trainer ranks of the sync group."""
-
-    buckets = 0
 
     def __init__(self, ep: Endpoint) -> None:
         if not ep.delta_dir or ep.snapshot is None:
@@ -33,18 +31,15 @@ class DiskWrite:
         assert args.base_version is not None, "a disk delta is against a base version"
         return self.publisher.write(args.version, args.base_version, self.group)
 
-    def publish(self, args: UpdateArgs) -> None:
-        """Trainer rank 0, after every rank wrote."""
+    def publish(self, args: UpdateArgs) -> str:
+        """Trainer rank 0, after every rank wrote: the version appears atomically under the root."""
+        assert args.base_version is not None, "a disk delta is against a base version"
         self.publisher.publish(args.version, args.base_version)
-
-    def close(self) -> None:
-        return None
+        return self.root
 
 
-class DiskApply:
+class DiskApply(Program):
     """Engine side: one rank applies a published version (part targets cached across pulls)."""
-
-    buckets = 0
 
     def __init__(self, rank: RankLayout) -> None:
         self.rank = rank
@@ -53,6 +48,3 @@ class DiskApply:
     def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
         assert args.root is not None and args.base_version is not None
         return apply_version(args.root, args.version, args.base_version, tensors, self.rank, self._targets)
-
-    def close(self) -> None:
-        return None

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from shardsync.paths.base import Endpoint, UpdateArgs
+from shardsync.paths.base import Endpoint, Program, UpdateArgs
 from shardsync.runtime.executor import BufferPool, Transport, execute
 from shardsync.runtime.schedule import p2p_steps
 from shardsync.runtime.stats import Stats
@@ -18,7 +18,7 @@ from shardsync.transport.mapped import MappedTransport
 from shardsync.transport.pushed import PushedTransport
 
 
-class P2pProgram:
+class P2pProgram(Program):
     """Steps of one rank through the one executor (group or IPC slots as the transport)."""
 
     def __init__(self, ep: Endpoint, steps: list[Step], transport: Transport,
@@ -39,7 +39,7 @@ class P2pProgram:
             self.slots.detach()  # unmap the trainer's slots
 
 
-class MappedProgram:
+class MappedProgram(Program):
     """Colocated: the engine copies the plan's regions out of the trainer's mapped tensors.
     One signal each way per update, so a refusal can be answered in place of the copies
     (``answers_refusals``: the trainer need not wait for the begin's answer first)."""
@@ -66,6 +66,10 @@ class PushedProgram(MappedProgram):
     receive only checks and acks; the receiver hears of each commit (the next set to write)."""
 
     overwrites = True  # the staging copy is written before the receive starts: nothing to catch up
+    mapped: PushedTransport
+
+    def __init__(self, ep: Endpoint, mapped: PushedTransport, buckets: int) -> None:
+        super().__init__(ep, mapped, buckets)
 
     def launch(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Trainer: start the copies before the engines hear of the update (``run`` signals)."""
@@ -75,7 +79,7 @@ class PushedProgram(MappedProgram):
         self.mapped.committed()
 
 
-def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
+def compile_p2p(ep: Endpoint) -> Program:
     """Collective with the other end when ``ipc`` is set: trainer ranks export before engine
     ranks map (engines wait for the handles, bounded by the group timeout)."""
     if ep.group is None:
@@ -85,18 +89,27 @@ def compile_p2p(ep: Endpoint) -> P2pProgram | MappedProgram:
         push = ep.ipc == "push"
         if push and not ep.is_trainer and ep.staging is None:
             raise ValueError("ipc='push' needs the engine's staging copies (Endpoint.staging)")
-        kind, extra = (PushedTransport, {"staging": ep.staging}) if push else (MappedTransport, {})
-        mapped = kind.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
-                               mailbox=ep.ipc_mailbox, **extra)
-        if ep.is_trainer:
-            mapped.export(ep.tensors)
+        program: MappedProgram
+        if push:
+            pushed = PushedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
+                                              mailbox=ep.ipc_mailbox, staging=ep.staging)
+            program = PushedProgram(ep, pushed, len(steps))
         else:
-            for peer in mapped.peers:
-                mapped.attach(peer, 1, ep.tensors)
-        return (PushedProgram if push else MappedProgram)(ep, mapped, len(steps))
+            mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
+                                              mailbox=ep.ipc_mailbox)
+            program = MappedProgram(ep, mapped, len(steps))
+        tensors = ep.tensors
+        assert tensors is not None, "both ends of a colocated path build their Endpoint with their tensors"
+        if ep.is_trainer:
+            program.mapped.export(tensors)
+        else:
+            for peer in program.mapped.peers:
+                program.mapped.attach(peer, 1, tensors)
+        return program
     if ep.ipc == "slots":
         slots = IpcTransport(ep.group, slots=ep.credits, secret=ep.secret)
         if ep.is_trainer:
+            assert ep.tensors is not None, "a trainer rank builds its Endpoint with its tensors"
             device = next(iter(ep.tensors.values())).device
             for peer in sorted({s.comm[1] for s in steps if s.comm[0] == "send"}):
                 numel = max(s.numel for s in steps if s.comm == ("send", peer))

@@ -6,6 +6,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 import torch
 
+from shardsync.dtypes import torch_dtype
 from shardsync.plan.plan import Copy, Plan
 
 
@@ -16,7 +17,7 @@ def region(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...
 def allocate(plan: Plan, rank: int, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Zeroed destination tensors of ``rank`` (padding stays zero)."""
     return {
-        t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=device)
+        t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device)
         for t in plan.dst.ranks[rank].tensors
     }
 

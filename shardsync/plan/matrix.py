@@ -1,7 +1,7 @@
 """The fallback matrix: which path a sync takes for a topology and a mode, and why.
 
-Every answer comes from the precondition table (``check_p2p``); this module only
-enumerates topologies and applies the mode rules of ``paths.choose_full``:
+Every answer comes from the precondition table (``check_p2p``) through ``plan.choose``,
+the decision ``WeightSync.connect`` makes; this module only enumerates topologies:
 
 - ``auto``: p2p when every precondition holds, else broadcast, naming the first failure;
 - ``p2p``: p2p, or refused with the ``ValueError`` that ``WeightSync.connect`` raises;
@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.mode import Mode
+from shardsync.plan.choose import choose
 from shardsync.plan.preconditions import PRECONDITIONS, Verdict, check_p2p
 from shardsync.spec import PRESETS, ModelSpec
 from shardsync.topology import ENGINE_KINDS, Topology
+from shardsync.vocab import Request
 
-MODES = ("auto", "p2p", "broadcast")
+MODES = Request.names()
 MODELS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
 # Preconditions whose failure means the deployment itself cannot exist.
 _EXISTENCE = ("trainer_layout", "engine_layout")
@@ -98,21 +101,14 @@ class Entry:
 
 def decide(entry: Entry, mode: str) -> Decision:
     """The path ``WeightSync`` takes for ``entry`` when configured with ``mode``."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = Request.parse(mode, "mode").value
     if (bad := entry.impossible) is not None:
         return Decision(mode, "refused", f"no such deployment ({bad.name}): {bad.detail}")
-    if mode == "broadcast":
-        return Decision(mode, "broadcast", "")
-    failed = entry.first_failure
-    if failed is None:
-        return Decision(mode, "p2p", "")
-    # Same wording as paths.choose_full (tests/unit/test_matrix.py holds them equal).
-    reason = f"p2p precondition {failed.name} failed: {failed.detail}"
-    if mode == "p2p":
-        return Decision(mode, "refused", f"ValueError: mode='p2p' requested but {reason}; "
-                                         "use mode='auto' or 'broadcast'")
-    return Decision(mode, "broadcast", reason)
+    try:
+        path, reason = choose({Mode.P2P: entry.verdicts}, mode)
+    except ValueError as e:  # what WeightSync.connect raises
+        return Decision(mode, "refused", f"ValueError: {e}")
+    return Decision(mode, path.value, reason or "")
 
 
 def grid_cases() -> Iterator[Case]:

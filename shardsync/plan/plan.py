@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from shardsync.dtypes import torch_dtype
 from shardsync.gcpause import gc_paused
 from shardsync.layout.piece import Box, Layout, box_overlap, volume
 
@@ -44,7 +45,7 @@ class Copy(NamedTuple):
 
 
 def dtype_itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ def _hits(logical: str, offsets: Box, sizes: Box, local_offsets: Box, boxes: lis
             if all(o <= q and q + n <= o + m for o, m, q, n in zip(off, size, offsets, sizes, strict=True)):
                 rel = tuple(q - o for q, o in zip(offsets, off, strict=True))
                 srcs = holders if not any(rel) else [
-                    (rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True))) for rank, local, loc in holders]
+                    (rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True)))
+                    for rank, local, loc in holders]
                 return [(volume(sizes), srcs, local_offsets, offsets, sizes)]
     raw = []
     for (off, size), holders in boxes:
@@ -183,7 +185,8 @@ def _hits(logical: str, offsets: Box, sizes: Box, local_offsets: Box, boxes: lis
     for off, holders, (ov_off, ov_size) in raw:
         rel = tuple(o - b for o, b in zip(ov_off, off, strict=True))
         if any(rel):
-            srcs = [(rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True))) for rank, local, loc in holders]
+            srcs = [(rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True)))
+                    for rank, local, loc in holders]
         else:  # the overlap starts where the source box does (replicas, whole pieces)
             srcs = holders
         dst_off = tuple(lo + o - b for lo, o, b in zip(local_offsets, ov_off, offsets, strict=True))

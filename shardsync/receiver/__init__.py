@@ -11,5 +11,5 @@ from shardsync.receiver.connect import (
 from shardsync.receiver.destination import Destination, Loader, Params, Slice, Staged
 from shardsync.receiver.receiver import Receiver
 
-__all__ = ["Destination", "Loader", "Params", "Receiver", "Slice", "Staged", "check_connect", "connect_request", "spec_from_dict",
-           "topology_from_connect"]
+__all__ = ["Destination", "Loader", "Params", "Receiver", "Slice", "Staged", "check_connect", "connect_request",
+           "spec_from_dict", "topology_from_connect"]

@@ -32,7 +32,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
                     verify: bool = False) -> ConnectRequest:
     """What trainer rank 0 sends engine ``index`` of ``topo``."""
     t = topo.trainer
-    if t.kind == "fsdp2":
+    if isinstance(t, Fsdp2Parallel):  # kind "fsdp2"
         trainer = {"kind": "fsdp2", "shard": t.shard, "replicate": t.replicate, "dtype": t.dtype}
     else:
         trainer = {"tp": t.tp, "pp": t.pp, "dp": t.dp, "pp_layers": list(t.pp_layers) if t.pp_layers else None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
@@ -19,19 +19,41 @@ from shardsync.plan.local import region
 from shardsync.runtime.gated import Gated
 
 
-class Destination(Protocol):
-    name: str
+class Destination:
+    """Where one engine rank's receives land.  A destination that serves from elsewhere than
+    it receives into (``Staged``) overrides the hooks; the defaults are a destination that
+    receives into what it serves."""
+
+    name: ClassVar[str] = "destination"
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Engine-layout local tensors (``layout.engine`` names) the paths write into."""
-        ...
+        raise NotImplementedError
 
     def commit(self) -> None:
         """A receive into ``tensors()`` succeeded: make it the engine's weights."""
-        ...
+        return None
+
+    def served(self) -> Mapping[str, torch.Tensor]:
+        """What the engine serves from (checksums read these)."""
+        return self.tensors()
+
+    def prepare(self, *, overwrites: bool = False) -> None:
+        """Before a receive (off the engine's pause): bring ``tensors()`` up to the served
+        weights where they lag.  ``overwrites``: the receive was written already (a push)."""
+        return None
+
+    def discard(self) -> None:
+        """A receive into ``tensors()`` failed: drop what it wrote where that is possible."""
+        return None
+
+    def staged(self) -> Staged | None:
+        """The staging capability (a copy received while serving, committed between two
+        steps), or None where receives land in what is served."""
+        return None
 
 
-class Params:
+class Params(Destination):
     """The engine's live parameters, written in place (``commit`` has nothing left to do)."""
 
     name = "params"
@@ -57,7 +79,7 @@ class Slice:
     tensor: torch.Tensor
 
 
-class Loader:
+class Loader(Destination):
     """For engines whose parameters cannot be written directly (repacked, quantized): the
     receive lands in engine-layout staging tensors, and ``commit`` hands ``load`` every
     checkpoint-format slice this rank holds, tensor by tensor.
@@ -89,7 +111,16 @@ class Loader:
 COMMITS = ("swap", "copy")  # how a staged receive becomes the served weights
 
 
-class Staged:
+@dataclass(frozen=True)
+class StagingFacts:
+    """What an update's record says of the staging it went through."""
+
+    mode: str  # how a commit makes the staged copy served (``COMMITS``)
+    nbytes: int  # bytes staged (the window)
+    shard_bytes: int  # bytes of the rank's whole shard
+
+
+class Staged(Destination):
     """Receive while serving: the paths write into a second copy of this rank's tensors and
     ``commit`` (between two forward steps) makes it the served one - by swapping storages
     (pointer moves: for engines that re-read ``param.data`` every step) or, where the
@@ -108,6 +139,9 @@ class Staged:
     """
 
     name = "staged"
+
+    def staged(self) -> Staged:
+        return self
 
     def __init__(self, params: Mapping[str, torch.Tensor], *, commit: str = "swap",
                  budget: int | None = None) -> None:
@@ -150,7 +184,7 @@ class Staged:
         # two fixed mappings (A served, B staging, then the other way round): a path that
         # compiled views of one mapping finds them again two updates later
         self._sets: list[dict[str, torch.Tensor]] = [{n: self._live[n].detach().clone() for n in names}, {}]
-        self._views = [self._view(0), None]
+        self._views: list[Mapping[str, torch.Tensor] | None] = [self._view(0), None]
         self._staging = 0
         self._behind = False
         self.nbytes = sum(_nbytes(t) for t in self._sets[0].values())
@@ -167,12 +201,12 @@ class Staged:
             self.touched = True
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        if self._views[self._staging] is None:
-            self._views[self._staging] = self._view(self._staging)
-        return self._views[self._staging]
+        view = self._views[self._staging]
+        if view is None:
+            view = self._views[self._staging] = self._view(self._staging)
+        return view
 
     def served(self) -> Mapping[str, torch.Tensor]:
-        """What the engine serves from (checksums read these)."""
         return self._live
 
     def sets(self) -> list[dict[str, torch.Tensor]]:
@@ -234,6 +268,7 @@ class Staged:
         if overwrites:  # nothing is written here: the writer waits on the fence itself
             self._behind = False
         elif self._fenced:
+            assert self._fence is not None, "fenced only after fence() made the event"
             torch.cuda.current_stream().wait_event(self._fence)
         self._fenced = False
         if self._behind:
@@ -248,6 +283,10 @@ class Staged:
         stand unless ``touched``); staging is caught up later."""
         self._behind = True
         self._ready.clear()
+
+    @property
+    def facts(self) -> StagingFacts:
+        return StagingFacts(self.mode, self.nbytes, self.shard_bytes)
 
     def commit(self) -> None:
         ready, self._ready = self._ready, []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -40,12 +40,16 @@ from shardsync.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 
+_ModeName = Literal["p2p", "broadcast", "delta-p2p", "delta-broadcast", "delta-disk"]  # a ``Mode``'s value
+assert set(get_args(_ModeName)) == {m.value for m in Mode}, "_ModeName lists every Mode"
+
+
 class Call(Msg):
     """One update (or checksum round) as the trainer's client names it."""
 
     seq: int = Field(ge=1, le=MAX_VERSION)  # this call's number on the connection (store keys)
     version: Version
-    mode: Literal[tuple(m.value for m in Mode)]
+    mode: _ModeName
     fingerprint: str = Field("", max_length=64)
     base_version: Version | None = None
     root: str | None = Field(None, max_length=4096)  # delta-disk: the published directory
@@ -100,6 +104,7 @@ class HostedRank:
         if self.receiver is not None and self.receiver is not rx:
             self.receiver.leave()
         rx.join(req)
+        assert rx.group is not None, "a receiver that joined holds its group"
         self.receiver, self.fingerprints = rx, fingerprints
         self.keys, self.engine_index = Keys(req.rendezvous.name), req.engine_index
         self.stale = True  # the first update of a connection is a full one
@@ -122,6 +127,7 @@ class HostedRank:
                         self.tp_rank, call.seq, self.seq)
             return
         self.seq = call.seq
+        assert rx.group is not None, "a connected receiver holds its group"
         store = rx.group.store
         if call.op == "checksum":
             try:

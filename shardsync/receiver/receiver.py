@@ -11,6 +11,7 @@ marks its weights stale until a full update.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -51,16 +52,16 @@ class Receiver:
                                     EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=self.dtype_name, whole=whole))
         self.rank_layout = self.layout.ranks[self.index]
         self._meta = {t.name: t for t in self.rank_layout.tensors}
-        self._views: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}  # id(mapping) -> views
+        self._views: dict[int, tuple[object, Mapping[str, torch.Tensor]]] = {}  # id(mapping) -> views
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
         self._disk = DiskApply(self.rank_layout)
         self.sync_rank: int | None = None
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
         return self._addressed(self.destination.tensors())
 
-    def _addressed(self, src) -> dict[str, torch.Tensor]:
+    def _addressed(self, src: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """``src`` as the views the layout addresses (3-D expert stacks as 2-D), built once per
         mapping (a staged destination alternates two), not once per update."""
         hit = self._views.get(id(src))
@@ -113,29 +114,29 @@ class Receiver:
     @property
     def unpushable(self) -> str | None:
         """Where this rank receives, if a pushing trainer cannot write it (None: it can)."""
-        dest = self.destination
-        if hasattr(dest, "sets") and getattr(dest, "whole", False):
+        staged = self.destination.staged()
+        if staged is not None and staged.whole:
             return None
-        return f"{dest.name} ({'a staging window' if hasattr(dest, 'sets') else 'no staging copy'})"
+        return f"{self.destination.name} ({'a staging window' if staged is not None else 'no staging copy'})"
 
     def _staging(self) -> Staging:
         """What a pushing trainer writes: the destination's staging sets, as the layout addresses them."""
-        dest = self.destination
-        if self.unpushable is not None:
+        dest = self.destination.staged()
+        if dest is None or self.unpushable is not None:
             raise ValueError(PUSH_NEEDS_STAGING.format(where=self.unpushable))
         return Staging(sets=[self._addressed(s) for s in dest.sets()], index=lambda: dest.staging_index,
                        ready_at=dest.ready_at, fence=dest.fence)
 
     def _plan_window(self, topo, me: int, req: ConnectRequest, full: list[Mode]) -> None:
         """A staging window holds the tensors this connection's receive writes first."""
-        plan = getattr(self.destination, "plan_window", None)
-        if plan is None or not full:
+        staged = self.destination.staged()
+        if staged is None or not full:
             return
         if full[0] is Mode.P2P:
             steps = p2p_steps(topo, me, req.bucket_bytes)
         else:
             steps = [s for st in range(topo.trainer.pp) for s in broadcast_steps(topo, me, req.bucket_bytes, st)]
-        plan(write_order(steps))
+        staged.plan_window(write_order(steps))
 
     def receive(self, mode: Mode, args: UpdateArgs | None = None, *, commit: bool = True) -> Stats:
         """One update into the destination (collective over the sync).  ``commit=False``: the
@@ -144,13 +145,13 @@ class Receiver:
         if program is None:
             raise RuntimeError(f"not connected for {mode} (have {sorted(m.value for m in self.programs)})")
         try:
-            self._prepare(overwrites=getattr(program, "overwrites", False))
+            self.destination.prepare(overwrites=program.overwrites)
             stats = program.run(self._tensors(), args or UpdateArgs())
             if commit:
                 self.commit()
         except Exception as e:
             log.warning("tp%d: receive (%s) failed: %s", self.tp_rank, mode, e)
-            self._discard()
+            self.destination.discard()
             self.leave()
             raise
         return stats
@@ -158,24 +159,25 @@ class Receiver:
     def refuse(self, mode: Mode) -> None:
         """Answer an update the host refused whose signal is already on its way (a program
         with ``answers_refusals``); the weights are not touched.  A failure leaves the group."""
-        refuse = getattr(self.programs.get(Mode(mode)), "refuse", None)
-        if refuse is None:
+        program = self.programs.get(Mode(mode))
+        if program is None or not program.answers_refusals:
             return  # the trainer waits for the refusal before it sends anything
         try:
-            refuse()
+            program.refuse()
         except Exception as e:
             log.warning("tp%d: answering a refused update failed: %s", self.tp_rank, e)
             self.leave()
             raise
 
-    def pull(self, root: str, version: int, base_version: int, *, commit: bool = True) -> Stats:
-        """Apply a disk delta published under ``root`` (this rank's parts only)."""
+    def pull(self, root: str | None, version: int, base_version: int | None, *, commit: bool = True) -> Stats:
+        """Apply a disk delta published under ``root`` (this rank's parts only).  ``root`` and
+        ``base_version`` go to ``UpdateArgs`` as they come; the disk path refuses a missing one."""
         try:
-            self._prepare()
+            self.destination.prepare()
             stats = self._disk.run(self._tensors(),
                                    UpdateArgs(version=version, base_version=base_version, root=root))
         except Exception:
-            self._discard()
+            self.destination.discard()
             raise
         if commit:
             self.commit()
@@ -186,24 +188,12 @@ class Receiver:
         from another process learn where the next receive lands (``committed``)."""
         self.destination.commit()
         for program in self.programs.values():
-            committed = getattr(program, "committed", None)
-            if committed is not None:
-                committed()
-
-    def _prepare(self, *, overwrites: bool = False) -> None:
-        prepare = getattr(self.destination, "prepare", None)
-        if prepare is not None:
-            prepare(overwrites=True) if overwrites else prepare()
-
-    def _discard(self) -> None:
-        discard = getattr(self.destination, "discard", None)
-        if discard is not None:
-            discard()
+            program.committed()
 
     def checksums(self) -> dict[BoxKey, int]:
         """Bitwise checksums of the pieces this rank serves (``runtime.checksum``)."""
-        served = getattr(self.destination, "served", self.destination.tensors)()
-        return piece_checksums(self.rank_layout, self._addressed(served), self.layout.logical, self.dtype)
+        return piece_checksums(self.rank_layout, self._addressed(self.destination.served()), self.layout.logical,
+                               self.dtype)
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""

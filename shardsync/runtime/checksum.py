@@ -78,9 +78,9 @@ def combine(parts: Iterable[Mapping[BoxKey, int]]) -> dict[str, int | None]:
             else:
                 boxes.setdefault(key, value)
     out: dict[str, int | None] = {}
-    for (name, _, _), value in boxes.items():
+    for (name, _, _), box in boxes.items():
         prev = out.get(name, 0)
-        out[name] = None if prev is None or value is None else prev + value
+        out[name] = None if prev is None or box is None else prev + box
     return out
 
 

@@ -48,3 +48,13 @@ class Gated(Mapping[str, torch.Tensor]):
         """The same gate over ``fn(name, tensor)`` of every tensor (views of them)."""
         return Gated({n: fn(n, t) for n, t in self._staging.items()},
                      {n: fn(n, t) for n, t in self._live.items()}, self._open)
+
+
+def ungated(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Every tensor of a receive's mapping, without opening a gate (for compiling views)."""
+    return tensors.ungated if isinstance(tensors, Gated) else tensors
+
+
+def window_of(tensors: Mapping[str, torch.Tensor]) -> frozenset[str] | None:
+    """The staged names of a receive's mapping, or None when every tensor is written as is."""
+    return tensors.window if isinstance(tensors, Gated) else None

@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from shardsync.runtime.stats import Stats
 
@@ -80,6 +80,20 @@ def append_jsonl(path: str | Path, record: UpdateRecord) -> None:
         f.write(record.to_json() + "\n")
 
 
+class _Common(TypedDict):
+    """The ``UpdateRecord`` fields every mode's record sets alike (``make_record``)."""
+
+    version: int
+    mode: str
+    ok: bool
+    rank: int
+    error: str | None
+    source: str
+    bytes_sent: int
+    engines: list[dict[str, Any]]
+    phases: dict[str, float]
+
+
 def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None,
                 engines: list[UpdateResult], times: dict[str, float], *, rank: int, topo: Topology,
                 detail: bool, fallback_reason: str | None, buckets: int, source: str = "device") -> UpdateRecord:
@@ -89,8 +103,8 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
     unpack = max((e.unpack_s for e in engines), default=0.0)
     phases = {"plan": times["plan"], "pack": stats.pack_s, "transfer": stats.transfer_s, "unpack": unpack,
               **{k: v for k, v in times.items() if k != "plan"}}
-    common = dict(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
-                  bytes_sent=stats.bytes_sent, engines=[e.model_dump() for e in engines], phases=phases)
+    common = _Common(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
+                     bytes_sent=stats.bytes_sent, engines=[e.model_dump() for e in engines], phases=phases)
     if mode.is_delta:
         delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),
                  "engine_changed": sum(e.changed for e in engines),

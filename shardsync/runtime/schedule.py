@@ -138,7 +138,7 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> l
     source = topo.stage_ranks(stage)[0]
     gather = topo.gather_plan
     engine_rank = me - ranks.trainer_world
-    narrow = None
+    narrow: dict[str, list[Copy]] | None = None
     if engine_rank >= 0:
         engine = next(i for i in range(len(topo.engines))
                       if topo.engine_rank_offset(i) <= engine_rank < topo.engine_rank_offset(i + 1))

@@ -182,7 +182,7 @@ class Gather:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._runs = 0
         # word offsets from two base storages (any address works: flat 64-bit device addresses)
-        self._bases = [torch.empty(0, dtype=dtype, device=device).set_(t.untyped_storage(), 0, (1,))
+        self._bases = [torch.empty(0, dtype=dtype, device=device).set_(t.untyped_storage(), 0, (1,), (1,))
                        for t in (pairs[0][1], pairs[0][0])]
         src0, dst0 = (b.data_ptr() for b in self._bases)
         self._tables = [((tiles.src - src0) // unit).to(device), ((tiles.dst - dst0) // unit).to(device),
@@ -193,7 +193,8 @@ class Gather:
             programs = min(self.count, sms * tuning.per_sm)
         self.programs = max(1, programs)
         self._grid = (self.programs,)
-        self._meta = dict(TILE=tuning.tile_bytes // unit, BLOCK=max(1, min(tuning.tile_bytes, tuning.block_bytes) // unit),
+        self._meta = dict(TILE=tuning.tile_bytes // unit,
+                          BLOCK=max(1, min(tuning.tile_bytes, tuning.block_bytes) // unit),
                           PAIRS=self.word == 16, STREAMING=tuning.streaming, PERSISTENT=bool(tuning.per_sm),
                           num_warps=tuning.num_warps)
 

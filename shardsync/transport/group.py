@@ -11,8 +11,9 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ def open_store(rdv: Rendezvous, *, is_master: bool) -> dist.TCPStore:
 
 
 def _make_pg(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
-             device: torch.device | None):
+             device: torch.device | None) -> Any:  # torch's stubs declare no collectives on Backend: Any
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
@@ -113,7 +114,7 @@ class SyncGroup(Pooled):
     ``subgroups`` (name -> member sync ranks, first member is the root), in the same order.
     """
 
-    def __init__(self, rdv: Rendezvous, rank: int, subgroups: dict[str, Sequence[int]] | None = None,
+    def __init__(self, rdv: Rendezvous, rank: int, subgroups: Mapping[str, Sequence[int]] | None = None,
                  *, store: dist.Store | None = None, device: torch.device | None = None) -> None:
         self.rdv, self.rank = rdv, rank
         self.device = device
@@ -121,7 +122,7 @@ class SyncGroup(Pooled):
         base = dist.PrefixStore(rdv.name, self.store)
         self.world = _make_pg(dist.PrefixStore("world", base), rank, rdv.world_size, rdv.backend,
                               rdv.timeout, device)
-        self.groups: dict[str, tuple[object, list[int]]] = {}
+        self.groups: dict[str, tuple[Any, list[int]]] = {}  # name -> (process group, members) as _make_pg
         for name, members in (subgroups or {}).items():
             members = list(members)
             if rank in members:
@@ -167,7 +168,7 @@ class SyncGroup(Pooled):
     def allreduce_max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)  # the conversion pybind makes implicitly
         self.world.allreduce([t], opts).wait(self.rdv.timeout)
         return float(t.item())
 
@@ -182,12 +183,8 @@ class SyncGroup(Pooled):
         self.groups.clear()
 
 
-def _shutdown(pg) -> None:
-    for attr in ("shutdown", "abort"):
-        fn = getattr(pg, attr, None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:  # a broken group may refuse; it is dropped either way
-                log.debug("process group %s failed", attr, exc_info=True)
-            return
+def _shutdown(pg: Any) -> None:  # a gloo or NCCL backend: shutdown is declared on their base
+    try:
+        pg.shutdown()
+    except Exception:  # a broken group may refuse; it is dropped either way
+        log.debug("process group shutdown failed", exc_info=True)

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.multiprocessing as tmp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardsync.dtypes import TORCH_DTYPES
 from shardsync.transport.events import EventHandle
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
+DTYPES = TORCH_DTYPES  # the dtypes a handle may name
 
 
 def _b64(b: bytes | None) -> str | None:
@@ -77,8 +74,9 @@ class OpenedSet(NamedTuple):
 
 def export_tensor(t: torch.Tensor) -> TensorHandle:
     """A handle of ``t`` for one reader (CPU tensors move into shared memory, in place)."""
-    common = dict(dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape), stride=tuple(t.stride()),
-                  offset=t.storage_offset())
+    # the view's fields, validated by ``TensorHandle`` (mixed value types: Any)
+    common: dict[str, Any] = dict(dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape),
+                                  stride=tuple(t.stride()), offset=t.storage_offset())
     storage = t.untyped_storage()
     if t.is_cuda:
         (device, handle, size, offset, rc_handle, rc_offset, event, sync) = storage._share_cuda_()
@@ -105,6 +103,7 @@ def export_tensors(tensors: Mapping[str, torch.Tensor], written: EventHandle | N
 
 
 def _storage(h: TensorHandle, opened: dict) -> torch.UntypedStorage:
+    key: tuple[str, int] | tuple[str]  # (IPC handle, offset) or (shm name,): one mapping per storage
     if h.kind == "cuda":
         if h.handle is None or h.ref_counter_handle is None:
             raise ValueError("a CUDA tensor handle needs handle and ref_counter_handle")

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
 from shardsync.control.wire import Keys, Refused, seal, unseal
 from shardsync.plan.plan import Copy
 from shardsync.plan.runs import SIDE_STREAMS, Copies, Run, coalesce, compile_runs
+from shardsync.runtime.gated import Gated, ungated, window_of
 from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.topology import Topology
 from shardsync.transport import events
@@ -66,7 +68,7 @@ def identity(t: torch.Tensor) -> tuple:
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-def addresses(local: Mapping[str, torch.Tensor], names: Sequence[str]) -> list[int]:
+def addresses(local: Mapping[str, torch.Tensor], names: Iterable[str]) -> list[int]:
     """The data addresses of ``names`` in ``local`` (~0.15-0.5 us a tensor: the per-update moved check)."""
     return list(map(_DATA_PTR, map(local.__getitem__, names)))
 
@@ -76,6 +78,9 @@ def _cuda_device(tensors) -> torch.device | None:
 
 
 # -- the transport --
+
+_Transport = TypeVar("_Transport", bound="MappedTransport")
+
 
 class MappedTransport:
     """Both ends of the one-sided p2p path for one sync rank.
@@ -127,8 +132,8 @@ class MappedTransport:
         return self._trainers + c.dst if self.sender else c.src
 
     @classmethod
-    def for_rank(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None = None,
-                 stream: bool = True, mailbox: bool = True, **extra) -> MappedTransport:
+    def for_rank(cls: type[_Transport], group: SyncGroup, topo: Topology, prefix: str, secret: str | None = None,
+                 stream: bool = True, mailbox: bool = True, **extra) -> _Transport:
         """Sync rank ``group.rank``'s end of ``topo``'s p2p plan (trainer ranks send)."""
         me, trainers = group.rank, topo.trainer.world_size
         plan = topo.p2p_plan
@@ -213,7 +218,7 @@ class MappedTransport:
         self._peer_written.pop(peer, None)
         if written is not None:
             self._peer_written[peer] = self._opened.of_handle(written)
-        if any(t.is_cuda for t in getattr(local, "ungated", local).values()):
+        if any(t.is_cuda for t in ungated(local).values()):
             self._pins[peer] = HostPins()
             self._pins[peer].pin(mapped.values())
         if peer not in self._runs:
@@ -242,14 +247,16 @@ class MappedTransport:
         second is empty unless ``local`` stages a window (``runtime.gated``)."""
         hit = self._copies[peer].get(id(local))
         if hit is None or hit[0] is not local:
-            window = getattr(local, "window", None)
+            window = window_of(local)
             runs, src = self._runs[peer], self._mapped[peer][1]
             if window is None:
                 compiled = (Copies.of(compile_runs(runs, src, local)), Copies.of([]))
             else:
-                views = local.ungated
-                compiled = tuple(Copies.of(compile_runs([r for r in runs if (r.first.dst_local in window) == staged],
-                                                        src, views)) for staged in (True, False))
+                views = ungated(local)
+                into_staging, into_served = (
+                    Copies.of(compile_runs([r for r in runs if (r.first.dst_local in window) == staged], src, views))
+                    for staged in (True, False))
+                compiled = (into_staging, into_served)
             hit = (local, compiled)
             self._copies[peer][id(local)] = hit
         return hit[1]
@@ -317,29 +324,32 @@ class MappedTransport:
         callable per peer returns its ack."""
         self._number += 1
         number, timeout = self._number, self.group.rdv.timeout_s
-        acks = []
+        acks: list[Callable[[], list[int]]] = []
         for peer in self.peers:
             words = header + list((extra or {}).get(peer, ()))
             if self._signal_of(peer) == MAILBOX:
                 box = self._boxes[peer]
                 box.post(HEADER, number, words)
 
-                def ack(box=box, peer=peer) -> list[int]:
+                def box_ack(box=box, peer=peer) -> list[int]:
                     got, words = box.take(ACK_SLOT, ACK, after=number - 1, timeout_s=timeout,
                                           what=f"ack of update {number} from sync rank {peer}")
                     if got != number:
                         raise RuntimeError(f"sync rank {peer} acked update {got}, expected {number}")
                     return words
+
+                acks.append(box_ack)
             else:
                 send = self.group.send(torch.tensor(words, dtype=torch.int64), peer)
                 buf = torch.zeros(ACK, dtype=torch.int64)
                 recv = self.group.recv(buf, peer)
 
-                def ack(send=send, recv=recv, buf=buf) -> list[int]:
+                def group_ack(send=send, recv=recv, buf=buf) -> list[int]:
                     send.wait()
                     recv.wait()
                     return buf.tolist()
-            acks.append(ack)
+
+                acks.append(group_ack)
         return acks
 
     def _signal_of(self, peer: int) -> str:
@@ -347,8 +357,8 @@ class MappedTransport:
         if how is None:
             key = Keys(self.prefix).signals(self.group.rank, peer)
             self.group.store.wait([key], self.group.rdv.timeout)
-            how = unseal(key, self.group.store.get(key), self.secret)
-            how = how.decode() if isinstance(how, bytes) else how
+            raw = unseal(key, self.group.store.get(key), self.secret)
+            how = raw.decode() if isinstance(raw, bytes) else raw
             if how not in (MAILBOX, GROUP) or (how == MAILBOX and peer not in self._boxes):
                 raise ValueError(f"store key {key} holds {how[:40]!r}, not {MAILBOX!r} or {GROUP!r}")
             self._signals[peer] = how
@@ -441,6 +451,7 @@ class MappedTransport:
                 device = next(c.device for p in self.peers for c in self._compiled(p, local) if c.device is not None)
                 if device.type == "cuda":  # the staging copies run while serving, not in the pause
                     torch.cuda.current_stream(device).synchronize()
+                assert isinstance(local, Gated), "copies into served weights exist only for a staging window"
                 local.open()  # the engine pauses: the rest writes what it serves
             except Exception as e:
                 error = e

@@ -64,8 +64,10 @@ class PushedTransport(MappedTransport):
             raise ValueError("an engine rank receives pushed updates into staging: pass its Staging")
         self.staging = staging
         self._targets: dict[int, tuple[list[dict[str, torch.Tensor]], torch.cuda.Event | None]] = {}
-        self._pushes: dict[int, tuple[object, list[Copies]]] = {}  # trainer: peer -> (local, copies per set)
-        self._launched: tuple | None = None  # trainer: (number, local, sets, error, seconds) of ``launch``
+        # trainer: peer -> (local, copies per set: from the largest tensor, from the rest)
+        self._pushes: dict[int, tuple[object, list[tuple[Copies, ...]]]] = {}
+        # trainer: (number, local, peer -> set, error, seconds) of ``launch``
+        self._launched: tuple[int, Mapping[str, torch.Tensor], dict[int, int], Exception | None, float] | None = None
 
     # -- trainer --
 
@@ -107,7 +109,7 @@ class PushedTransport(MappedTransport):
             hit = self._targets[peer] = (sets, None if fence is None else self._opened.of_handle(fence))
         return hit
 
-    def _push_copies(self, peer: int, local: Mapping[str, torch.Tensor]) -> list[tuple[Copies, Copies]]:
+    def _push_copies(self, peer: int, local: Mapping[str, torch.Tensor]) -> list[tuple[Copies, ...]]:
         """Per staging set: the copies from the largest tensor, then the rest (two launches)."""
         hit = self._pushes.get(peer)
         if hit is None or hit[0] is not local:
@@ -160,7 +162,8 @@ class PushedTransport(MappedTransport):
         A copy never reads a tensor that moved since export, yet the check (~0.15-0.4 ms for a
         model's few hundred tensors on the H200 hosts) need not delay the first byte: the
         largest tensor is checked and copied first, the rest checked while it copies."""
-        number, sets, error = self._number + 1, {}, None
+        number, error = self._number + 1, None
+        sets: dict[int, int] = {}
         t0 = time.perf_counter()
         try:
             if self._part_moved(local, 0):
@@ -189,6 +192,7 @@ class PushedTransport(MappedTransport):
         if launched is None or launched[0] != self._number + 1 or launched[1] is not local:
             self.launch(local)  # not launched ahead (or for another update): now
             launched, self._launched = self._launched, None
+        assert launched is not None, "launch records its outcome (it never raises)"
         _, _, sets, error, pushed_s = launched
         header = [ABORT if error else self.generation, int(self.stream and self._device is not None)]
         acks = self._signal(header, {p: [sets.get(p, -1)] for p in self.peers})
@@ -221,6 +225,7 @@ class PushedTransport(MappedTransport):
             self._offer(peer)
 
     def _offer(self, peer: int) -> None:
+        assert self.staging is not None, "an engine rank has its staging (checked at construction)"
         names = sorted({c.dst_local for c in self.copies if c.src == peer})
         tensors = {f"{i}/{n}": s[n] for i, s in enumerate(self.staging.sets) for n in names}
         fence = self.staging.fence()
@@ -231,24 +236,27 @@ class PushedTransport(MappedTransport):
 
     def _post_staged(self, peer: int) -> None:
         """Tell ``peer`` which set its next update writes (numbered: the update after the last taken)."""
+        assert self.staging is not None, "an engine rank has its staging (checked at construction)"
         self._boxes[peer].post(STAGED, self._taken[peer] + 1, [self.staging.index()])
 
     def _receive(self, local: Mapping[str, torch.Tensor]) -> Stats:
         """Every sender gets its ack, even after another one failed: none waits for a timeout."""
         stats = Stats()
         error: Exception | None = None
+        staging = self.staging
+        assert staging is not None, "an engine rank has its staging (checked at construction)"
         for peer in self.peers:
             t0 = time.perf_counter()
             gen, stream, index = self._header(peer)
             status = FAILED
             try:
                 if self._mapped_for(peer, gen, local, error):
-                    if index != self.staging.index():
+                    if index != staging.index():
                         raise RuntimeError(f"trainer sync rank {peer} wrote staging set {index}; this rank "
-                                           f"stages into set {self.staging.index()}")
+                                           f"stages into set {staging.index()}")
                     written = self._peer_written.get(peer)
                     if stream and written is not None:
-                        self.staging.ready_at(written)  # the commit waits for the copies on the GPU
+                        staging.ready_at(written)  # the commit waits for the copies on the GPU
                     status = READY
             except Exception as e:
                 error = error or e

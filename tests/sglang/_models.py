@@ -146,7 +146,8 @@ def transformers_model(spec, full: dict[str, torch.Tensor]) -> torch.nn.Module:
             pre = name.split("experts.")[0]
             if name.endswith("experts.gate_up_proj"):
                 t = torch.stack([torch.cat([full[f"{pre}experts.{e}.gate_proj.weight"],
-                                            full[f"{pre}experts.{e}.up_proj.weight"]]) for e in range(spec.num_experts)])
+                                            full[f"{pre}experts.{e}.up_proj.weight"]])
+                                 for e in range(spec.num_experts)])
             elif name.endswith("experts.down_proj"):
                 t = torch.stack([full[f"{pre}experts.{e}.down_proj.weight"] for e in range(spec.num_experts)])
             else:

@@ -33,3 +33,72 @@ def test_control_room_imports_no_engine_and_no_web_framework() -> None:
             if re.match(r"\s*(from|import) (shardsync\.(engine|models|sync|receiver)|fastapi|uvicorn)", line):
                 bad.append(f"{p.name}: {line.strip()}")
     assert bad == []
+
+
+# -- the whole room table (docs/architecture.md, "Rooms"), cell by cell --
+
+def room_of(module: str) -> str:
+    """The room of a ``shardsync`` module, as the architecture's table names it."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    return ROOMS.get(top, top)
+
+
+ROOMS = {"vocab": "mode", "spec": "metadata", "topology": "metadata", "layout": "metadata", "plan": "metadata",
+         "dtypes": "metadata", "gcpause": "metadata", "sync": "trainer", "config": "trainer",
+         "fsdp2": "trainer", "launch": "programs", "demo": "programs", "bench": "programs",
+         "cli": "programs", "__main__": "programs", "": "package", "placement": "placement"}
+BELOW_PATHS = {"mode", "metadata", "runtime", "transport", "delta"}
+# room -> the rooms it may import (besides itself)
+MAY_IMPORT: dict[str, set[str]] = {
+    "mode": set(),
+    "metadata": {"mode"},
+    "runtime": {"mode", "metadata"},
+    "transport": {"mode", "metadata", "runtime"},  # and control/wire.py's store keys (UPWARD)
+    "delta": {"mode", "metadata", "runtime", "transport"},
+    "paths": BELOW_PATHS,
+    "control": {"mode", "metadata", "runtime", "transport"},
+    "receiver": BELOW_PATHS | {"paths", "control"},
+    "trainer": BELOW_PATHS | {"paths", "control", "receiver"},
+    "placement": set(),
+    "models": {"mode", "metadata", "trainer"},  # trainer: the FSDP2 trainer reads fsdp2.py
+    "engines": BELOW_PATHS | {"paths", "control", "receiver"},
+    "engine": BELOW_PATHS | {"paths", "control", "receiver", "models", "placement"},
+    "programs": BELOW_PATHS | {"paths", "control", "receiver", "trainer", "models", "engine", "engines",
+                               "placement"},
+    "package": {"mode", "metadata", "trainer", "receiver", "control"},  # lazy public names
+}
+# imports that run against the table, each named (docs/architecture.md lists them); shrink this
+UPWARD = {
+    "shardsync.transport.ipc -> shardsync.control.wire",  # store keys and sealing: a store room to come
+    "shardsync.transport.mapped -> shardsync.control.wire",
+    "shardsync.transport.pushed -> shardsync.control.wire",
+    "shardsync.runtime.record -> shardsync.control.wire",  # the update record holds engines' results
+    "shardsync.plan.runs -> shardsync.transport",  # copy execution inside the plan room
+    "shardsync.engines.vllm.serve -> shardsync.engine.launch",  # wait_healthy
+}
+
+
+def _imports() -> list[tuple[str, str]]:
+    import ast
+
+    out = []
+    for p in ROOT.rglob("*.py"):
+        module = ".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            out += [(module, n) for n in names if n.startswith("shardsync")]
+    return out
+
+
+def test_every_import_follows_the_room_table() -> None:
+    against = set()
+    for module, target in _imports():
+        src, dst = room_of(module), room_of(target)
+        assert src in MAY_IMPORT, f"{module}: room {src!r} is not in the table; add it to docs/architecture.md"
+        assert dst in MAY_IMPORT, f"{target}: room {dst!r} is not in the table; add it to docs/architecture.md"
+        if src != dst and dst not in MAY_IMPORT[src]:
+            against.add(f"{module} -> {target}")
+    assert against - UPWARD == set(), "imports against docs/architecture.md's room table"
+    assert UPWARD - against == set(), "named upward imports that are gone: drop them from UPWARD and the doc"

@@ -16,20 +16,20 @@ import pytest
 from shardsync.control.session import UpdateSession
 from shardsync.control.wire import BeginRequest
 from shardsync.engine.dispatch import Aborted, Dispatcher, Serving
+from shardsync.receiver.destination import StagingFacts
 
 REPORT = {"ok": True, "pack_s": 0.0, "transfer_s": 0.0, "unpack_s": 0.0, "total_s": 0.0, "bytes_received": 7,
           "changed": 0, "buffer_bytes": 0, "buckets": 0, "destination": "params"}
 
 
-class _Staging:
-    mode, nbytes = "swap", 1234
 
 
 class _StandInWorker:
     """Stands in for EngineWorker: records commands; steps are slow enough to overlap."""
 
     def __init__(self, staged: bool = False) -> None:
-        self.staged, self.destination, self.notify = staged, _Staging(), None
+        self.staged, self.notify = staged, None
+        self.staging_facts = StagingFacts("swap", 1234, 4096) if staged else None
         self.served, self.staging = 0, None
         self.seqs: dict[int, list[int]] = {}  # sid -> [count, max_new]
         self.order: list[str] = []
@@ -150,6 +150,7 @@ def test_staged_receive_lets_generation_go_on_and_only_the_commit_pauses() -> No
     worker.gate.set()
     result, version = update.future.result(10)
     assert result.ok and version == 3 and result.staging == "swap" and result.staging_bytes == 1234
+    assert result.shard_bytes == 4096
     assert result.stage_s > 0 and result.pause_s > 0
     assert worker.order == ["stage", "admit", "commit"], "served during the receive; only the commit paused"
     outs, v = _gen(d, 2).result(10)
@@ -289,7 +290,8 @@ def test_the_scheduler_over_a_real_worker_generates_what_the_model_generates(tok
 
     spec = PRESETS["tiny-qwen3"]
     model = EngineModel.from_source(spec, random_source(spec, 3))
-    d = Dispatcher(EngineWorker(model, 0, 1), [], None, UpdateSession(), serving=Serving(tokens_per_step=tokens_per_step))
+    d = Dispatcher(EngineWorker(model, 0, 1), [], None, UpdateSession(),
+                   serving=Serving(tokens_per_step=tokens_per_step))
     d.start()
     bodies = [{"prompts": [[5, 6, 7], [8]], "max_new_tokens": 7, "temperature": 1.0, "top_p": 0.9, "seed": s,
                "stop_token_ids": []} for s in range(3)]

@@ -66,11 +66,13 @@ def test_sends_and_receives_pair_up_in_one_global_order(name: str) -> None:
     for r, mine in steps.items():
         for s in mine:
             kind, peer = s.comm
-            other = [t for t in steps[peer] if t.label == s.label and t.comm == ("recv" if kind == "send" else "send", r)]
+            back = ("recv" if kind == "send" else "send", r)
+            other = [t for t in steps[peer] if t.label == s.label and t.comm == back]
             assert len(other) == 1 and other[0].numel == s.numel, (r, s.label)
     for stage in range(topo.trainer.pp):  # every engine rank receives every broadcast bucket
         per_rank = [broadcast_steps(topo, r, 4096, stage) for r in range(world)]
-        labels = {tuple(s.label for s in st if s.comm and s.comm[0] == "bcast") for st in per_rank[topo.trainer.world_size:]}
+        labels = {tuple(s.label for s in st if s.comm and s.comm[0] == "bcast")
+                  for st in per_rank[topo.trainer.world_size:]}
         assert len(labels) == 1 and labels.pop()
 
 

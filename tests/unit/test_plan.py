@@ -64,7 +64,8 @@ def test_aligned_tp_matmuls_move_rank_to_rank_unchanged(preset: str, tp: int) ->
                 assert {(c.src, c.src_local) for c in copies} == {(r, f"decoder.layers.{layer}.{meg}")}
                 assert all(c.src_offsets == c.dst_offsets for c in copies), "not an identity copy"
                 assert sum(c.numel for c in copies) == plan.dst.ranks[r].tensor(name).numel
-                if eng != "mlp.gate_up_proj.weight":  # fc1 is gate + up: see test_aligned_tp_fc1_moves_without_pack_copy
+                # fc1 is gate + up: see test_aligned_tp_fc1_moves_without_pack_copy
+                if eng != "mlp.gate_up_proj.weight":
                     (c,) = copies
                     assert plan.is_whole(c) == (True, True), c
         # Vp = Vp' here (LAYOUTS.md §6.4), so the embedding shard moves whole as well.

@@ -45,7 +45,8 @@ def chunks(full: dict[str, torch.Tensor], shard: int, replicate: int) -> list[di
 def test_fsdp2_to_engines_matches_reference(spec, shard, replicate, data) -> None:
     full = synthetic_full(spec)
     par = Fsdp2Parallel(shard=shard, replicate=replicate)
-    tps = [t for t in (1, 2, 3, 4) if spec.num_heads % t == 0 and (spec.num_kv_heads % t == 0 or t % spec.num_kv_heads == 0)
+    tps = [t for t in (1, 2, 3, 4)
+           if spec.num_heads % t == 0 and (spec.num_kv_heads % t == 0 or t % spec.num_kv_heads == 0)
            and spec.intermediate_size % t == 0]
     tp = data.draw(st.sampled_from(tps))
     sources = chunks(full, shard, replicate)
@@ -72,7 +73,8 @@ def test_fsdp2_moe_to_expert_parallel_engine() -> None:
     spec = PRESETS["tiny-glm4-moe"]
     full = synthetic_full(spec)
     par = Fsdp2Parallel(shard=3)
-    plan = build_plan(fsdp2_layout(spec, par), concat_layouts("engine", [engine_layout(spec, EngineParallel(tp=2, ep=2))]))
+    engines = concat_layouts("engine", [engine_layout(spec, EngineParallel(tp=2, ep=2))])
+    plan = build_plan(fsdp2_layout(spec, par), engines)
     got = execute_local(plan, chunks(full, 3, 1))
     want = engine_shards(spec, full, 2, ep=2)
     for r in range(2):  # the engine's 3-D stacks, addressed as 2-D views

@@ -491,7 +491,8 @@ def test_glm4_moe_optional_tensors_follow_the_config(spec: ModelSpec, data) -> N
     for n in range(spec.num_layers):
         a = f"model.layers.{n}."
         assert (a + "self_attn.qkv_proj.bias" in engine) == spec.attention_bias
-        assert (a + "self_attn.q_norm.weight" in engine) == (a + "self_attn.k_norm.weight" in engine) == spec.qk_layernorm
+        q_norm, k_norm = a + "self_attn.q_norm.weight" in engine, a + "self_attn.k_norm.weight" in engine
+        assert q_norm == k_norm == spec.qk_layernorm
         sparse = n >= len(spec.mlp_only_layers)
         assert (a + "mlp.gate.e_score_correction_bias" in engine) == sparse
         assert (a + "mlp.shared_experts.gate_up_proj.weight" in engine) == (sparse and shared_size(spec) > 0)

@@ -135,7 +135,8 @@ def _dies_mid_update(rank: int, world: int, port: int, url: str, model: str, out
     spec = PRESETS[MODEL]
     par = MegatronParallel(tp=world, dtype="float32")
     lay, params = join_trainer(rank, world, port, spec, par, seed=0)
-    cfg = SyncConfig(control=ControlConfig(channel="vllm", token=TOKEN), transport=TransportConfig(bucket_mb=0.5, timeout_s=8))
+    cfg = SyncConfig(control=ControlConfig(channel="vllm", token=TOKEN),
+                     transport=TransportConfig(bucket_mb=0.5, timeout_s=8))
     sync = WeightSync(spec, par, rank, params, [url], cfg, trainer_group=dist.group.WORLD)
     sync.connect()
     if rank == 0:
@@ -154,7 +155,8 @@ def _recovers(rank: int, world: int, port: int, url: str, model: str, out) -> No
     lay, params = join_trainer(rank, world, port, spec, par, seed=0)
     source = version_source(spec, 60)
     _load(params, lay, rank, source)
-    cfg = SyncConfig(control=ControlConfig(channel="vllm", token=TOKEN), transport=TransportConfig(bucket_mb=0.5, timeout_s=30))
+    cfg = SyncConfig(control=ControlConfig(channel="vllm", token=TOKEN),
+                     transport=TransportConfig(bucket_mb=0.5, timeout_s=30))
     sync = WeightSync(spec, par, rank, params, [url], cfg, trainer_group=dist.group.WORLD)
     sync.connect()
     rec = sync.update(60)
