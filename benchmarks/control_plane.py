@@ -15,13 +15,14 @@ import sys
 import torch
 
 from shardsync.config import ColocatedConfig, ControlConfig, SyncConfig
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.control.client import wait_healthy
+from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import load_spec
+from shardsync.store.rendezvous import free_port
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
-from shardsync.transport.group import free_port
 
 
 def run(control: str, ipc: bool, spec, par, params, url: str, updates: int, first: int) -> dict:

@@ -45,8 +45,9 @@ from shardsync.spec import PRESETS
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy  # noqa: E402
-from shardsync.transport.group import free_port  # noqa: E402
+from shardsync.control.client import wait_healthy  # noqa: E402
+from shardsync.engine.launch import EngineConfig, spawn_server  # noqa: E402
+from shardsync.store.rendezvous import free_port
 
 SPEC = PRESETS["tiny-qwen3"].replace(name="bench-qwen3", hidden_size=512, num_layers=4, num_heads=8,
                                     num_kv_heads=2, head_dim=64, intermediate_size=1536, vocab_size=4000,

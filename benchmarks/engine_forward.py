@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 import traceback
@@ -38,6 +37,7 @@ import torch
 
 from shardsync.launch.procs import run_ranks
 from shardsync.spec import PRESETS, ModelSpec
+from shardsync.store import free_port
 
 SEED = 0
 WORLD_TIMEOUT_S = 1800
@@ -51,10 +51,6 @@ def bench_spec(layers: int) -> ModelSpec:
         max_position_embeddings=4096, dtype="float32")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _times(fn: Callable[[], Any], repeat: int, barrier: Callable[[], None]) -> list[float]:
@@ -172,7 +168,7 @@ def _entry(rank: int, fn: Callable[..., dict], world: int, port: int, spec: Mode
 def _spawn(fn: Callable[..., dict], nprocs: int, threads: int, spec: ModelSpec,
            args: dict[str, Any]) -> dict:
     """Run ``fn`` on ``nprocs`` fresh processes of ``threads`` torch threads; rank 0's result."""
-    results = run_ranks(_entry, nprocs, (fn, nprocs, _free_port(), spec, args, threads),
+    results = run_ranks(_entry, nprocs, (fn, nprocs, free_port(), spec, args, threads),
                         timeout_s=WORLD_TIMEOUT_S, threads=threads)
     for rank, res in sorted(results.items()):
         if "error" in res:

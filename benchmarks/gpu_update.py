@@ -24,16 +24,17 @@ import time
 import torch
 
 from shardsync.config import ColocatedConfig, ControlConfig, SyncConfig, TransportConfig
+from shardsync.control.client import wait_healthy
 from shardsync.delta.encode import decode, encode
 from shardsync.delta.parts import Part, apply_values
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import load_spec
+from shardsync.store.rendezvous import free_port
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from shardsync.transport.gather import configured
-from shardsync.transport.group import free_port
 
 
 def cuda_ms(fn, iters: int = 5) -> float:

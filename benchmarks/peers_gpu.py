@@ -30,7 +30,8 @@ import torch
 import torch.multiprocessing as mp
 from gpu_update import d2d_copy_ms, fast_source, h2d_copy_ms, ipc_updates
 
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.control.client import wait_healthy
+from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import addressed
@@ -38,8 +39,8 @@ from shardsync.models.weights import load_rank
 from shardsync.plan.local import region
 from shardsync.runtime.checksum import piece_checksums
 from shardsync.spec import load_spec
+from shardsync.store.rendezvous import free_port
 from shardsync.topology import Topology
-from shardsync.transport.group import free_port
 
 
 def _sums(tensors: dict[str, torch.Tensor], model: str) -> dict[str, int]:

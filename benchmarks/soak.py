@@ -61,8 +61,9 @@ class Engine:
         self.ports: set[int] = set()
 
     def start(self) -> None:
-        from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
-        from shardsync.transport.group import free_port
+        from shardsync.control.client import wait_healthy
+        from shardsync.engine.launch import EngineConfig, spawn_server
+        from shardsync.store.rendezvous import free_port
 
         cfg = EngineConfig(model=MODEL, tp=2, port=free_port(), token_file=self.token_file, delta_root=self.root)
         self.proc, self.url = spawn_server(cfg, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
@@ -235,7 +236,7 @@ def _trainer(rank: int, world: int, port: int, url: str, token: str, ipc: bool, 
 
 class Trainers:
     def __init__(self, url: str, token: str, world: int = 2, ipc: bool = False) -> None:
-        from shardsync.transport.group import free_port
+        from shardsync.store.rendezvous import free_port
 
         ctx = mp.get_context("spawn")
         self.commands = [ctx.Queue() for _ in range(world)]

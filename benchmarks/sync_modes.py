@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.control.client import wait_healthy
+from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.launch.procs import run_ranks
-from shardsync.transport.group import free_port
+from shardsync.store.rendezvous import free_port
 
 
 def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from shardsync.demo.run import DemoConfig, start_engines
 from shardsync.spec import PRESETS
-from shardsync.transport.group import free_port as _free_port
+from shardsync.store.rendezvous import free_port as _free_port
 
 MODES = ("p2p", "broadcast")
 

@@ -147,7 +147,7 @@ def _one_engine(spec, tp: int, args) -> dict:
     from shardsync.engines.vllm import serve
     from shardsync.models.checkpoint import write_checkpoint
     from shardsync.models.weights import random_source
-    from shardsync.transport.group import free_port
+    from shardsync.store.rendezvous import free_port
 
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as work:
         args.workdir = work

@@ -30,9 +30,9 @@ def _rank(rank: int, world: int, port: int, model: str, args, out) -> None:
     from shardsync.paths import Endpoint, UpdateArgs, compile_path
     from shardsync.runtime.schedule import subgroups
     from shardsync.spec import load_spec
+    from shardsync.store.rendezvous import Rendezvous, open_store
     from shardsync.topology import Topology
-    from shardsync.transport import Rendezvous, SyncGroup
-    from shardsync.transport.group import open_store
+    from shardsync.transport import SyncGroup
 
     torch.set_num_threads(1)
     spec = load_spec(model)
@@ -76,7 +76,7 @@ def digest_GBps(nbytes: int = 256 * 2**20) -> float:
 
 def bench(model: str, args) -> dict:
     from shardsync.launch.procs import run_ranks
-    from shardsync.transport.group import free_port
+    from shardsync.store.rendezvous import free_port
 
     world = args.trainer_tp + args.engine_tp
     res = run_ranks(_rank, world, (world, free_port(), model, args))

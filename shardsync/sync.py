@@ -20,22 +20,11 @@ import torch
 
 from shardsync.config import SyncConfig
 from shardsync.control import ranks
-from shardsync.control.auth import load_token
 from shardsync.control.client import EngineClient, Engines, SyncError, UpdateChannel
 from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines
 from shardsync.control.sglang import SglangEngines
 from shardsync.control.vllm import VllmEngines
-from shardsync.control.wire import (
-    BeginRequest,
-    Decision,
-    Done,
-    Go,
-    Keys,
-    Note,
-    RankSums,
-    Refused,
-    Verdict,
-)
+from shardsync.control.wire import BeginRequest, Decision, Done, Go, Note, RankSums, Verdict
 from shardsync.delta.transfer import Snapshot
 from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, MegatronParallel
@@ -54,9 +43,12 @@ from shardsync.runtime.checksum import combine, compare, piece_checksums
 from shardsync.runtime.record import UpdateRecord, append_jsonl, make_record
 from shardsync.runtime.schedule import subgroups
 from shardsync.spec import ModelSpec
+from shardsync.store.auth import load_token
+from shardsync.store.keys import Keys
+from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.topology import STAGED_KINDS, Topology
-from shardsync.transport import Rendezvous, SyncGroup
-from shardsync.transport.group import free_port, open_store
+from shardsync.transport import SyncGroup
+from shardsync.vocab import Refused
 
 log = logging.getLogger("shardsync")
 

@@ -113,3 +113,7 @@ class Reason(Word):
     LAYOUT_MISMATCH = "layout-mismatch"  # its parameters are not shardsync's engine layout
     UPDATE_FAILED = "update-failed"  # a rank's receive failed
     SESSION_OPEN = "session-open"  # an update session was already open
+
+
+class Refused(RuntimeError):
+    """An engine refused an update before touching its weights; the connection stays usable."""

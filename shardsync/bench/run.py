@@ -32,8 +32,9 @@ from shardsync.bench.workload import Workload, from_plan, synthetic
 from shardsync.launch.procs import start_all
 from shardsync.placement import rank_device
 from shardsync.runtime.executor import execute
-from shardsync.transport import Rendezvous, SyncGroup
-from shardsync.transport.group import open_store
+from shardsync.store import free_port
+from shardsync.store.rendezvous import Rendezvous, open_store
+from shardsync.transport import SyncGroup
 
 log = logging.getLogger(__name__)
 _clock = time.perf_counter
@@ -265,10 +266,6 @@ def _child(rank: int, world_size: int, cfg: BenchConfig, rdv: Rendezvous) -> Non
             sys.exit(code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(cfg: BenchConfig) -> int:
@@ -279,7 +276,7 @@ def _spawn(cfg: BenchConfig) -> int:
         raise ValueError(f"--nproc {world} needs one GPU per rank (NCCL refuses two ranks on one GPU); "
                          f"{torch.cuda.device_count()} visible; use torchrun across hosts or --device cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    rdv = Rendezvous("127.0.0.1", _free_port(), world, f"bench-{os.getpid()}", backend, cfg.timeout_s)
+    rdv = Rendezvous("127.0.0.1", free_port(), world, f"bench-{os.getpid()}", backend, cfg.timeout_s)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_child, args=(r, world, cfg, rdv)) for r in range(world)]
     start_all(procs, threads=1)

@@ -9,6 +9,8 @@ group's store; O(1) store operations per engine) or ``HttpChannel`` (two POSTs p
 from __future__ import annotations
 
 import datetime
+import subprocess
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar, Protocol
@@ -23,13 +25,12 @@ from shardsync.control.wire import (
     ChecksumResponse,
     ConnectRequest,
     InfoResponse,
-    Keys,
-    Refused,
     UpdateResult,
     VersionResponse,
-    get,
-    put,
 )
+from shardsync.store.keys import Keys
+from shardsync.store.sealed import get, put
+from shardsync.vocab import Refused
 
 
 class SyncError(RuntimeError):
@@ -243,3 +244,19 @@ class StoreChannel(UpdateChannel):
             raise Refused("; ".join(refusals))
         return _check(self.urls, version, results)
 
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Return once the engine server at ``url`` answers ``/health``; raise if ``proc`` (the server
+    process a launcher started) exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine {url} not healthy after {timeout_s:.0f}s")
+        time.sleep(0.3)

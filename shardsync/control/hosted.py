@@ -23,15 +23,15 @@ from shardsync.control.wire import (
     ChecksumResponse,
     ConnectRequest,
     Joined,
-    Keys,
     RankReport,
     RankSums,
     UpdateResult,
     VersionResponse,
-    get,
 )
 from shardsync.mode import Mode
 from shardsync.runtime.checksum import combine
+from shardsync.store.keys import Keys
+from shardsync.store.sealed import get
 
 UPDATE_FAILED = "shardsync update failed"  # how a rank's failed receive starts its error
 LAYOUT_MISMATCH = "parameters are not shardsync's engine layout"  # a refused connect says why

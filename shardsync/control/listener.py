@@ -23,17 +23,10 @@ from concurrent.futures import Future
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from shardsync.control.wire import (
-    Accepted,
-    BeginRequest,
-    Keys,
-    Stop,
-    UpdateResult,
-    put,
-    seal,
-    unseal,
-)
-from shardsync.transport.group import Rendezvous, open_store
+from shardsync.control.wire import Accepted, BeginRequest, Stop, UpdateResult
+from shardsync.store.keys import Keys
+from shardsync.store.rendezvous import Rendezvous, open_store
+from shardsync.store.sealed import put, seal, unseal
 
 log = logging.getLogger(__name__)
 

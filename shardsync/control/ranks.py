@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from shardsync.control.wire import get, put
+from shardsync.store.sealed import get, put
 
 M = TypeVar("M", bound=BaseModel)
 

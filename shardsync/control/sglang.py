@@ -25,10 +25,11 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from shardsync.control import auth
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import HostedEngines, weight_version
-from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, VersionResponse, get
+from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, VersionResponse
+from shardsync.store import auth
+from shardsync.store.sealed import get
 
 ENTRY = "shardsync.engines.sglang.load"  # --custom-weight-loader and load_format
 MAC_KEY = "shardsync/sglang/call"  # what a rank checks a call's signature under

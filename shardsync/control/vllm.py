@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardsync.control import auth
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import HostedEngines, connect_body, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
+from shardsync.store import auth
 
 MAC_KEY = "shardsync/vllm/connect"  # what the worker checks the connect's signature under
 ENV_LAYOUT = "SHARDSYNC_VLLM_LAYOUT"  # "whole" in vLLM's environment: always receive whole tensors

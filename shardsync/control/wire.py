@@ -7,13 +7,10 @@ errors to them.  The reference engine's serving messages live in ``engine/protoc
 
 from __future__ import annotations
 
-import datetime
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal
 
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardsync.control import auth
 from shardsync.mode import Mode
 
 PROTOCOL_VERSION = 2
@@ -175,10 +172,6 @@ class Decision(Msg):
     error: str | None = None
 
 
-class Refused(RuntimeError):
-    """An engine refused an update before touching its weights; the connection stays usable."""
-
-
 class Go(Msg):
     """Trainer rank 0's decision for one update: the path, or why there is none."""
 
@@ -244,109 +237,3 @@ class RankReport(Received):
     """One engine rank's share of an ``UpdateResult`` (engines reduce them over TP ranks)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-# -- store keys --
-
-class Keys:
-    """Every key one sync uses in its store, under the sync's name."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    # engine control (control="store"): update ``seq`` counted from 1 per connection
-    def begin(self, seq: int) -> str:
-        return f"{self.name}/ctl/{seq}/begin"
-
-    def accepted(self, seq: int, engine: int) -> str:
-        return f"{self.name}/ctl/{seq}/accepted/{engine}"
-
-    def result(self, seq: int, engine: int) -> str:
-        return f"{self.name}/ctl/{seq}/result/{engine}"
-
-    # engines whose ranks answer for themselves (vLLM workers): one value per engine rank
-    def rank_result(self, seq: int, engine: int, rank: int) -> str:
-        return f"{self.name}/ctl/{seq}/result/{engine}/{rank}"
-
-    def rank_checked(self, attempt: int, engine: int, rank: int) -> str:
-        """A rank's answer to connect check ``attempt`` (engines whose calls return nothing: SGLang)."""
-        return f"{self.name}/checked/{attempt}/{engine}/{rank}"
-
-    def rank_joined(self, engine: int, rank: int) -> str:
-        return f"{self.name}/joined/{engine}/{rank}"
-
-    def rank_checksums(self, seq: int, engine: int, rank: int) -> str:
-        return f"{self.name}/ck/{seq}/{engine}/{rank}"
-
-    # trainer ranks: call ``n`` on this connection
-    def go(self, n: int) -> str:
-        return f"{self.name}/u{n}/begin"
-
-    def done(self, n: int) -> str:
-        return f"{self.name}/u{n}/done"
-
-    def written(self, n: int) -> str:
-        """Prefix of every trainer rank's ``Note`` (``/<rank>`` appended) after a disk write."""
-        return f"{self.name}/u{n}/written"
-
-    def closed(self, n: int) -> str:
-        return f"{self.name}/u{n}/closed"
-
-    def check(self, n: int, what: str) -> str:
-        return f"{self.name}/ck{n}/{what}"
-
-    # colocated transports: handles of ``src``'s tensors (generation) or slots for ``dst``
-    def mapped(self, src: int, dst: int, generation: int) -> str:
-        return f"{self.name}/map/{src}->{dst}/g{generation}"
-
-    def slots(self, src: int, dst: int) -> str:
-        return f"{self.name}/ipc/{src}->{dst}"
-
-    def staging(self, src: int, dst: int) -> str:
-        """Handles of engine sync rank ``src``'s staging copies that trainer rank ``dst`` writes (push)."""
-        return f"{self.name}/push/{src}->{dst}"
-
-    def signals(self, src: int, dst: int) -> str:
-        """How a mapped link signals, as its engine end chose at connect (``mailbox`` or ``group``)."""
-        return f"{self.name}/map/{src}->{dst}/signals"
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-class Signed(Msg):
-    """A store value written by a holder of the sync's secret: ``body`` is the JSON message."""
-
-    body: str
-    mac: str
-
-
-def seal(key: str, body: str, secret: str | None) -> str:
-    """The store value for ``body`` under ``key``: signed when there is a secret."""
-    return body if secret is None else Signed(body=body, mac=auth.mac(secret, key, body)).model_dump_json()
-
-
-def unseal(key: str, raw: bytes | str, secret: str | None) -> bytes | str:
-    """The JSON body of a store value (as stored when there is no secret); a ``ValueError`` if
-    a secret is set and the value is not signed with it (some other client of the store wrote it)."""
-    if secret is None:
-        return raw
-    try:
-        signed = Signed.model_validate_json(raw)
-    except ValueError:
-        raise ValueError(f"store value under {key} is not signed: refused (only holders of the "
-                         "sync's token write control values)") from None
-    if not auth.verify_mac(secret, key, signed.body, signed.mac):
-        raise ValueError(f"store value under {key} has a wrong signature: refused")
-    return signed.body
-
-
-def put(store: dist.Store, key: str, msg: BaseModel, secret: str | None = None) -> None:
-    store.set(key, seal(key, msg.model_dump_json(), secret))
-
-
-def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta,
-        secret: str | None = None) -> M:
-    """Wait (bounded) for ``key`` and validate its value as ``model``; never unpickles."""
-    store.wait([key], timeout)
-    return model.model_validate_json(unseal(key, store.get(key), secret))

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from shardsync.control.client import wait_healthy
 from shardsync.demo import report
 from shardsync.dtypes import torch_dtype
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import Fsdp2Parallel, MegatronParallel
-from shardsync.transport.group import free_port
+from shardsync.store.rendezvous import free_port
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardsync.control.auth import ENV_TOKEN, is_loopback, load_token
 from shardsync.placement import rank_device
-from shardsync.transport.group import free_port
+from shardsync.store.auth import ENV_TOKEN, is_loopback, load_token
+from shardsync.store.rendezvous import free_port
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +79,6 @@ def spawn_server(cfg: EngineConfig, **popen: Any) -> tuple[subprocess.Popen, str
     (``wait_healthy``).  ``popen``: extra ``subprocess.Popen`` arguments (stdout, preexec_fn)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads))
     return subprocess.Popen(engine_command(cfg), env=env, **popen), f"http://{cfg.host}:{cfg.port}"
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Return once ``url`` answers ``/health``; raise if ``proc`` exits or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine {url} not healthy after {timeout_s:.0f}s")
-        time.sleep(0.3)
 
 
 def _die_with_parent() -> None:

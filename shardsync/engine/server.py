@@ -17,7 +17,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from shardsync.control.auth import Forbidden, Unauthorized, check_bearer
 from shardsync.control.session import Conflict, Invalid, NotConnected, NotFound, SessionError, Stale
 from shardsync.control.wire import (
     BeginRequest,
@@ -39,6 +38,7 @@ from shardsync.engine.protocol import (
     Span,
 )
 from shardsync.engine.updates import WeightService
+from shardsync.store.auth import Forbidden, Unauthorized, check_bearer
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 2**20

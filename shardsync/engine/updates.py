@@ -26,7 +26,7 @@ from shardsync.engine.dispatch import Dispatcher
 from shardsync.receiver import check_connect
 from shardsync.receiver.connect import spec_to_dict
 from shardsync.runtime.checksum import combine
-from shardsync.transport.group import Rendezvous, open_store
+from shardsync.store.rendezvous import Rendezvous, open_store
 
 UPDATE_TIMEOUT_S = 3600.0
 REACH_S = 5.0  # how long a join may take to reach the trainer's store before it is refused

@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,11 +39,13 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from shardsync.control.auth import ENV_TOKEN, load_token
+from shardsync.control.client import wait_healthy
 from shardsync.demo import DemoConfig, report
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.launch.loop import RankSite, StepResult, trainer_rank
 from shardsync.runtime.record import append_jsonl
+from shardsync.store import free_port
+from shardsync.store.auth import ENV_TOKEN, load_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,12 +73,6 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (the caller binds it soon after; a race is reported by
-    the engine or the store failing to bind)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def bundles(cfg: DemoConfig, *, gpus: bool) -> tuple[list[dict[str, float]], list[dict[str, float]]]:

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from shardsync.mode import FULL, Mode
 from shardsync.paths.base import Endpoint, Program, UpdateArgs
 from shardsync.paths.broadcast import BroadcastProgram
-from shardsync.paths.choose import FALLBACK_ORDER, choose_full
 from shardsync.paths.delta import DeltaProgram
 from shardsync.paths.disk import DiskWrite
 from shardsync.paths.p2p import compile_p2p
+from shardsync.plan.choose import FALLBACK_ORDER, choose_full
 
 PATHS: dict[Mode, Callable[[Endpoint], Program]] = {
     Mode.P2P: compile_p2p,

@@ -11,8 +11,8 @@ from shardsync.control.wire import PROTOCOL_VERSION, ConnectRequest
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
+from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import Topology
-from shardsync.transport.group import Rendezvous
 
 
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:

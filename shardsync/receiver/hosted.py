@@ -16,26 +16,18 @@ from typing import Literal, get_args
 
 from pydantic import Field
 
-from shardsync.control import auth
 from shardsync.control.hosted import LAYOUT_MISMATCH, UPDATE_FAILED, connect_body
 from shardsync.control.report import rank_report
-from shardsync.control.wire import (
-    MAX_VERSION,
-    ConnectRequest,
-    Joined,
-    Keys,
-    Msg,
-    RankReport,
-    RankSums,
-    Version,
-    put,
-)
+from shardsync.control.wire import MAX_VERSION, ConnectRequest, Joined, Msg, RankReport, RankSums, Version
 from shardsync.mode import Mode
 from shardsync.paths import UpdateArgs
 from shardsync.receiver.connect import check_connect
 from shardsync.receiver.receiver import Receiver
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
+from shardsync.store import auth
+from shardsync.store.keys import Keys
+from shardsync.store.sealed import put
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from shardsync.runtime.gated import Gated
 from shardsync.runtime.schedule import broadcast_steps, p2p_steps, subgroups, write_order
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
-from shardsync.transport.group import Rendezvous, SyncGroup
+from shardsync.store.rendezvous import Rendezvous
+from shardsync.transport.group import SyncGroup
 from shardsync.transport.pushed import Staging
 
 log = logging.getLogger(__name__)

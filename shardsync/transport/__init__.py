@@ -1,5 +1,5 @@
 """Transports: standalone process groups that move flat buffers between trainer and engines."""
 
-from shardsync.transport.group import Rendezvous, SyncGroup, free_port
+from shardsync.transport.group import SyncGroup
 
-__all__ = ["Rendezvous", "SyncGroup", "free_port"]
+__all__ = ["SyncGroup"]

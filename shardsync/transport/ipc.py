@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from shardsync.control.wire import Keys, seal, unseal
 from shardsync.runtime.executor import Pooled
+from shardsync.store.keys import Keys
+from shardsync.store.sealed import seal, unseal
 from shardsync.transport import events
 from shardsync.transport.group import SyncGroup
 from shardsync.transport.handles import export_tensors, open_tensors

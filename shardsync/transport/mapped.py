@@ -27,11 +27,12 @@ from typing import TypeVar
 
 import torch
 
-from shardsync.control.wire import Keys, Refused, seal, unseal
 from shardsync.plan.plan import Copy
 from shardsync.plan.runs import SIDE_STREAMS, Copies, Run, coalesce, compile_runs
 from shardsync.runtime.gated import Gated, ungated, window_of
 from shardsync.runtime.stats import Stats, StepTiming
+from shardsync.store.keys import Keys
+from shardsync.store.sealed import seal, unseal
 from shardsync.topology import Topology
 from shardsync.transport import events
 from shardsync.transport.group import SyncGroup
@@ -39,6 +40,7 @@ from shardsync.transport.handles import export_tensors, open_set, open_tensor
 from shardsync.transport.mailbox import ACK as ACK_SLOT
 from shardsync.transport.mailbox import HEADER, Mailbox
 from shardsync.transport.pinning import HostPins
+from shardsync.vocab import Refused
 
 log = logging.getLogger(__name__)
 

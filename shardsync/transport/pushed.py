@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shardsync.control.wire import Keys, seal, unseal
 from shardsync.plan.runs import Copies, coalesce, compile_runs
 from shardsync.runtime.stats import Stats, StepTiming
+from shardsync.store.keys import Keys
+from shardsync.store.sealed import seal, unseal
 from shardsync.transport import events
 from shardsync.transport.handles import export_tensors, open_set
 from shardsync.transport.mailbox import STAGED

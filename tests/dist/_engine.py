@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import tempfile
 
-from shardsync.engine.launch import EngineConfig, spawn_server, wait_healthy
+from shardsync.control.client import wait_healthy
+
+from shardsync.engine.launch import EngineConfig, spawn_server
 from tests.dist._world import free_port
 
 

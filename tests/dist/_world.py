@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shardsync.launch.procs import start_all
-from shardsync.transport.group import free_port  # noqa: F401  (re-exported for tests)
+from shardsync.store.rendezvous import free_port
 
 
 

@@ -14,7 +14,7 @@ from shardsync.bench import report
 from shardsync.bench.run import prepare, run_sweep
 from shardsync.bench.sweep import MiB, BenchConfig
 from shardsync.bench.workload import plan_topology
-from shardsync.transport import Rendezvous
+from shardsync.store.rendezvous import Rendezvous
 from tests.dist._world import free_port, run_world
 
 WORLD = 5

@@ -15,8 +15,9 @@ from shardsync.paths import Endpoint, UpdateArgs, compile_path
 from shardsync.runtime.schedule import subgroups
 from shardsync.spec import PRESETS
 from shardsync.topology import Topology
-from shardsync.transport import Rendezvous, SyncGroup
-from shardsync.transport.group import open_store
+from shardsync.transport import SyncGroup
+from shardsync.store.rendezvous import Rendezvous
+from shardsync.store.rendezvous import open_store
 from tests.dist._world import free_port, run_world
 
 

@@ -17,7 +17,9 @@ from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS, load_spec
 from shardsync.config import SyncConfig, TransportConfig
-from shardsync.control.wire import Go, Keys, get
+from shardsync.control.wire import Go
+from shardsync.store.keys import Keys
+from shardsync.store.sealed import get
 from shardsync.paths import choose_full
 from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology

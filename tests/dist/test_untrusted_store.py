@@ -10,13 +10,14 @@ import threading
 import httpx
 import torch
 
-from shardsync.control.wire import Keys
+from shardsync.store.keys import Keys
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.receiver import connect_request, spec_from_dict
 from shardsync.runtime.schedule import subgroups
 from shardsync.topology import Topology
-from shardsync.transport import Rendezvous, SyncGroup
-from shardsync.transport.group import free_port, open_store
+from shardsync.transport import SyncGroup
+from shardsync.store.rendezvous import Rendezvous
+from shardsync.store.rendezvous import free_port, open_store
 from tests.dist._engine import start_engine, stop_engine
 
 

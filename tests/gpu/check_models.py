@@ -32,7 +32,6 @@ import functools
 import json
 import os
 import platform
-import socket
 import sys
 import time
 import traceback
@@ -53,6 +52,7 @@ from shardsync.models.engine import EngineModel  # noqa: E402
 from shardsync.models.trainer import TrainerModel  # noqa: E402
 from shardsync.models.weights import TensorSource, random_source  # noqa: E402
 from shardsync.spec import PRESETS, ModelSpec  # noqa: E402
+from shardsync.store import free_port
 from tests.megatron_recipe import architecture, moe_architecture
 
 try:
@@ -254,10 +254,6 @@ def transformers_checks(presets: list[str], device: torch.device, fp32_control: 
 # --- (b) against megatron-core ----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpt_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
@@ -362,7 +358,7 @@ def _megatron_world(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         torch.cuda.set_device(torch.device(device).index or 0)
     # TP = PP = 1: no collective runs in the forward, so gloo serves on CUDA too.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=120))
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,

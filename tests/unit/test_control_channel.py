@@ -14,9 +14,12 @@ import pytest
 from shardsync.control.client import StoreChannel, SyncError
 from shardsync.control.listener import StoreListener
 from shardsync.control.session import Conflict
-from shardsync.control.wire import Accepted, BeginRequest, Keys, Refused, UpdateResult, get
+from shardsync.control.wire import Accepted, BeginRequest, UpdateResult
 from shardsync.launch.procs import listening
-from shardsync.transport.group import Rendezvous, free_port, open_store
+from shardsync.store.keys import Keys
+from shardsync.store.rendezvous import Rendezvous, free_port, open_store
+from shardsync.store.sealed import get
+from shardsync.vocab import Refused
 
 
 class _Engine:

@@ -14,15 +14,17 @@ from collections.abc import Iterator
 
 import torch
 
-from shardsync.control import auth
 from shardsync.control.hosted import connect_body
 from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall
-from shardsync.control.wire import ConnectRequest, Keys, put
+from shardsync.control.wire import ConnectRequest
 from shardsync.receiver import Loader, Params, Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank
 from shardsync.receiver.match import live_difference
 from shardsync.spec import spec_from_config
-from shardsync.transport.group import Rendezvous, open_store
+from shardsync.store import auth
+from shardsync.store.keys import Keys
+from shardsync.store.rendezvous import Rendezvous, open_store
+from shardsync.store.sealed import put
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from shardsync.control import auth
 from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY
 from shardsync.engines.vllm import params
 from shardsync.plan.local import region
 from shardsync.receiver import Loader, Params, Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank
 from shardsync.spec import spec_from_config
+from shardsync.store import auth
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardsync.engine.launch import wait_healthy
-from shardsync.transport.group import free_port
+from shardsync.control.client import wait_healthy
+from shardsync.store.rendezvous import free_port
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""Store values a peer acts on, sealed with the sync's shared secret: a value is the JSON of a
+pydantic message, signed and bound to its key (so another client of the store cannot write
+one, and a value cannot be replayed under another key).  Nothing read here is unpickled."""
+
+from __future__ import annotations
+
+import datetime
+from typing import TypeVar
+
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+
+from shardsync.store import auth
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Signed(BaseModel):
+    """A store value written by a holder of the sync's secret: ``body`` is the JSON message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    body: str
+    mac: str
+
+
+def seal(key: str, body: str, secret: str | None) -> str:
+    """The store value for ``body`` under ``key``: signed when there is a secret."""
+    return body if secret is None else Signed(body=body, mac=auth.mac(secret, key, body)).model_dump_json()
+
+
+def unseal(key: str, raw: bytes | str, secret: str | None) -> bytes | str:
+    """The JSON body of a store value (as stored when there is no secret); a ``ValueError`` if
+    a secret is set and the value is not signed with it (some other client of the store wrote it)."""
+    if secret is None:
+        return raw
+    try:
+        signed = Signed.model_validate_json(raw)
+    except ValueError:
+        raise ValueError(f"store value under {key} is not signed: refused (only holders of the "
+                         "sync's token write control values)") from None
+    if not auth.verify_mac(secret, key, signed.body, signed.mac):
+        raise ValueError(f"store value under {key} has a wrong signature: refused")
+    return signed.body
+
+
+def put(store: dist.Store, key: str, msg: BaseModel, secret: str | None = None) -> None:
+    store.set(key, seal(key, msg.model_dump_json(), secret))
+
+
+def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta,
+        secret: str | None = None) -> M:
+    """Wait (bounded) for ``key`` and validate its value as ``model``; never unpickles."""
+    store.wait([key], timeout)
+    return model.model_validate_json(unseal(key, store.get(key), secret))
