@@ -48,7 +48,7 @@ from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.topology import STAGED_KINDS, Topology
 from shardsync.transport import SyncGroup
-from shardsync.vocab import Refused
+from shardsync.vocab import Reason, Refused
 
 log = logging.getLogger("shardsync")
 
@@ -210,7 +210,7 @@ class WeightSync:
         for whole in (False, True):
             topo = self._topology(decision, whole=whole)
             if whole:
-                self.mode, self.fallback_reason = Mode.BROADCAST, f"{LAYOUT_MISMATCH}: {refused}"
+                self.mode, self.fallback_reason = Mode.BROADCAST, refused
             else:
                 self.mode, self.fallback_reason = choose_full(topo, cfg.mode)
             if cfg.ipc and self.mode is not Mode.P2P:
@@ -220,19 +220,24 @@ class WeightSync:
             if not offered.error:
                 return topo
             # an engine whose parameters are not shardsync's layout takes whole tensors by broadcast
-            if whole or LAYOUT_MISMATCH not in offered.error or cfg.mode == "p2p" or cfg.ipc:
+            if whole or offered.reason is not Reason.LAYOUT_MISMATCH or cfg.mode == "p2p" or cfg.ipc:
                 raise SyncError(f"engines refused the connect: {offered.error}")
-            refused = offered.error.split(LAYOUT_MISMATCH + ": ", 1)[1][:300]
+            # the decision is the typed reason; the log line shows the engine's own words after it
+            refused = f"{LAYOUT_MISMATCH}: {offered.error.partition(LAYOUT_MISMATCH + ': ')[2][:300] or offered.error}"
         raise AssertionError("unreachable: the whole-tensor offer returns or raises")
 
     def _offer(self, topo: Topology, rdv: Rendezvous) -> Note:
         """Rank 0: every engine gets the connection's plan fingerprints to check against its own."""
         cfg = self.config
         fingerprints = {m.value: topo.fingerprint(m.value) for m in self.modes if not m.is_delta}
-        self._engines.connect([connect_request(topo, i, fingerprints, rdv, bucket_bytes=cfg.transport.bucket_bytes,
-                                               credits=cfg.transport.credits, ipc=cfg.ipc,
-                                               control=cfg.control.channel, verify=cfg.transport.verify_buckets)
-                               for i in range(len(self.urls))])
+        try:
+            self._engines.connect([connect_request(topo, i, fingerprints, rdv,
+                                                   bucket_bytes=cfg.transport.bucket_bytes,
+                                                   credits=cfg.transport.credits, ipc=cfg.ipc,
+                                                   control=cfg.control.channel, verify=cfg.transport.verify_buckets)
+                                   for i in range(len(self.urls))])
+        except Refused as e:
+            return Note(error=_error(e), reason=e.reason)
         return Note()
 
     def _decide(self) -> Decision:

@@ -35,6 +35,10 @@ TRAINER_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp2_layout}
 
 @dataclass(frozen=True)
 class Topology:
+    """A trainer and its engines as metadata: the model, the trainer's parallelism, each
+    engine's, and the engine facts read at connect.  Both ends build the same one and derive
+    the same layouts, plans and fingerprints from it (cached: a plan is built once)."""
+
     spec: ModelSpec
     trainer: MegatronParallel | Fsdp2Parallel
     engines: tuple[EngineParallel, ...] = field(default=(EngineParallel(),))

@@ -116,4 +116,9 @@ class Reason(Word):
 
 
 class Refused(RuntimeError):
-    """An engine refused an update before touching its weights; the connection stays usable."""
+    """An engine refused a call before touching its weights; the connection stays usable.
+    ``reason`` is the kind a caller acts on (None: only the text says why)."""
+
+    def __init__(self, message: str, reason: Reason | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -140,7 +140,7 @@ class HostedEngines:
         for i in range(len(self.requests)):
             reports = [get(store, keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret)
                        for r in range(self.engine_ranks(i))]
-            out.append(reduce_reports(version, mode.value, reports))
+            out.append(reduce_reports(version, mode, reports))
         return out
 
     def settle(self, version: int, mode: Mode) -> list[UpdateResult]:
@@ -173,7 +173,7 @@ class HostedEngines:
         """A disk delta: one round whose receive reads the published parts."""
         self.seq += 1
         self.start()
-        self.send(self.update_info(version, Mode.DELTA_DISK, root=root, base_version=None))
+        self.send(self.update_info(version, Mode.DELTA_DISK, root=root))  # the manifest names its base
         return self.settle(version, Mode.DELTA_DISK)
 
     def checksums(self) -> list[ChecksumResponse]:

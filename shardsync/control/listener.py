@@ -124,7 +124,7 @@ class StoreListener:
         try:  # the receive itself waits under the group timeout
             res: UpdateResult = fut.result(timeout=wait_s)
         except Exception as e:
-            res = UpdateResult(version=req.version, mode=req.mode.value, ok=False,
+            res = UpdateResult(version=req.version, mode=req.mode, ok=False,
                                error=f"{type(e).__name__}: {e}")
         put(store, self.keys.result(seq, self.index), res, self.secret)
 

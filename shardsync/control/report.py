@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from shardsync.control.wire import RankReport, UpdateResult
+from shardsync.mode import Mode
 from shardsync.runtime.stats import Stats
 
 
@@ -17,7 +18,7 @@ def rank_report(stats: Stats, t0: float, destination: str) -> RankReport:
                       destination=destination)
 
 
-def reduce_reports(version: int, mode: str, reports: Sequence[RankReport | dict],
+def reduce_reports(version: int, mode: Mode, reports: Sequence[RankReport | dict],
                    error: str | None = None) -> UpdateResult:
     """One engine's result; the first rank error (or ``error``) fails it as a whole."""
     rs = [r if isinstance(r, RankReport) else RankReport.model_validate(r) for r in reports]

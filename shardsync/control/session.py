@@ -59,6 +59,11 @@ class Update:
 
 @dataclass
 class UpdateSession:
+    """One engine's update state, whoever hosts it: the reference engine's server, and each
+    rank of a vLLM or SGLang engine (``receiver.hosted``).  ``versions_grow``: an update older
+    than the served version is refused (the reference engine tags every answer with its
+    version); hosted engines leave version labels to the engine and only check delta bases."""
+
     version: int = 0
     state: State = State.IDLE
     stale_reason: str = ""
@@ -67,6 +72,8 @@ class UpdateSession:
     current: Update | None = None
     last: UpdateResult | None = None
     counters: dict[str, float] = field(default_factory=dict)
+    versions_grow: bool = True
+    calls: int = 0  # the last call number taken on this connection (hosted ranks: a call never runs twice)
     _was_stale: bool = field(default=False, repr=False)  # receiving into stale weights
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -110,8 +117,17 @@ class UpdateSession:
     def joined(self, req: ConnectRequest) -> None:
         with self._lock:
             self.fingerprints = dict(req.fingerprints)
+            self.calls = 0
             if self.offered is req:
                 self.offered = None
+
+    def take_call(self, seq: int) -> None:
+        """Call ``seq`` of this connection runs once, in order: an old or repeated number (a
+        replay) is refused before anything runs."""
+        with self._lock:
+            if seq <= self.calls:
+                raise Conflict(f"call {seq} after call {self.calls} on this connection (a replay?); ignored")
+            self.calls = seq
 
     def disconnect(self) -> None:
         with self._lock:
@@ -131,7 +147,7 @@ class UpdateSession:
             if expected != req.fingerprint:
                 raise Conflict(f"{mode} plan fingerprint {req.fingerprint} does not match the "
                                f"connected plan {expected}; weights unchanged")
-            if req.version < self.version:
+            if self.versions_grow and req.version < self.version:
                 raise Conflict(f"version {req.version} is older than the engine's {self.version}; "
                                "weights unchanged")
             if mode.is_delta:
@@ -174,7 +190,7 @@ class UpdateSession:
         with self._lock:
             if self.state is not State.RECEIVING:
                 return result  # settled already (HTTP finish and the store listener both report)
-            mode = Mode(result.mode)
+            mode = result.mode
             if result.ok:
                 self.version, self.state, self.stale_reason = result.version, State.IDLE, ""
                 key = f"updates_total_{mode.value.replace('-', '_')}"

@@ -30,6 +30,7 @@ from shardsync.control.hosted import HostedEngines, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, VersionResponse
 from shardsync.store import auth
 from shardsync.store.sealed import get
+from shardsync.vocab import Reason, Refused
 
 ENTRY = "shardsync.engines.sglang.load"  # --custom-weight-loader and load_format
 MAC_KEY = "shardsync/sglang/call"  # what a rank checks a call's signature under
@@ -62,9 +63,10 @@ class SglangCall(Msg):
 
 
 class Checked(Msg):
-    """One rank's answer to a connect check: None, or what is wrong."""
+    """One rank's answer to a connect check: None, or what is wrong (and its kind, if a caller acts on it)."""
 
     error: str | None = Field(default=None, max_length=4096)
+    reason: Reason | None = None
 
 
 class _Bytes:
@@ -195,6 +197,8 @@ class SglangEngines(HostedEngines):
                 raise SyncError(f"{self.urls[i]}: tp{r} did not answer the connect check in {timeout.seconds}s "
                                 f"(SGLang started with --custom-weight-loader {ENTRY} and the same "
                                 "$SHARDSYNC_TOKEN? its log says why)") from None
+            if answer.reason is not None:
+                raise Refused(f"{self.urls[i]}: {answer.error}", answer.reason)
             if answer.error:
                 raise SyncError(f"{self.urls[i]}: {answer.error}")
 

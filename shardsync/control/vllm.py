@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardsync.control.client import Engines, SyncError
-from shardsync.control.hosted import HostedEngines, connect_body, weight_version
+from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines, connect_body, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
 from shardsync.store import auth
+from shardsync.vocab import Reason, Refused
 
 MAC_KEY = "shardsync/vllm/connect"  # what the worker checks the connect's signature under
 ENV_LAYOUT = "SHARDSYNC_VLLM_LAYOUT"  # "whole" in vLLM's environment: always receive whole tensors
@@ -69,9 +70,15 @@ class VllmEngines(HostedEngines):
                        timeout_s=self.update_timeout_s)
 
     def connect(self, requests: Sequence[ConnectRequest]) -> None:
-        """Every worker checks the plans and its own layout; nothing is joined."""
+        """Every worker checks the plans and its own layout; nothing is joined.  vLLM answers a
+        worker's refusal as text only: the layout refusal is typed here, at that edge."""
         self.requests = list(requests)
-        self._init(join=False)
+        try:
+            self._init(join=False)
+        except SyncError as e:
+            if LAYOUT_MISMATCH in str(e):
+                raise Refused(str(e), Reason.LAYOUT_MISMATCH) from None
+            raise
 
     def join(self) -> None:
         """Every worker joins the sync group; an update session a gone trainer left open
@@ -87,7 +94,8 @@ class VllmEngines(HostedEngines):
         self.http.call("POST", "/start_weight_update")
 
     def send(self, info: dict) -> None:
-        self.http.call("POST", "/update_weights", [{"update_info": info}] * len(self.urls),
+        """``info`` (a ``receiver.hosted.Call``) rides vLLM's update info whole, as one field."""
+        self.http.call("POST", "/update_weights", [{"update_info": {"call": info}}] * len(self.urls),
                        timeout_s=self.update_timeout_s)
 
     def end(self, version: int) -> None:

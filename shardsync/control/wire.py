@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardsync.mode import Mode
+from shardsync.vocab import Channel, Crossing, Ipc, Reason, Staging
 
 PROTOCOL_VERSION = 2
 MAX_ENGINES = 64
@@ -69,9 +70,9 @@ class ConnectRequest(Msg):
     bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)
     relay: bool = False
-    ipc: Literal[False, "map", "slots", "push"] = False
+    ipc: Ipc | None = None  # colocated: how the engine reads the trainer's memory
     verify: bool = False  # every sync-group message followed by its digest (both sides must agree)
-    control: Literal["http", "store", "vllm", "sglang"] = "http"  # where begin/finish arrive (engines: their own)
+    control: Channel = Channel.STORE  # where begin/finish arrive (hosted engines: their own endpoints)
     rendezvous: RendezvousMsg
 
 
@@ -80,7 +81,7 @@ class BeginRequest(Msg):
     mode: Literal[Mode.P2P, Mode.BROADCAST, Mode.DELTA_P2P, Mode.DELTA_BROADCAST]
     fingerprint: str = Field(max_length=64)
     base_version: Version | None = Field(None, description="delta modes: the version the delta is against")
-    crossing: Literal["finish", "span", "abort"] | None = None  # None: the engine's own policy
+    crossing: Crossing | None = None  # None: the engine's own policy
     # the trainer's transport signal follows without waiting for the answer: a refusal must
     # be answered through the transport too (``Refused``), so the trainer never waits it out
     pipelined: bool = False
@@ -112,7 +113,7 @@ class Received(BaseModel):
     buckets: int = 0
     destination: str = "params"
     # serving while syncing (engine/dispatch.py): where the engine stopped generating
-    staging: Literal["in-place", "swap", "copy"] = "in-place"
+    staging: Staging = Staging.IN_PLACE
     staging_bytes: int = 0  # peak staging memory held for this update
     shard_bytes: int = 0  # the rank's whole shard: staging_bytes below it staged a window, the rest paused
     stage_s: float = 0.0  # receive into staging while serving (0 in place)
@@ -126,7 +127,7 @@ class UpdateResult(Received):
     """One engine's outcome of one update: its receivers' ``Stats`` reduced over TP ranks."""
 
     version: int
-    mode: str
+    mode: Mode
     ok: bool
 
 
@@ -188,9 +189,10 @@ class Done(Msg):
 
 
 class Note(Msg):
-    """One trainer rank's word for the others: an error or nothing."""
+    """One trainer rank's word for the others: an error (and its kind, where one acts on it) or nothing."""
 
     error: str | None = None
+    reason: Reason | None = None
 
 
 class Accepted(Msg):

@@ -9,6 +9,9 @@ weights change under running sequences, ``Serving.crossing`` decides: ``finish``
 waits, bounded, for them to end on the old version; new requests wait with it), ``span``
 (they go on, re-prefilled on the new weights, and their version spans say so) or ``abort``
 (they end with a retryable error).  Every token carries the version that produced it.
+
+Over 400 lines on purpose: the scheduler's state (pending update, running sequences, the
+crossing policy) is one state machine; splitting it would spread one lock's invariants.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from shardsync.control.session import Stale, UpdateSession
 from shardsync.control.wire import UpdateResult
 from shardsync.engine.fanout import FanOut, WorkerError, peer_loop
 from shardsync.engine.worker import EngineWorker
+from shardsync.mode import Mode
 from shardsync.vocab import Crossing
 
 __all__ = ["Aborted", "BusyError", "Dispatcher", "Serving", "WorkerError", "peer_loop"]
@@ -44,7 +48,7 @@ class Aborted(RuntimeError):
 
 
 SERVING = ("generate", "score")
-UPDATES = {"update": None, "pull": "delta-disk"}  # commands that write weights -> mode (None: in args)
+UPDATES = {"update": None, "pull": Mode.DELTA_DISK}  # commands that write weights -> mode (None: in args)
 # Weight commands go ahead of queued serving (an update is never starved by generation); a
 # request overtaken by an update runs on the new weights and says so (its version).
 PRIORITY = {"generate": 1, "score": 1, "checksum": 1}

@@ -106,7 +106,7 @@ class WeightService:
         """Validate and queue one update.  ``started`` resolves when the workers are ready to
         receive (after any command already running); ``result`` is its ``UpdateResult``."""
         update = self.session.begin(req)
-        cmd = self.dispatcher.command("update", {"version": update.version, "mode": update.mode.value,
+        cmd = self.dispatcher.command("update", {"version": update.version, "mode": update.mode,
                                                  "crossing": req.crossing}, timeout_s=UPDATE_TIMEOUT_S)
         result = _then(cmd.future, lambda out: out[0])
         self._results = {update.version: result}
@@ -114,7 +114,7 @@ class WeightService:
 
     def refuse(self, req: BeginRequest) -> Future:
         """Answer a refused pipelined begin through the transport (``BeginRequest.pipelined``)."""
-        return self.dispatcher.submit("refuse", {"mode": req.mode.value}, timeout_s=UPDATE_TIMEOUT_S)
+        return self.dispatcher.submit("refuse", {"mode": req.mode}, timeout_s=UPDATE_TIMEOUT_S)
 
     def finish(self, version: int) -> Future:
         self.session.in_progress(version)

@@ -111,19 +111,19 @@ class EngineWorker:
         """Join the sync group a trainer opened (blocks, bounded, until every member arrives)."""
         return {"rank": self.rank, "sync_rank": self.receiver.join(ConnectRequest.model_validate(req))}
 
-    def update(self, version: int, mode: str, commit: bool = True) -> dict[str, Any]:
+    def update(self, version: int, mode: Mode, commit: bool = True) -> dict[str, Any]:
         """Receive one update into the destination (``commit=False``: a staged receive the
         dispatcher commits later)."""
         t0 = time.perf_counter()
         try:
-            stats = self.receiver.receive(Mode(mode), UpdateArgs(version=version), commit=commit)
+            stats = self.receiver.receive(mode, UpdateArgs(version=version), commit=commit)
         except Exception as e:  # the receiver left the broken group; the dispatcher settles it
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return rank_report(stats, t0, self.receiver.destination.name).model_dump()
 
-    def refuse(self, mode: str) -> None:
+    def refuse(self, mode: Mode) -> None:
         """The session refused an update the trainer already signalled: answer it in place."""
-        self.receiver.refuse(Mode(mode))
+        self.receiver.refuse(mode)
 
     def pull(self, root: str, version: int, current: int, commit: bool = True) -> dict[str, Any]:
         """Apply delta ``version`` from ``root`` (a shared directory) to this rank's weights."""

@@ -25,6 +25,8 @@ class Sample:
 
 
 class Serving(Protocol):
+    """What the demo's GRPO loop asks of a rollout engine (the reference one or vLLM)."""
+
     def generate(self, url: str, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
                  seed: int, timeout_s: float) -> tuple[list[Sample], int]:
         """Samples for ``prompts`` and the weight version the engine answered with."""

@@ -32,6 +32,10 @@ LM_HEAD_EVERY_STAGE = ("llama", "qwen3_moe")
 
 @dataclass(frozen=True, kw_only=True)
 class EngineParallel:
+    """One rollout engine's parallelism as the trainer plans it, read from the engine at
+    connect (never from the trainer's config): TP, expert parallel within it, pipeline
+    stages, and ``whole`` for engines whose own loader shards whole tensors."""
+
     tp: int = 1
     ep: int = 1  # expert parallel within the TP group (moe_tp = tp / ep)
     pp: int = 1  # pipeline stages, each a TP group holding its layers (SGLang --pp-size)

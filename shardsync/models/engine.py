@@ -18,6 +18,9 @@ Collective contract: every method that runs the model (``forward``, ``generate``
 ``score``) is collective over the TP group.  All ranks call it in the same order with the
 same arguments; each returns the same result on every rank.  With ``tp_size == 1`` and
 ``group=None`` nothing communicates.
+
+Over 400 lines on purpose: one model, its TP scheme and its decoding loop read best side by
+side (the layer math lives in ``models.ops``); the next family split goes into the family tables.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ Results are returned on every rank.  With ``tp == pp == dp == 1`` nothing commun
 no process group is needed.
 
 Only "Case A" tensor parallelism (``tp`` divides ``num_kv_heads``) is implemented.
+
+Over 400 lines on purpose: one model, its TP/PP/EP scheme, pipeline schedule and optimizer are
+the reference a sync is checked against, and read best in one place (the math is ``models.ops``).
 """
 
 from __future__ import annotations

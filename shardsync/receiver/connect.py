@@ -13,6 +13,7 @@ from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import Topology
+from shardsync.vocab import Channel, Ipc
 
 
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -28,7 +29,7 @@ def spec_from_dict(d: dict[str, Any]) -> ModelSpec:
 
 
 def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rdv: Rendezvous, *,
-                    bucket_bytes: int, credits: int, ipc: str | None, control: str,
+                    bucket_bytes: int, credits: int, ipc: Ipc | None, control: Channel,
                     verify: bool = False) -> ConnectRequest:
     """What trainer rank 0 sends engine ``index`` of ``topo``."""
     t = topo.trainer
@@ -46,7 +47,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
         "whole": [e.whole for e in topo.engines] if any(e.whole for e in topo.engines) else [],
         "engine_ep": [e.ep for e in topo.engines] if any(e.ep > 1 for e in topo.engines) else [],
         "engine_pp": [e.pp for e in topo.engines] if any(e.pp > 1 for e in topo.engines) else [],
-        "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc or False,
+        "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc,
         "control": control, "verify": verify, "rendezvous": dataclasses.asdict(rdv),
     })
 
@@ -86,7 +87,7 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
     where this engine receives, unless it stages whole shards (what a push needs)."""
     if req.protocol != PROTOCOL_VERSION:
         raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
-    if req.ipc == "push" and staging is not None:
+    if req.ipc is Ipc.PUSH and staging is not None:
         raise Conflict(PUSH_NEEDS_STAGING.format(where=staging))
     try:  # the architecture first (cheap): nothing is planned for a model this engine is not
         theirs = spec_from_dict(req.spec)

@@ -4,30 +4,48 @@ point, signed; every outcome goes back to the trainer through the sync group's s
 
 ``update`` never raises: an exception kills SGLang's scheduler and desynchronizes vLLM's
 workers.  A failed receive is reported (``RankReport(ok=False)``) and leaves this rank
-stale until a full update succeeds.
+stale until a full update succeeds.  The rank decides what it accepts with the same
+``UpdateSession`` the reference engine uses (fingerprints, delta bases, staleness, the call
+sequence), so both refuse the same updates in the same words.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Literal, get_args
 
+import torch
 from pydantic import Field
 
 from shardsync.control.hosted import LAYOUT_MISMATCH, UPDATE_FAILED, connect_body
 from shardsync.control.report import rank_report
-from shardsync.control.wire import MAX_VERSION, ConnectRequest, Joined, Msg, RankReport, RankSums, Version
+from shardsync.control.session import Conflict, Invalid, UpdateSession
+from shardsync.control.wire import (
+    MAX_VERSION,
+    BeginRequest,
+    ConnectRequest,
+    Joined,
+    Msg,
+    RankReport,
+    RankSums,
+    UpdateResult,
+    Version,
+)
+from shardsync.delta.disk import read_manifest
+from shardsync.dtypes import dtype_name
 from shardsync.mode import Mode
 from shardsync.paths import UpdateArgs
 from shardsync.receiver.connect import check_connect
-from shardsync.receiver.receiver import Receiver
+from shardsync.receiver.destination import Destination, Loader, Params, Slice
+from shardsync.receiver.receiver import Receiver, engine_rank
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
 from shardsync.store import auth
 from shardsync.store.keys import Keys
 from shardsync.store.sealed import put
+from shardsync.vocab import Reason, Refused
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +66,24 @@ class Call(Msg):
     op: Literal["update", "checksum"] = "update"  # checksum: report this rank's checksums, change nothing
 
 
+def hosted_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, *, whole: bool, in_place: bool,
+                    params: Callable[[], Mapping[str, torch.Tensor]], load: Callable[[Iterator[Slice]], None],
+                    dtype: torch.dtype, device: torch.device | str, secret: str | None, ep: int = 1,
+                    pp_rank: int = 0, pp: int = 1) -> Receiver:
+    """One rank's receiver inside a hosting engine (vLLM, SGLang): shards land in place in the
+    engine's parameters (``params()``) when they are shardsync's engine layout (``in_place``)
+    and the trainer plans shards; whole tensors, or parameters the engine repacks, go through
+    the engine's own loader (``load``), which shards them itself."""
+    if in_place and not whole:
+        dest: Destination = Params(params())
+    else:
+        layout, rank = engine_rank(spec, tp_rank, tp_size, dtype_name=dtype_name(dtype), whole=whole, ep=ep,
+                                   pp_rank=pp_rank, pp=pp)
+        dest = Loader(rank, layout.logical, load, dtype=dtype, device=device)
+    return Receiver(spec, tp_rank, tp_size, dest, dtype=dtype, device=device, secret=secret, whole=whole, ep=ep,
+                    pp_rank=pp_rank, pp=pp)
+
+
 class HostedRank:
     """The connection state one engine rank keeps between the engine's calls.
 
@@ -65,11 +101,14 @@ class HostedRank:
         self.layout_reason, self.dtype_name = layout_reason, dtype_name
         self.receiver: Receiver | None = None  # the connected one
         self.keys: Keys | None = None
-        self.fingerprints: dict[str, str] = {}
         self.engine_index = 0
-        self.version: int | None = None  # last version applied through shardsync
-        self.stale = False  # the weights may hold neither ``version`` nor the one before
-        self.seq = 0  # the last call run on this connection: a call is never run twice
+        # the version applied through shardsync, staleness, the connection's plans, its calls
+        self.session = UpdateSession(versions_grow=False)
+
+    @property
+    def stale(self) -> bool:
+        """The weights may hold neither the session's version nor the one before."""
+        return self.session.stale
 
     # -- connect --
 
@@ -84,7 +123,7 @@ class HostedRank:
                                   f"engine has no token (${auth.ENV_TOKEN}); refused")
         whole = bool(req.whole) and req.engine_index < len(req.whole) and req.whole[req.engine_index]
         if self.layout_reason and not whole:
-            raise ValueError(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: {self.layout_reason}")
+            raise Refused(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: {self.layout_reason}", Reason.LAYOUT_MISMATCH)
         rx = self._receiver_for(whole)
         return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp,
                                       staging=rx.unpushable)
@@ -97,10 +136,10 @@ class HostedRank:
             self.receiver.leave()
         rx.join(req)
         assert rx.group is not None, "a receiver that joined holds its group"
-        self.receiver, self.fingerprints = rx, fingerprints
+        self.receiver = rx
+        self.session.joined(req.model_copy(update={"fingerprints": fingerprints}))
+        self.session.fail("a new connection: its first update is a full one")
         self.keys, self.engine_index = Keys(req.rendezvous.name), req.engine_index
-        self.stale = True  # the first update of a connection is a full one
-        self.seq = 0
         put(rx.group.store, self.keys.rank_joined(self.engine_index, self.index), Joined(session_open=session_open),
             self.secret)
 
@@ -114,11 +153,11 @@ class HostedRank:
             log.warning("shardsync: tp%d: update %d without a connection; ignored (the trainer times out "
                         "waiting for this rank's report)", self.tp_rank, call.version)
             return
-        if call.seq <= self.seq:
-            log.warning("shardsync: tp%d: call %d after call %d on this connection (a replay?); ignored",
-                        self.tp_rank, call.seq, self.seq)
+        try:
+            self.session.take_call(call.seq)
+        except Conflict as e:
+            log.warning("shardsync: tp%d: %s", self.tp_rank, e)
             return
-        self.seq = call.seq
         assert rx.group is not None, "a connected receiver holds its group"
         store = rx.group.store
         if call.op == "checksum":
@@ -140,18 +179,28 @@ class HostedRank:
             log.warning("shardsync: tp%d: cannot report update %d: %s", self.tp_rank, call.version, e)
 
     def _receive(self, rx: Receiver, call: Call) -> Stats:
+        """The session accepts the call (or raises, weights untouched), the receiver runs it,
+        the session settles on its outcome."""
         mode = Mode(call.mode)
-        if mode.is_delta and (self.stale or call.base_version != self.version):
-            raise ValueError(f"delta against version {call.base_version}, but this rank "
-                             f"{'is stale' if self.stale else f'holds {self.version}'}: send a full update")
-        if mode is not Mode.DELTA_DISK and self.fingerprints.get(mode.plan.value) != call.fingerprint:
-            raise ValueError(f"{mode} plan fingerprint differs from the connected one")
-        self.stale = True
-        if mode is Mode.DELTA_DISK:
-            stats = rx.pull(call.root, call.version, call.base_version)
+        if mode is Mode.DELTA_DISK:  # the published manifest names the base, as the reference engine reads it
+            if call.root is None:
+                raise Invalid("a disk delta names its published directory (root)")
+            base = read_manifest(call.root, call.version)["base_version"]
+            self.session.begin_pull(call.version, base)
         else:
-            stats = rx.receive(mode, UpdateArgs(version=call.version, base_version=call.base_version))
-        self.version, self.stale = call.version, False
+            base = call.base_version
+            self.session.begin(BeginRequest(version=call.version, mode=mode, fingerprint=call.fingerprint,
+                                            base_version=base))
+        try:
+            if mode is Mode.DELTA_DISK:
+                stats = rx.pull(call.root, call.version, base)
+            else:
+                stats = rx.receive(mode, UpdateArgs(version=call.version, base_version=base))
+        except Exception as e:
+            self.session.settle(UpdateResult(version=call.version, mode=mode, ok=False,
+                                             error=f"{type(e).__name__}: {e}"))
+            raise
+        self.session.settle(UpdateResult(version=call.version, mode=mode, ok=True))
         return stats
 
     def leave(self) -> None:

@@ -16,8 +16,9 @@ from collections.abc import Mapping
 import torch
 
 from shardsync.control.wire import ConnectRequest
+from shardsync.dtypes import dtype_name
 from shardsync.layout import EngineParallel, engine_layout
-from shardsync.layout.piece import addressed
+from shardsync.layout.piece import Layout, RankLayout, addressed
 from shardsync.mode import FULL, Mode
 from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path, release
 from shardsync.paths.disk import DiskApply
@@ -31,8 +32,18 @@ from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.transport.group import SyncGroup
 from shardsync.transport.pushed import Staging
+from shardsync.vocab import Ipc
 
 log = logging.getLogger(__name__)
+
+
+def engine_rank(spec: ModelSpec, tp_rank: int, tp_size: int, *, dtype_name: str, whole: bool = False, ep: int = 1,
+                pp_rank: int = 0, pp: int = 1) -> tuple[Layout, RankLayout]:
+    """The engine layout of ``spec`` in ``dtype_name`` and the pieces rank ``(pp_rank, tp_rank)``
+    holds (stage-major): what a receiver writes, and what a host checks its parameters against."""
+    layout = engine_layout(spec.replace(dtype=dtype_name),
+                           EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=dtype_name, whole=whole))
+    return layout, layout.ranks[pp_rank * tp_size + tp_rank]
 
 
 class Receiver:
@@ -48,10 +59,9 @@ class Receiver:
         self.destination = destination
         self._secret = secret  # the trainer signs the store values this rank acts on
         self.dtype, self.device = dtype, torch.device(device)
-        self.dtype_name = str(dtype).removeprefix("torch.")
-        self.layout = engine_layout(spec.replace(dtype=self.dtype_name),
-                                    EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=self.dtype_name, whole=whole))
-        self.rank_layout = self.layout.ranks[self.index]
+        self.dtype_name = dtype_name(dtype)
+        self.layout, self.rank_layout = engine_rank(spec, tp_rank, tp_size, dtype_name=self.dtype_name, whole=whole,
+                                                    ep=ep, pp_rank=pp_rank, pp=pp)
         self._meta = {t.name: t for t in self.rank_layout.tensors}
         self._views: dict[int, tuple[object, Mapping[str, torch.Tensor]]] = {}  # id(mapping) -> views
         self.group: SyncGroup | None = None
@@ -93,11 +103,11 @@ class Receiver:
         me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.index
         full = [m for m in FULL if m.value in req.fingerprints]
         self._plan_window(topo, me, req, full)
-        staging = self._staging() if req.ipc == "push" else None  # refused before the group is joined
+        staging = self._staging() if req.ipc is Ipc.PUSH else None  # refused before the group is joined
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
-        ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc or None,
+        ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc,
                       tensors=self._tensors(), rank_layout=self.rank_layout, verify=req.verify,
                       secret=self._secret, staging=staging)
         deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
@@ -142,7 +152,7 @@ class Receiver:
     def receive(self, mode: Mode, args: UpdateArgs | None = None, *, commit: bool = True) -> Stats:
         """One update into the destination (collective over the sync).  ``commit=False``: the
         host commits later (a staged receive made while serving)."""
-        program = self.programs.get(Mode(mode))
+        program = self.programs.get(mode)
         if program is None:
             raise RuntimeError(f"not connected for {mode} (have {sorted(m.value for m in self.programs)})")
         try:
@@ -160,7 +170,7 @@ class Receiver:
     def refuse(self, mode: Mode) -> None:
         """Answer an update the host refused whose signal is already on its way (a program
         with ``answers_refusals``); the weights are not touched.  A failure leaves the group."""
-        program = self.programs.get(Mode(mode))
+        program = self.programs.get(mode)
         if program is None or not program.answers_refusals:
             return  # the trainer waits for the refusal before it sends anything
         try:

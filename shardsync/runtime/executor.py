@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class Work(Protocol):
+    """An operation in flight; ``wait`` returns once it completed (bounded by the transport's timeout)."""
+
     def wait(self) -> object: ...
 
 

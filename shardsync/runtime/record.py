@@ -20,6 +20,9 @@ log = logging.getLogger("shardsync")
 
 @dataclass(frozen=True)
 class UpdateRecord:
+    """What one update did, on one trainer rank: its path (and why not p2p), bytes per link,
+    buckets, the seconds of each phase, each engine's result; one JSON line per update."""
+
     version: int
     mode: str
     fallback_reason: str | None

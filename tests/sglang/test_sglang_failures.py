@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from shardsync.config import ControlConfig, SyncConfig, TransportConfig
+from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportConfig
 from shardsync.control.client import SyncError
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank
@@ -91,7 +91,7 @@ def test_update_failing_on_sglang_is_reported_and_not_continued(sglang, monkeypa
     sync = _one_rank_sync(sglang.url, _config(timeout_s=6))
     sync.connect()
     monkeypatch.setattr(Topology, "fingerprint", lambda self, mode: "f" * 16)  # not what the ranks joined
-    with pytest.raises(SyncError, match="fingerprint differs.*stays paused"):
+    with pytest.raises(SyncError, match="does not match the connected plan.*stays paused"):
         sync.update(5)
     monkeypatch.undo()
     sync.close()
@@ -140,3 +140,32 @@ def test_layout_mismatch_takes_whole_tensors_through_sglang_loader() -> None:
         assert server.compare_version(8) == [[], []]
     finally:
         server.stop()
+
+
+def test_disk_delta_lands_on_sglang_with_its_base_from_the_manifest(sglang, tmp_path) -> None:
+    """A delta published on disk: every rank checks the manifest's base against the version it
+    holds (the reference engine's rule, through the same session) and applies its parts."""
+    spec = _models.SPECS[MODEL]
+    cfg = SyncConfig(delta=DeltaConfig(transport="disk", dir=str(tmp_path)),
+                     control=ControlConfig(channel="sglang", token=TOKEN),
+                     transport=TransportConfig(bucket_mb=0.25, timeout_s=30))
+    sync = _one_rank_sync(sglang.url, cfg)
+    sync.connect()
+    try:
+        lay = sync.topo.trainer_layout
+        _load(sync.params, load_rank(lay, 0, version_source(spec, 20)))
+        full = sync.update(20)
+        _load(sync.params, load_rank(lay, 0, version_source(spec, 21, 20)))
+        delta = sync.update(21)
+        assert full.ok and full.mode == "p2p", full.error
+        assert delta.ok and delta.mode == "delta-disk", delta.error
+        assert sync.verify() == []
+    finally:
+        sync.close()
+    assert sglang.compare_version(21, base=20) == [[], []]
+    assert sglang.weight_version == "21" and not sglang.paused
+
+
+def _load(params, values) -> None:
+    for k, v in values.items():
+        params[k].copy_(v)

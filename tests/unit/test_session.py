@@ -13,7 +13,7 @@ from shardsync.control.session import (
     State,
     UpdateSession,
 )
-from shardsync.control.wire import BeginRequest, UpdateResult
+from shardsync.control.wire import BeginRequest, ConnectRequest, UpdateResult
 
 
 def _connected() -> UpdateSession:
@@ -98,3 +98,30 @@ def test_disk_pull_needs_the_served_base_and_no_connection() -> None:
     s.begin_pull(5, 4)
     s.settle(_result(5, mode="delta-disk"))
     assert s.version == 5 and s.counters["updates_total_delta_disk"] == 1
+
+
+def test_a_call_runs_once_in_order_and_a_join_starts_the_count_again() -> None:
+    """The replay guard hosted ranks (vLLM, SGLang) run their calls through."""
+    s = _connected()
+    s.take_call(1)
+    s.take_call(3)  # numbers may skip (checksum rounds count too)
+    for seq in (3, 2):
+        with pytest.raises(Conflict, match=f"call {seq} after call 3 on this connection"):
+            s.take_call(seq)
+    s.joined(ConnectRequest.model_construct(fingerprints={"p2p": "fp-p2p"}))
+    s.take_call(1)
+
+
+def test_older_versions_are_refused_only_where_versions_grow() -> None:
+    grows, labels = _connected(), _connected()
+    labels.versions_grow = False  # hosted engines: the engine labels versions; delta bases still checked
+    for s in (grows, labels):
+        s.begin(_begin(5))
+        s.settle(_result(5))
+    with pytest.raises(Conflict, match="older than the engine's 5"):
+        grows.begin(_begin(2))
+    labels.begin(_begin(2))
+    labels.settle(_result(2))
+    assert labels.version == 2
+    with pytest.raises(Conflict, match="this engine holds version 2"):
+        labels.begin(_begin(3, "delta-p2p", base=5))

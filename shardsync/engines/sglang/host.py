@@ -17,14 +17,17 @@ import torch
 from shardsync.control.hosted import connect_body
 from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall
 from shardsync.control.wire import ConnectRequest
-from shardsync.receiver import Loader, Params, Receiver, Slice
-from shardsync.receiver.hosted import Call, HostedRank
+from shardsync.dtypes import dtype_name
+from shardsync.receiver import Params, Receiver, Slice
+from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
+from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
 from shardsync.store import auth
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.store.sealed import put
+from shardsync.vocab import Refused
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +91,9 @@ class SglangHost:
         self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
         if self.pp > 1 and os.environ.get("SGLANG_PP_LAYER_PARTITION"):
             raise ValueError("SGLANG_PP_LAYER_PARTITION is set; shardsync plans SGLang's even layer split only")
-        probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), dtype=self.dtype, ep=self.ep,
-                         pp_rank=self.pp_rank, pp=self.pp)
-        reason = live_difference(probe.rank_layout, self.model, self.dtype, "SGLang")
+        _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype), ep=self.ep,
+                              pp_rank=self.pp_rank, pp=self.pp)
+        reason = live_difference(rank, self.model, self.dtype, "SGLang")
         if reason is None and self.spec.num_experts and moe_backend() not in MOE_BACKENDS:
             reason = (f"SGLang's MoE runner backend {moe_backend()!r} holds experts in its own layout; shardsync's "
                       f"is that of {MOE_BACKENDS} (--moe-runner-backend triton)")
@@ -104,16 +107,17 @@ class SglangHost:
                  f"whole tensors only ({reason})" if reason else "into its parameters in place")
 
     def _receiver(self, whole: bool) -> Receiver:
+        """Shards in place (SGLang's parameters are shardsync's layout, or the connect is
+        refused before this), whole tensors through SGLang's own ``load_weights``."""
         if whole not in self._receivers:
-            kw = dict(dtype=self.dtype, device=self.device, whole=whole, ep=self.ep, pp_rank=self.pp_rank, pp=self.pp)
-            if whole:
-                probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), **kw)
-                dest = Loader(probe.rank_layout, probe.layout.logical, sglang_loader(self.model),
-                              dtype=self.dtype, device=self.device)
-            else:
-                dest = Params({n: p.data for n, p in self.model.named_parameters()})
-            self._receivers[whole] = Receiver(self.spec, self.tp_rank, self.tp_size, dest, secret=self.secret, **kw)
+            self._receivers[whole] = hosted_receiver(
+                self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=True, params=self._live,
+                load=sglang_loader(self.model), dtype=self.dtype, device=self.device, secret=self.secret, ep=self.ep,
+                pp_rank=self.pp_rank, pp=self.pp)
         return self._receivers[whole]
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        return {n: p.data for n, p in self.model.named_parameters()}
 
     # -- calls --
 
@@ -146,16 +150,17 @@ class SglangHost:
             log.warning("shardsync: tp%d: rendezvous at %s is not loopback and this engine has no token ($%s); "
                         "refused", self.tp_rank, rdv.host, auth.ENV_TOKEN)
             return
-        error = None
+        answer = Checked()
         try:
             if self.rank is None:
                 raise ValueError(f"shardsync: {self.problem}")
             self.rank.check(call.connect, self._connect_mac(call))
+        except Refused as e:
+            answer = Checked(error=str(e)[:4000], reason=e.reason)
         except Exception as e:
-            error = str(e) or type(e).__name__
+            answer = Checked(error=(str(e) or type(e).__name__)[:4000])
         store = open_store(rdv, is_master=False)
-        put(store, Keys(call.name).rank_checked(call.attempt, req.engine_index, self.index), Checked(error=error[:4000]
-            if error else None), self.secret)
+        put(store, Keys(call.name).rank_checked(call.attempt, req.engine_index, self.index), answer, self.secret)
 
     def follow_params(self) -> bool:
         """Point the in-place receiver at the parameters' current storage when SGLang rebound

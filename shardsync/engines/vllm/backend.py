@@ -26,10 +26,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY
+from shardsync.dtypes import dtype_name
 from shardsync.engines.vllm import params
 from shardsync.plan.local import region
-from shardsync.receiver import Loader, Params, Receiver, Slice
-from shardsync.receiver.hosted import Call, HostedRank
+from shardsync.receiver import Receiver, Slice
+from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
+from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
 from shardsync.store import auth
 
@@ -48,13 +50,7 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
-    seq: int  # this update's number on the connection (store keys)
-    version: int
-    mode: str
-    fingerprint: str = ""
-    base_version: int | None = None
-    root: str | None = None  # delta-disk: the published directory
-    op: str = "update"  # or "checksum": report this rank's piece checksums, change nothing
+    call: dict  # a ``receiver.hosted.Call`` (the wire schema; validated by the rank that runs it)
 
 
 def reprocess_tied(model: torch.nn.Module) -> None:
@@ -140,8 +136,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise ValueError(f"vLLM runs {self.model_config.quantization} quantization; shardsync "
                              "syncs unquantized weights")
         self.spec = spec_from_config(self.model_config.hf_config.to_dict(), name=str(self.model_config.model))
-        probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), dtype=self.dtype, device=self.device)
-        self.kind, layout_reason = params.choose(probe.rank_layout, self.model, self.dtype)
+        _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype))
+        self.kind, layout_reason = params.choose(rank, self.model, self.dtype)
         if os.environ.get(ENV_LAYOUT) == "whole":
             self.kind, layout_reason = "loader", f"{ENV_LAYOUT}=whole in vLLM's environment"
         log.info("shardsync: vLLM tp%d/%d receives into %s%s", self.tp_rank, self.tp_size, self.kind,
@@ -153,16 +149,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     def _receiver(self, whole: bool) -> Receiver:
         """This worker's receiver for engine-layout shards or for whole tensors (built once)."""
         if whole not in self._receivers:
-            probe = Receiver(self.spec, self.tp_rank, self.tp_size, Params({}), dtype=self.dtype,
-                             device=self.device, whole=whole)
-            if self.kind == "params" and not whole:
-                dest = Params({n: p.data for n, p in self.model.named_parameters()})
-            else:
-                dest = Loader(probe.rank_layout, probe.layout.logical,
-                              loader_for(self.model, self.model_config, self.dtype), dtype=self.dtype,
-                              device=self.device)
-            self._receivers[whole] = Receiver(self.spec, self.tp_rank, self.tp_size, dest, dtype=self.dtype,
-                                              device=self.device, secret=self.secret, whole=whole)
+            self._receivers[whole] = hosted_receiver(
+                self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=self.kind == "params",
+                params=lambda: {n: p.data for n, p in self.model.named_parameters()},
+                load=loader_for(self.model, self.model_config, self.dtype), dtype=self.dtype, device=self.device,
+                secret=self.secret)
         return self._receivers[whole]
 
     # -- connect --
@@ -219,9 +210,12 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         if self.host is None:
             log.warning("shardsync: tp%d cannot receive (%s); update ignored", self.tp_rank, self.problem)
             return
-        self.host.update(Call(seq=update.seq, version=update.version, mode=update.mode,
-                              fingerprint=update.fingerprint, base_version=update.base_version, root=update.root,
-                              op=update.op))
+        try:
+            call = Call.model_validate(update.call)
+        except ValueError as e:  # never raise into vLLM (the trainer times out waiting for this rank's report)
+            log.warning("shardsync: tp%d: malformed update call refused: %s", self.tp_rank, e)
+            return
+        self.host.update(call)
 
     def finish_weight_update(self) -> None:
         self.session_open = False
