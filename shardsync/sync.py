@@ -234,7 +234,8 @@ class WeightSync:
             self._engines.connect([connect_request(topo, i, fingerprints, rdv,
                                                    bucket_bytes=cfg.transport.bucket_bytes,
                                                    credits=cfg.transport.credits, ipc=cfg.ipc,
-                                                   control=cfg.control.channel, verify=cfg.transport.verify_buckets)
+                                                   control=cfg.control.channel, verify=cfg.transport.verify_buckets,
+                                                   delta=cfg.delta.transport if cfg.delta else None)
                                    for i in range(len(self.urls))])
         except Refused as e:
             return Note(error=_error(e), reason=e.reason)

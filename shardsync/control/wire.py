@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardsync.mode import Mode
-from shardsync.vocab import Channel, Crossing, Ipc, Reason, Staging
+from shardsync.vocab import Channel, Crossing, DeltaTransport, Ipc, Reason, Staging
 
 PROTOCOL_VERSION = 2
 MAX_ENGINES = 64
@@ -72,6 +72,7 @@ class ConnectRequest(Msg):
     relay: bool = False
     ipc: Ipc | None = None  # colocated: how the engine reads the trainer's memory
     verify: bool = False  # every sync-group message followed by its digest (both sides must agree)
+    delta: DeltaTransport | None = None  # the trainer's delta path (paths.connection_modes on both ends)
     control: Channel = Channel.STORE  # where begin/finish arrive (hosted engines: their own endpoints)
     rendezvous: RendezvousMsg
 

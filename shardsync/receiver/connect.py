@@ -13,7 +13,7 @@ from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import Topology
-from shardsync.vocab import Channel, Ipc
+from shardsync.vocab import Channel, DeltaTransport, Ipc
 
 
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def spec_from_dict(d: dict[str, Any]) -> ModelSpec:
 
 def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rdv: Rendezvous, *,
                     bucket_bytes: int, credits: int, ipc: Ipc | None, control: Channel,
-                    verify: bool = False) -> ConnectRequest:
+                    verify: bool = False, delta: DeltaTransport | None = None) -> ConnectRequest:
     """What trainer rank 0 sends engine ``index`` of ``topo``."""
     t = topo.trainer
     if isinstance(t, Fsdp2Parallel):  # kind "fsdp2"
@@ -48,7 +48,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
         "engine_ep": [e.ep for e in topo.engines] if any(e.ep > 1 for e in topo.engines) else [],
         "engine_pp": [e.pp for e in topo.engines] if any(e.pp > 1 for e in topo.engines) else [],
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc,
-        "control": control, "verify": verify, "rendezvous": dataclasses.asdict(rdv),
+        "control": control, "verify": verify, "delta": delta, "rendezvous": dataclasses.asdict(rdv),
     })
 
 

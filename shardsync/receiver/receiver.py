@@ -19,8 +19,8 @@ from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.layout.piece import Layout, RankLayout, addressed
-from shardsync.mode import FULL, Mode
-from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path, release
+from shardsync.mode import Mode
+from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path, connection_modes, release
 from shardsync.paths.disk import DiskApply
 from shardsync.receiver.connect import PUSH_NEEDS_STAGING, topology_from_connect
 from shardsync.receiver.destination import Destination
@@ -101,7 +101,9 @@ class Receiver:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
                              f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")
         me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.index
-        full = [m for m in FULL if m.value in req.fingerprints]
+        # the paths this connection compiles, derived as the trainer derived them
+        modes = connection_modes(Mode.P2P if Mode.P2P.value in req.fingerprints else Mode.BROADCAST, req.delta)
+        full = [m for m in modes if not m.is_delta]
         self._plan_window(topo, me, req, full)
         staging = self._staging() if req.ipc is Ipc.PUSH else None  # refused before the group is joined
         rdv = Rendezvous(**req.rendezvous.model_dump())
@@ -110,11 +112,11 @@ class Receiver:
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc,
                       tensors=self._tensors(), rank_layout=self.rank_layout, verify=req.verify,
                       secret=self._secret, staging=staging)
-        deltas = [Mode.DELTA_P2P] if Mode.P2P in full else []
         programs: dict[Mode, Program] = {}
         try:
-            for m in full + deltas + [Mode.DELTA_BROADCAST]:
-                programs[m] = compile_path(m, ep)
+            for m in modes:
+                if m.over_group:  # disk deltas are pulled (``pull``), not received
+                    programs[m] = compile_path(m, ep)
         except Exception:
             release(programs, group)
             raise
