@@ -22,9 +22,10 @@ from gpu_update import cuda_ms, d2d_copy_ms, fast_source
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank
 from shardsync.plan.local import allocate
-from shardsync.plan.runs import SIDE_STREAMS, Copies, coalesce, compile_runs
+from shardsync.plan.runs import coalesce, compile_runs
 from shardsync.spec import load_spec
 from shardsync.topology import Topology
+from shardsync.transport.copies import SIDE_STREAMS, Copies
 from shardsync.transport.gather import Gather, Tuning, capture
 
 KiB = 1 << 10

@@ -111,9 +111,10 @@ def delta_throughput(numel: int, density: float) -> dict:
 def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     """In one process, no IPC: the copy kernels each path runs, as throughput of model bytes."""
     from shardsync.plan.local import allocate
-    from shardsync.plan.runs import SIDE_STREAMS, Copies, coalesce, compile_runs
+    from shardsync.plan.runs import coalesce, compile_runs
     from shardsync.runtime.executor import drain, pack
     from shardsync.runtime.schedule import p2p_steps
+    from shardsync.transport.copies import SIDE_STREAMS, Copies
 
     engine = allocate(topo.p2p_plan, 0, device="cuda")
     send = p2p_steps(topo, 0, bucket_bytes)

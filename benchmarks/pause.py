@@ -91,7 +91,7 @@ def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespac
         t0 = time.monotonic()
         rec = sync.update(v)
         windows.append((t0, time.monotonic()))
-        records.append({"ok": rec.ok, "total_s": rec.total_s, "engines": rec.engines})
+        records.append({"ok": rec.ok, "total_s": rec.total_s, "engines": rec.engines_json()})
         time.sleep(args.gap_s)
     bad = sync.verify()
     sync.close()

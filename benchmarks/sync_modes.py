@@ -84,7 +84,7 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
             rec = sync.update(version, mode=mode)
             if i >= args.warmup:
                 rows.append({"mode": mode, "phases": rec.phases, "buffer_bytes": rec.buffer_bytes,
-                             "engine_buffer_bytes": max((e.get("buffer_bytes", 0) for e in rec.engines), default=0),
+                             "engine_buffer_bytes": max((e.buffer_bytes for e in rec.engines), default=0),
                              "busiest": rec.busiest_link_bytes, "bytes": sum(rec.link_bytes.values())})
     ok = sync.verify() == []
     sync.close()

@@ -99,11 +99,11 @@ def _rank(rank: int, world: int, port: int, url: str, tp: int, args, out) -> Non
                 # a delta keeps a snapshot of this rank's shard (the last synced values)
                 snapshot = sum(t.numel() * 4 for t in params.values()) if rec.mode.startswith("delta") else 0
                 rows.append({"round": rnd, "path": rec.mode, "total_s": rec.total_s,
-                             "bytes_per_worker": e["bytes_received"] // tp,
+                             "bytes_per_worker": e.bytes_received // tp,
                              "trainer_extra_bytes": rec.buffer_bytes + snapshot, "ok": rec.ok,
-                             "destination": e["destination"],
-                             "receive_s": e["transfer_s"] + e["unpack_s"],
-                             "load_s": e["total_s"] - e["transfer_s"] - e["unpack_s"]})
+                             "destination": e.destination,
+                             "receive_s": e.transfer_s + e.unpack_s,
+                             "load_s": e.total_s - e.transfer_s - e.unpack_s})
     sync.close()
     dist.destroy_process_group()
     if rank == 0:

@@ -14,7 +14,7 @@ _NAMES = {
     "WeightSync": "shardsync.sync", "SyncError": "shardsync.control.client",
     "SyncConfig": "shardsync.config", "TransportConfig": "shardsync.config", "DeltaConfig": "shardsync.config",
     "ColocatedConfig": "shardsync.config", "ControlConfig": "shardsync.config",
-    "UpdateRecord": "shardsync.runtime.record",
+    "UpdateRecord": "shardsync.runtime.record", "UpdateResult": "shardsync.runtime.ledger",
     # engine side
     "Receiver": "shardsync.receiver", "Params": "shardsync.receiver", "Loader": "shardsync.receiver",
     "Slice": "shardsync.receiver",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,14 +19,13 @@ import torch
 
 from shardsync.config import SyncConfig
 from shardsync.control import ranks
-from shardsync.control.client import EngineClient, Engines, SyncError, UpdateChannel
-from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines
-from shardsync.control.sglang import SglangEngines
-from shardsync.control.vllm import VllmEngines
+from shardsync.control.client import EngineClient, SyncError, UpdateChannel
+from shardsync.control.connect import decide, engine_client, rendezvous_of, topology_of
+from shardsync.control.hosted import LAYOUT_MISMATCH
 from shardsync.control.wire import BeginRequest, Decision, Done, Go, Note, RankSums, Verdict
 from shardsync.delta.transfer import Snapshot
 from shardsync.dtypes import torch_dtype
-from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.layout import MegatronParallel
 from shardsync.mode import Mode
 from shardsync.paths import (
     Endpoint,
@@ -46,18 +44,13 @@ from shardsync.spec import ModelSpec
 from shardsync.store.auth import load_token
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
-from shardsync.topology import STAGED_KINDS, Topology
+from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from shardsync.vocab import Reason, Refused
 
 log = logging.getLogger("shardsync")
 
 __all__ = ["SyncConfig", "SyncError", "WeightSync"]
-
-# control channels whose engines host the receiver behind their own endpoints (answers
-# through the sync group's store)
-HOSTED: dict[str, type[HostedEngines]] = {"vllm": VllmEngines, "sglang": SglangEngines}
-
 
 def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
@@ -113,12 +106,8 @@ class WeightSync:
 
     def _client(self) -> EngineClient:
         ctl = self.config.control
-        hosted = HOSTED.get(ctl.channel)
-        if hosted is not None:
-            return hosted(self.urls, ctl.http_timeout_s, self._secret,
-                          update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s,
-                          crossing=ctl.crossing)
-        return Engines(self.urls, ctl.http_timeout_s, self._secret, store_channel=ctl.channel == "store")
+        return engine_client(ctl.channel, self.urls, ctl.http_timeout_s, self._secret, crossing=ctl.crossing,
+                             update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s)
 
     @property
     def _timeout(self) -> datetime.timedelta:
@@ -145,16 +134,18 @@ class WeightSync:
     def connect(self) -> None:
         """Agree on engines and paths, join the sync group, compile every path once.
 
-        Named steps, each collective over the trainer ranks: ``_decide`` (rank 0 reads the
-        engines' facts and picks the rendezvous), ``_plan_and_offer`` (plan the connection's
+        Named steps, each collective over the trainer ranks: ``decide`` (rank 0 reads the
+        engines' facts and picks the rendezvous, ``control.connect``), ``_plan_and_offer`` (plan the connection's
         paths and offer them; an engine whose parameters are not shardsync's layout refuses,
         and the plan falls back to whole tensors by broadcast), ``_join`` (the sync group and
         every path compiled), then rank 0 opens the update channel."""
         t0 = time.perf_counter()
-        decision = self._share(self._rank0(self._decide, Decision), Decision)
+        t = self.config.transport
+        decision = self._share(self._rank0(lambda: decide(self._engines.info(), port=t.port or free_port(t.host)),
+                                           Decision), Decision)
         if decision.error:
             raise SyncError(f"connect failed on trainer rank 0: {decision.error}")
-        rdv = self._rendezvous(decision)
+        rdv = rendezvous_of(decision, self.parallel.world_size, host=t.host, backend=t.backend, timeout_s=t.timeout_s)
         self._keys = Keys(rdv.name)
         store = None
         if self.rank == 0:  # hosted engines answer through the store from their first check on
@@ -181,26 +172,6 @@ class WeightSync:
             log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
                      len(self.urls), decision.tps, self.mode, time.perf_counter() - t0)
 
-    def _rendezvous(self, decision: Decision) -> Rendezvous:
-        """The sync group's rendezvous: every trainer rank and every engine rank (TP x PP)."""
-        t = self.config.transport
-        pps = decision.pps or [1] * len(decision.tps)
-        engine_ranks = sum(tp * pp for tp, pp in zip(decision.tps, pps, strict=True))
-        return Rendezvous(t.host, decision.port, self.parallel.world_size + engine_ranks, decision.name,
-                          t.backend, t.timeout_s)
-
-    def _topology(self, decision: Decision, *, whole: bool) -> Topology:
-        """The connection's topology from the engines' facts (``whole``: engines whose own
-        loaders shard whole tensors)."""
-        n = len(decision.tps)
-        eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
-        dtype = decision.dtype
-        return Topology(self.spec.replace(dtype=dtype), self.parallel,
-                        tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole)
-                              for t, ep, pp in zip(decision.tps, eps, pps, strict=True)),
-                        engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
-                        quantization=decision.facts["quantization"], relay=self.config.relay)
-
     def _plan_and_offer(self, decision: Decision, rdv: Rendezvous) -> Topology:
         """Choose the full path for the engines' layout and offer the plan (rank 0 sends it,
         every rank learns the answer).  An engine that refuses it as not its layout is offered
@@ -208,7 +179,7 @@ class WeightSync:
         cfg = self.config
         refused: str | None = None
         for whole in (False, True):
-            topo = self._topology(decision, whole=whole)
+            topo = topology_of(decision, self.spec, self.parallel, relay=cfg.relay, whole=whole)
             if whole:
                 self.mode, self.fallback_reason = Mode.BROADCAST, refused
             else:
@@ -240,22 +211,6 @@ class WeightSync:
         except Refused as e:
             return Note(error=_error(e), reason=e.reason)
         return Note()
-
-    def _decide(self) -> Decision:
-        infos = self._engines.info()
-        dtypes = {i.dtype for i in infos}
-        if len(dtypes) != 1:
-            raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
-        staged = {i.kind for i in infos} <= set(STAGED_KINDS)  # their pipeline stages are planned per rank
-        facts = {(i.kind, 1 if staged else i.pp, i.quantization) for i in infos}
-        if len(facts) != 1:
-            raise SyncError(f"engines differ in (kind, pp, quantization): {sorted(facts, key=str)}")
-        kind, pp, quantization = facts.pop()
-        return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos],
-                        pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(),
-                        port=self.config.transport.port or free_port(self.config.transport.host),
-                        name=f"shardsync-{uuid.uuid4().hex[:8]}",
-                        facts={"kind": kind, "pp": pp, "quantization": quantization})
 
     def _join(self, topo: Topology, rdv: Rendezvous, store) -> None:
         """Build the sync group with the engines, then compile every path of the connection

@@ -21,38 +21,36 @@ import os
 import threading
 import time
 
+COLOCATED = "shardsync.transport.colocated"
+MAP_SENDER, MAP_RECEIVER = f"{COLOCATED}.map_sender", f"{COLOCATED}.map_receiver"
+PUSH_SENDER, PUSH_RECEIVER = f"{COLOCATED}.push_sender", f"{COLOCATED}.push_receiver"
+EXPORTS, LINK = f"{COLOCATED}.exports", f"{COLOCATED}.link"
 HOPS = [  # (module, class.function): the trainer's side, then the engine's, in call order
     ("shardsync.sync", "WeightSync.update"), ("shardsync.sync", "WeightSync._begin"),
     ("shardsync.sync", "WeightSync._finish"),
     ("shardsync.control.client", "StoreChannel.begin"), ("shardsync.control.client", "StoreChannel.finish"),
-    ("shardsync.transport.mapped", "MappedTransport._send"), ("shardsync.transport.mapped", "MappedTransport._moved"),
-    ("shardsync.transport.mapped", "MappedTransport._mark_written"),
-    ("shardsync.transport.mapped", "MappedTransport._signal"),
+    (MAP_SENDER, "MapSender.run"), (EXPORTS, "Exports.stale"), (EXPORTS, "Exports.moved"),
+    (EXPORTS, "Exports.mark_written"), (LINK, "TrainerLink.signal"),
     ("shardsync.control.listener", "StoreListener._serve"), ("shardsync.engine.updates", "WeightService.begin"),
     ("shardsync.control.session", "UpdateSession.begin"), ("shardsync.engine.dispatch", "Dispatcher.command"),
     ("shardsync.engine.dispatch", "Dispatcher._accept"), ("shardsync.engine.dispatch", "Dispatcher._apply"),
     ("shardsync.engine.dispatch", "Dispatcher._finish"), ("shardsync.engine.fanout", "FanOut.run"),
     ("shardsync.engine.worker", "EngineWorker.handle"), ("shardsync.receiver.receiver", "Receiver.receive"),
-    ("shardsync.transport.mapped", "MappedTransport._receive"),
-    ("shardsync.transport.mapped", "MappedTransport._header"),
-    ("shardsync.transport.mapped", "MappedTransport._compiled"),
-    ("shardsync.transport.mapped", "MappedTransport._after_writes"), ("shardsync.plan.runs", "Copies.run"),
-    ("shardsync.transport.gather", "Gather.run"), ("shardsync.transport.mapped", "MappedTransport._complete"),
-    ("shardsync.transport.mapped", "MappedTransport._answer"),
+    (MAP_RECEIVER, "MapReceiver.run"), (LINK, "EngineLink.header"), (MAP_RECEIVER, "MapReceiver._compiled"),
+    (MAP_RECEIVER, "MapReceiver._after_writes"), ("shardsync.transport.copies", "Copies.run"),
+    ("shardsync.transport.gather", "Gather.run"), (MAP_RECEIVER, "MapReceiver._complete"),
+    (LINK, "EngineLink.answer"),
     # push (a staged engine): the trainer's copies, the engine's stage thread and its commit
-    ("shardsync.transport.pushed", "PushedTransport.launch"),
-    ("shardsync.transport.mapped", "MappedTransport._export_moved"),
-    ("shardsync.transport.pushed", "PushedTransport._send"), ("shardsync.transport.pushed", "PushedTransport._copy"),
-    ("shardsync.transport.pushed", "PushedTransport._staged_set"),
-    ("shardsync.transport.pushed", "PushedTransport._receive"),
-    ("shardsync.transport.pushed", "PushedTransport.committed"),
+    (PUSH_SENDER, "PushSender.launch"), (PUSH_SENDER, "PushSender._export_moved"),
+    (PUSH_SENDER, "PushSender.run"), (PUSH_SENDER, "PushSender._copy"), (LINK, "TrainerLink.staged"),
+    (PUSH_RECEIVER, "PushReceiver.run"), (PUSH_RECEIVER, "PushReceiver.committed"),
     ("shardsync.engine.worker", "EngineWorker.stage"), ("shardsync.engine.worker", "EngineWorker.update"),
     ("shardsync.engine.dispatch", "Dispatcher._on_staged"), ("shardsync.engine.worker", "EngineWorker.commit"),
     ("shardsync.receiver.destination", "Staged.commit"), ("shardsync.receiver.destination", "Staged.prepare"),
 ]
 FLUSH = {"WeightSync.update", "StoreListener._serve"}  # one update ended in this process
-MODULE_FUNCTIONS = [("shardsync.control.listener", "put", "shardsync.control.wire"),
-                    ("shardsync.control.listener", "unseal", "shardsync.control.wire")]
+MODULE_FUNCTIONS = [("shardsync.control.listener", "put", "shardsync.store.sealed"),
+                    ("shardsync.control.listener", "unseal", "shardsync.store.sealed")]
 _records: list = []
 
 

@@ -25,9 +25,9 @@ from shardsync.control.wire import (
     ChecksumResponse,
     ConnectRequest,
     InfoResponse,
-    UpdateResult,
     VersionResponse,
 )
+from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.keys import Keys
 from shardsync.store.sealed import get, put
 from shardsync.vocab import Refused

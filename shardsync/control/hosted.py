@@ -17,19 +17,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch.distributed as dist
 
 from shardsync.control.client import SyncError, UpdateChannel
-from shardsync.control.report import reduce_reports
 from shardsync.control.wire import (
     BeginRequest,
     ChecksumResponse,
     ConnectRequest,
     Joined,
-    RankReport,
     RankSums,
-    UpdateResult,
     VersionResponse,
 )
 from shardsync.mode import Mode
 from shardsync.runtime.checksum import combine
+from shardsync.runtime.ledger import RankReport, UpdateResult
 from shardsync.store.keys import Keys
 from shardsync.store.sealed import get
 
@@ -140,7 +138,7 @@ class HostedEngines:
         for i in range(len(self.requests)):
             reports = [get(store, keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret)
                        for r in range(self.engine_ranks(i))]
-            out.append(reduce_reports(version, mode, reports))
+            out.append(UpdateResult.of(version, mode, reports))
         return out
 
     def settle(self, version: int, mode: Mode) -> list[UpdateResult]:

@@ -23,7 +23,8 @@ from concurrent.futures import Future
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from shardsync.control.wire import Accepted, BeginRequest, Stop, UpdateResult
+from shardsync.control.wire import Accepted, BeginRequest, Stop
+from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.store.sealed import put, seal, unseal

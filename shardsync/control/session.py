@@ -16,8 +16,9 @@ import threading
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shardsync.control.wire import BeginRequest, ConnectRequest, UpdateResult
+from shardsync.control.wire import BeginRequest, ConnectRequest
 from shardsync.mode import Mode
+from shardsync.runtime.ledger import UpdateResult
 
 
 class State(str, Enum):

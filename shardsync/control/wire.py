@@ -1,6 +1,9 @@
 """The sync wire schema: every message between a trainer and an engine, and every key in
 the sync group's store, as versioned pydantic models (JSON on the wire, never a pickle).
 
+An engine's answer to an update (``UpdateResult``, from its ranks' ``RankReport``) is the
+runtime's ledger (``runtime/ledger.py``); it rides in these messages as it is.
+
 Status codes are not here: the HTTP edge (``engine/server.py``) maps ``control.session``
 errors to them.  The reference engine's serving messages live in ``engine/protocol.py``.
 """
@@ -12,7 +15,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardsync.mode import Mode
-from shardsync.vocab import Channel, Crossing, DeltaTransport, Ipc, Reason, Staging
+from shardsync.runtime.ledger import UpdateResult
+from shardsync.vocab import Channel, Crossing, DeltaTransport, Ipc, Reason
 
 PROTOCOL_VERSION = 2
 MAX_ENGINES = 64
@@ -97,39 +101,6 @@ class PullRequest(Msg):
 
 class FinishRequest(Msg):
     version: Version
-
-
-class Received(BaseModel):
-    """What a receive cost and moved (one engine rank's, or reduced over an engine's)."""
-
-    ok: bool = True
-    error: str | None = None
-    pack_s: float = 0.0
-    transfer_s: float = 0.0
-    unpack_s: float = 0.0
-    total_s: float = 0.0
-    bytes_received: int = 0
-    changed: int = 0
-    buffer_bytes: int = 0
-    buckets: int = 0
-    destination: str = "params"
-    # serving while syncing (engine/dispatch.py): where the engine stopped generating
-    staging: Staging = Staging.IN_PLACE
-    staging_bytes: int = 0  # peak staging memory held for this update
-    shard_bytes: int = 0  # the rank's whole shard: staging_bytes below it staged a window, the rest paused
-    stage_s: float = 0.0  # receive into staging while serving (0 in place)
-    drain_s: float = 0.0  # the commit waited this long for in-flight requests to finish on v
-    commit_s: float = 0.0  # make the received weights the served ones (swap or copy)
-    pause_s: float = 0.0  # engine not generating because of the update (in place: the receive)
-    crossed: int = 0  # in-flight sequences the update crossed (re-prefilled under span, ended under abort)
-
-
-class UpdateResult(Received):
-    """One engine's outcome of one update: its receivers' ``Stats`` reduced over TP ranks."""
-
-    version: int
-    mode: Mode
-    ok: bool
 
 
 class VersionResponse(BaseModel):
@@ -234,9 +205,3 @@ class Joined(Msg):
     """An engine rank that joined: whether an update session of a previous trainer is open."""
 
     session_open: bool = False
-
-
-class RankReport(Received):
-    """One engine rank's share of an ``UpdateResult`` (engines reduce them over TP ranks)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

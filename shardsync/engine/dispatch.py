@@ -26,13 +26,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardsync.control.report import reduce_reports
 from shardsync.control.session import Stale, UpdateSession
-from shardsync.control.wire import UpdateResult
 from shardsync.engine.fanout import FanOut, WorkerError, peer_loop
 from shardsync.engine.worker import EngineWorker
 from shardsync.mode import Mode
-from shardsync.vocab import Crossing
+from shardsync.runtime.ledger import Served, UpdateResult
+from shardsync.vocab import Crossing, Staging
 
 __all__ = ["Aborted", "BusyError", "Dispatcher", "Serving", "WorkerError", "peer_loop"]
 
@@ -440,15 +439,14 @@ class Dispatcher:
     def _apply(self, p: Pending, *, drain_s: float) -> None:
         """Change the weights between two steps: the commit (staged) or the whole receive."""
         t0 = time.monotonic()
-        extra: dict[str, Any] = {"drain_s": drain_s, "crossed": p.crossed}
+        facts, commit_s = None, 0.0
         try:
             if p.staged:
                 commits = self.fanout.run("commit", {}, 60.0)
                 reports = self._ordered(p)
                 facts = self.worker.staging_facts
                 assert facts is not None, "a staged update on a worker without staging"
-                extra.update(commit_s=max(c["commit_s"] for c in commits), stage_s=p.stage_s,
-                             staging=facts.mode, staging_bytes=facts.nbytes, shard_bytes=facts.shard_bytes)
+                commit_s = max(c["commit_s"] for c in commits)
             else:
                 p.cmd.started.set_result(None)
                 reports = self.fanout.run(p.cmd.kind, p.cmd.args, p.cmd.timeout_s)
@@ -456,15 +454,16 @@ class Dispatcher:
             self._failed(e)
             self._finish(p, [], error=f"{type(e).__name__}: {e}", exc=e)
             return
-        extra["pause_s"] = time.monotonic() - (p.open_t0 or t0)  # a window: from the pause on
-        self._finish(p, reports, extra=extra)
+        served = Served(staging=Staging(facts.mode) if facts else Staging.IN_PLACE,
+                        staging_bytes=facts.nbytes if facts else 0, shard_bytes=facts.shard_bytes if facts else 0,
+                        stage_s=p.stage_s, drain_s=drain_s, commit_s=commit_s, crossed=p.crossed,
+                        pause_s=time.monotonic() - (p.open_t0 or t0))  # a window: from the pause on
+        self._finish(p, reports, served=served)
 
     def _finish(self, p: Pending, reports: list[dict], *, error: str | None = None, kept: bool = False,
-                extra: dict | None = None, exc: BaseException | None = None) -> None:
+                served: Served | None = None, exc: BaseException | None = None) -> None:
         mode = UPDATES[p.cmd.kind] or p.cmd.args["mode"]
-        res: UpdateResult = reduce_reports(p.cmd.args["version"], mode, reports, error)
-        if extra:
-            res = res.model_copy(update=extra)
+        res = UpdateResult.of(p.cmd.args["version"], mode, reports, error=error, served=served)
         res = self.session.settle(res, kept=kept)
         self.pending = None
         if not res.ok:

@@ -25,7 +25,6 @@ from shardsync.control.wire import (
     FinishRequest,
     InfoResponse,
     PullRequest,
-    UpdateResult,
     VersionResponse,
 )
 from shardsync.engine.dispatch import Aborted, BusyError, Dispatcher, WorkerError
@@ -38,12 +37,11 @@ from shardsync.engine.protocol import (
     Span,
 )
 from shardsync.engine.updates import WeightService
+from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.auth import Forbidden, Unauthorized, check_bearer
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 2**20
-# the phases of the last update `/metrics` shows, as `UpdateResult` names them
-PHASES = ("pack_s", "transfer_s", "unpack_s", "total_s", "stage_s", "drain_s", "commit_s", "pause_s")
 
 # typed errors -> status codes, most specific first
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
@@ -204,9 +202,9 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         ]
         for key, value in sorted(session.counters.items()):
             lines += [f"# TYPE shardsync_{key} counter", f"shardsync_{key} {value:g}"]
-        if session.last is not None:
-            last = session.last.model_dump(include=set(PHASES))
-            lines += [f'shardsync_last_update_seconds{{phase="{phase[:-2]}"}} {last[phase]:.6f}' for phase in PHASES]
+        if session.last is not None:  # every phase the ledger declares, in its order
+            lines += [f'shardsync_last_update_seconds{{phase="{phase}"}} {seconds:.6f}'
+                      for phase, seconds in session.last.phase_seconds().items()]
         return "\n".join(lines) + "\n"
 
     return app

@@ -19,13 +19,13 @@ from shardsync.control.wire import (
     ConnectRequest,
     InfoResponse,
     PullRequest,
-    UpdateResult,
     VersionResponse,
 )
 from shardsync.engine.dispatch import Dispatcher
 from shardsync.receiver import check_connect
 from shardsync.receiver.connect import spec_to_dict
 from shardsync.runtime.checksum import combine
+from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.rendezvous import Rendezvous, open_store
 
 UPDATE_TIMEOUT_S = 3600.0

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from shardsync.control.report import rank_report
 from shardsync.control.wire import ConnectRequest
 from shardsync.mode import Mode
 from shardsync.models.engine import Decoding, EngineModel, prompt_seed
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts
+from shardsync.runtime.ledger import RankReport
 from shardsync.spec import ModelSpec
 
 SHARD = -1  # staging_bytes: exactly one copy of the rank's shard
@@ -119,7 +119,7 @@ class EngineWorker:
             stats = self.receiver.receive(mode, UpdateArgs(version=version), commit=commit)
         except Exception as e:  # the receiver left the broken group; the dispatcher settles it
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        return rank_report(stats, t0, self.receiver.destination.name).model_dump()
+        return RankReport.of(stats, t0, self.receiver.destination.name).model_dump()
 
     def refuse(self, mode: Mode) -> None:
         """The session refused an update the trainer already signalled: answer it in place."""
@@ -132,7 +132,7 @@ class EngineWorker:
             stats = self.receiver.pull(root, version, current, commit=commit)
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        return rank_report(stats, t0, self.receiver.destination.name).model_dump()
+        return RankReport.of(stats, t0, self.receiver.destination.name).model_dump()
 
     def stage(self, kind: str, version: int, args: dict[str, Any], wait_s: float = 300.0) -> None:
         """Start ``kind`` (update | pull) into staging on a thread of its own and return: this

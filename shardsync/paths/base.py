@@ -18,8 +18,8 @@ from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import RankLayout
 from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology
+from shardsync.transport.colocated.push_receiver import Staging
 from shardsync.transport.group import SyncGroup
-from shardsync.transport.pushed import Staging
 
 
 @dataclass

@@ -5,6 +5,7 @@ written by the trainer into the engine's staging copy (push)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -13,9 +14,13 @@ from shardsync.runtime.executor import BufferPool, Transport, execute
 from shardsync.runtime.schedule import p2p_steps
 from shardsync.runtime.stats import Stats
 from shardsync.runtime.steps import Step
+from shardsync.transport.colocated.map_receiver import MapReceiver
+from shardsync.transport.colocated.map_sender import MapSender
+from shardsync.transport.colocated.push_receiver import PushReceiver
+from shardsync.transport.colocated.push_sender import PushSender
+from shardsync.transport.colocated.share import Share
+from shardsync.transport.group import SyncGroup
 from shardsync.transport.ipc import IpcTransport
-from shardsync.transport.mapped import MappedTransport
-from shardsync.transport.pushed import PushedTransport
 
 
 class P2pProgram(Program):
@@ -39,44 +44,104 @@ class P2pProgram(Program):
             self.slots.detach()  # unmap the trainer's slots
 
 
-class MappedProgram(Program):
-    """Colocated: the engine copies the plan's regions out of the trainer's mapped tensors.
-    One signal each way per update, so a refusal can be answered in place of the copies
-    (``answers_refusals``: the trainer need not wait for the begin's answer first)."""
+class _End(Protocol):
+    """What every end of the colocated wing offers a program (``transport.colocated``)."""
+
+    share: Share
+
+    def run(self, local: Mapping[str, torch.Tensor]) -> Stats: ...
+
+    def detach(self) -> None: ...
+
+
+End = TypeVar("End", bound=_End)
+
+
+class ColocatedProgram(Program, Generic[End]):
+    """Colocated: one end of the map or push path (``transport.colocated``).  One signal each
+    way per update, so a refusal can be answered in place of the copies (``answers_refusals``:
+    the trainer need not wait for the begin's answer first).
+
+    ``buckets`` counts this rank's links (the engine ranks a trainer rank signals, the trainer
+    ranks an engine rank hears from): a link's bytes move as one unit, one header and one ack,
+    never cut into ``bucket_mb`` buckets as the two-sided paths cut theirs."""
 
     answers_refusals = True
 
-    def __init__(self, ep: Endpoint, mapped: MappedTransport, buckets: int) -> None:
-        self.mapped, self.buckets = mapped, buckets
-
-    def refuse(self) -> None:
-        self.mapped.refuse()
+    def __init__(self, end: End) -> None:
+        self.end = end
+        self.buckets = len(end.share.peers)
 
     def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:
-        stats = self.mapped.run(tensors)
+        stats = self.end.run(tensors)
         stats.buckets = self.buckets
         return stats
 
     def close(self) -> None:
-        self.mapped.detach()
+        self.end.detach()
 
 
-class PushedProgram(MappedProgram):
-    """Colocated, push: the trainer writes the engine's staging copy before it signals, so a
-    receive only checks and acks; the receiver hears of each commit (the next set to write)."""
+class MapSendProgram(ColocatedProgram[MapSender]):
+    """Trainer, map: the engines copy the plan's regions out of this rank's mapped tensors."""
+
+
+class MapReceiveProgram(ColocatedProgram[MapReceiver]):
+    """Engine, map: copies out of the trainers' mapped tensors; answers a refused update's signal."""
+
+    def refuse(self) -> None:
+        self.end.refuse()
+
+
+class PushSendProgram(ColocatedProgram[PushSender]):
+    """Trainer, push: writes the engines' staging copies before it signals (``launch``)."""
 
     overwrites = True  # the staging copy is written before the receive starts: nothing to catch up
-    mapped: PushedTransport
-
-    def __init__(self, ep: Endpoint, mapped: PushedTransport, buckets: int) -> None:
-        super().__init__(ep, mapped, buckets)
 
     def launch(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Trainer: start the copies before the engines hear of the update (``run`` signals)."""
-        self.mapped.launch(tensors)
+        """Start the copies before the engines hear of the update (``run`` signals)."""
+        self.end.launch(tensors)
+
+
+class PushReceiveProgram(ColocatedProgram[PushReceiver]):
+    """Engine, push: a receive only checks and acks; hears of each commit (the next set to write)."""
+
+    overwrites = True
+
+    def refuse(self) -> None:
+        self.end.refuse()
 
     def committed(self) -> None:
-        self.mapped.committed()
+        self.end.committed()
+
+
+def _colocated(ep: Endpoint, group: SyncGroup) -> Program:
+    """The end of the map or push path for this rank (trainer ranks send): trainer ranks
+    export before engine ranks map (engines wait for the handles, bounded by the group timeout)."""
+    push = ep.ipc == "push"
+    tensors = ep.tensors
+    assert tensors is not None, "both ends of a colocated path build their Endpoint with their tensors"
+    prefix = group.rdv.name
+    if ep.is_trainer:
+        share = Share.sender(group, ep.topo, prefix, ep.secret)
+        if push:
+            pusher = PushSender(share, stream=ep.ipc_stream, mailbox=ep.ipc_mailbox)
+            pusher.export(tensors)
+            return PushSendProgram(pusher)
+        mapper = MapSender(share, stream=ep.ipc_stream, mailbox=ep.ipc_mailbox)
+        mapper.export(tensors)
+        return MapSendProgram(mapper)
+    share = Share.receiver(group, ep.topo, prefix, ep.secret)
+    if push:
+        if ep.staging is None:
+            raise ValueError("ipc='push' needs the engine's staging copies (Endpoint.staging)")
+        receiver = PushReceiver(share, ep.staging)
+        for peer in share.peers:
+            receiver.attach(peer, 1, tensors)
+        return PushReceiveProgram(receiver)
+    reader = MapReceiver(share)
+    for peer in share.peers:
+        reader.attach(peer, 1, tensors)
+    return MapReceiveProgram(reader)
 
 
 def compile_p2p(ep: Endpoint) -> Program:
@@ -84,28 +149,9 @@ def compile_p2p(ep: Endpoint) -> Program:
     ranks map (engines wait for the handles, bounded by the group timeout)."""
     if ep.group is None:
         raise ValueError("the p2p path needs a sync group")
-    steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
     if ep.ipc in ("map", "push"):
-        push = ep.ipc == "push"
-        if push and not ep.is_trainer and ep.staging is None:
-            raise ValueError("ipc='push' needs the engine's staging copies (Endpoint.staging)")
-        program: MappedProgram
-        if push:
-            pushed = PushedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
-                                              mailbox=ep.ipc_mailbox, staging=ep.staging)
-            program = PushedProgram(ep, pushed, len(steps))
-        else:
-            mapped = MappedTransport.for_rank(ep.group, ep.topo, ep.group.rdv.name, ep.secret, stream=ep.ipc_stream,
-                                              mailbox=ep.ipc_mailbox)
-            program = MappedProgram(ep, mapped, len(steps))
-        tensors = ep.tensors
-        assert tensors is not None, "both ends of a colocated path build their Endpoint with their tensors"
-        if ep.is_trainer:
-            program.mapped.export(tensors)
-        else:
-            for peer in program.mapped.peers:
-                program.mapped.attach(peer, 1, tensors)
-        return program
+        return _colocated(ep, ep.group)
+    steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
     if ep.ipc == "slots":
         slots = IpcTransport(ep.group, slots=ep.credits, secret=ep.secret)
         if ep.is_trainer:

@@ -132,7 +132,7 @@ class Staged(Destination):
     leaves the served weights untouched unless it had passed the gate (``touched``).  After a
     swap, or a failed receive, staging lags the served weights; ``prepare`` (run off the
     pause, before the next receive) catches it up, so a delta applies to what is served.
-    A pushing trainer (``transport.pushed``) writes ``sets()`` from its own process: the
+    A pushing trainer (``transport.colocated.push_sender``) writes ``sets()`` from its own process: the
     commit then orders the served stream after its writes (``ready_at``) and records
     ``fence()`` for the trainer's next writes.
     Memory: the staged tensors (``nbytes``; one copy of the shard without a budget).

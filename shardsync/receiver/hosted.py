@@ -20,7 +20,6 @@ import torch
 from pydantic import Field
 
 from shardsync.control.hosted import LAYOUT_MISMATCH, UPDATE_FAILED, connect_body
-from shardsync.control.report import rank_report
 from shardsync.control.session import Conflict, Invalid, UpdateSession
 from shardsync.control.wire import (
     MAX_VERSION,
@@ -28,9 +27,7 @@ from shardsync.control.wire import (
     ConnectRequest,
     Joined,
     Msg,
-    RankReport,
     RankSums,
-    UpdateResult,
     Version,
 )
 from shardsync.delta.disk import read_manifest
@@ -40,6 +37,7 @@ from shardsync.paths import UpdateArgs
 from shardsync.receiver.connect import check_connect
 from shardsync.receiver.destination import Destination, Loader, Params, Slice
 from shardsync.receiver.receiver import Receiver, engine_rank
+from shardsync.runtime.ledger import RankReport, UpdateResult
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
 from shardsync.store import auth
@@ -168,7 +166,7 @@ class HostedRank:
                 log.warning("shardsync: tp%d: checksums failed: %s", self.tp_rank, e)
             return
         try:
-            report = rank_report(self._receive(rx, call), t0, rx.destination.name)
+            report = RankReport.of(self._receive(rx, call), t0, rx.destination.name)
         except Exception as e:
             log.warning("shardsync: tp%d: %s %d (%s) failed: %s", self.tp_rank, call.op, call.version, call.mode, e)
             report = RankReport(ok=False, error=f"{UPDATE_FAILED}: version {call.version} on tp{self.tp_rank}: {e}; "

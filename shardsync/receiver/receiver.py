@@ -30,8 +30,8 @@ from shardsync.runtime.schedule import broadcast_steps, p2p_steps, subgroups, wr
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
+from shardsync.transport.colocated.push_receiver import Staging
 from shardsync.transport.group import SyncGroup
-from shardsync.transport.pushed import Staging
 from shardsync.vocab import Ipc
 
 log = logging.getLogger(__name__)

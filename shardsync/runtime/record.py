@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from shardsync.runtime.ledger import UpdateResult
 from shardsync.runtime.stats import Stats
+from shardsync.vocab import Staging
 
 if TYPE_CHECKING:
-    from shardsync.control.wire import UpdateResult
     from shardsync.mode import Mode
     from shardsync.topology import Topology
 
@@ -33,7 +34,7 @@ class UpdateRecord:
     phases: dict[str, float]
     buffer_bytes: int = 0
     link_bytes: dict[str, int] = field(default_factory=dict)
-    engines: list[dict[str, Any]] = field(default_factory=list)
+    engines: list[UpdateResult] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     delta: dict[str, Any] | None = None
@@ -46,7 +47,7 @@ class UpdateRecord:
     @property
     def pause_s(self) -> float:
         """The longest any engine stopped generating for this update (``engine/dispatch.py``)."""
-        return max((e.get("pause_s", 0.0) for e in self.engines), default=0.0)
+        return max((e.pause_s for e in self.engines), default=0.0)
 
     @property
     def busiest_link_bytes(self) -> int:
@@ -66,16 +67,22 @@ class UpdateRecord:
         """Where the engines stopped generating: `` engine_pause=..ms (staged ..)``."""
         if not self.engines:
             return ""
-        staged = [e for e in self.engines if e.get("staging", "in-place") != "in-place"]
-        window = [e for e in staged if e.get("staging_bytes", 0) < e.get("shard_bytes", 0)]
-        share = (f", window {min(e['staging_bytes'] / e['shard_bytes'] for e in window):.0%} of the shard"
+        staged = [e for e in self.engines if e.staging is not Staging.IN_PLACE]
+        window = [e for e in staged if e.staging_bytes < e.shard_bytes]
+        share = (f", window {min(e.staging_bytes / e.shard_bytes for e in window):.0%} of the shard"
                  if window else "")
-        how = (f"staged {max(e.get('stage_s', 0.0) for e in staged) * 1e3:.1f}ms, "
-               f"commit {max(e.get('commit_s', 0.0) for e in staged) * 1e3:.2f}ms{share}" if staged else "in place")
+        how = (f"staged {max(e.stage_s for e in staged) * 1e3:.1f}ms, "
+               f"commit {max(e.commit_s for e in staged) * 1e3:.2f}ms{share}" if staged else "in place")
         return f" engine_pause={self.pause_s * 1e3:.2f}ms ({how})"
 
+    def engines_json(self) -> list[dict[str, Any]]:
+        """The engines' results as plain JSON objects (records.jsonl's ``engines``, the wire's shape)."""
+        return [e.model_dump(mode="json") for e in self.engines]
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        out = asdict(replace(self, engines=[]))  # the ledgers are pydantic models, not dataclasses
+        out["engines"] = self.engines_json()
+        return json.dumps(out)
 
 
 def append_jsonl(path: str | Path, record: UpdateRecord) -> None:
@@ -93,7 +100,7 @@ class _Common(TypedDict):
     error: str | None
     source: str
     bytes_sent: int
-    engines: list[dict[str, Any]]
+    engines: list[UpdateResult]
     phases: dict[str, float]
 
 
@@ -107,7 +114,7 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
     phases = {"plan": times["plan"], "pack": stats.pack_s, "transfer": stats.transfer_s, "unpack": unpack,
               **{k: v for k, v in times.items() if k != "plan"}}
     common = _Common(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
-                     bytes_sent=stats.bytes_sent, engines=[e.model_dump() for e in engines], phases=phases)
+                     bytes_sent=stats.bytes_sent, engines=list(engines), phases=phases)
     if mode.is_delta:
         delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),
                  "engine_changed": sum(e.changed for e in engines),

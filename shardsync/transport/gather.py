@@ -1,6 +1,6 @@
 """One kernel launch for every (destination, source) copy of a mapped update: the copies'
 contiguous segments cut into equal tiles, listed once at compile as word offsets from two
-base storages; each Triton program copies one tile.  Per-copy launches (``plan.runs.Copies``)
+base storages; each Triton program copies one tile.  Per-copy launches (``transport.copies.Copies``)
 leave the device idle between small copies and tail each large one; a tile table does not.
 
 ``Segments.of`` (pure torch, CPU-testable) builds the table; ``Gather`` runs it (CUDA and

@@ -40,7 +40,7 @@ def _connected(config: SyncConfig):
 def test_updates_and_a_refused_begin(control: str) -> None:
     config = SyncConfig(control=ControlConfig(channel=control), transport=TransportConfig(timeout_s=20))
     with _connected(config) as (sync, lay, params, url):
-        assert sync.update(2).engines[0]["ok"] and sync.verify() == []
+        assert sync.update(2).engines[0].ok and sync.verify() == []
         with pytest.raises(SyncError, match="older than the engine's 2"):
             sync.update(1)
         r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 1}, timeout=30)
@@ -49,7 +49,7 @@ def test_updates_and_a_refused_begin(control: str) -> None:
         for k, v in params.items():
             v.copy_(fresh[k])
         rec = sync.update(3)  # the connection survived the refusal
-        assert rec.ok and rec.engines[0]["version"] == 3 and sync.verify() == []
+        assert rec.ok and rec.engines[0].version == 3 and sync.verify() == []
         sync.close()
 
 

@@ -16,18 +16,36 @@ from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
 from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
 from shardsync.mode import Mode
+from shardsync.paths.p2p import ColocatedProgram
 from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
+from shardsync.transport.colocated.map_sender import MapSender
+from shardsync.transport.colocated.push_sender import PushSender
 from shardsync.transport.mailbox import STAGED
 from tests.dist._engine import shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 
 
+def _end(sync: WeightSync) -> MapSender | PushSender:
+    program = sync.programs[Mode.P2P]
+    assert isinstance(program, ColocatedProgram), type(program)
+    end = program.end  # a trainer rank's end of the colocated wing
+    assert isinstance(end, (MapSender, PushSender)), type(end)
+    return end
+
+
 def _staged_sets(sync: WeightSync) -> list[int]:
     """push: the staging set each engine rank of this trainer rank's links posted last (map: none)."""
-    boxes = getattr(sync.programs[Mode.P2P].mapped, "_boxes", {})
-    return [box._read(STAGED, 1)[1][0] for box in boxes.values() if box._read(STAGED, 1)] if \
-        type(sync.programs[Mode.P2P].mapped).__name__ == "PushedTransport" else []
+    end = _end(sync)
+    if not isinstance(end, PushSender):
+        return []
+    boxes = [link.box for link in end.links if link.box is not None]
+    return [box._read(STAGED, 1)[1][0] for box in boxes if box._read(STAGED, 1)]
+
+
+def _signals(sync: WeightSync) -> list[str]:
+    """How this trainer rank's links signal, as the engines chose (read at the first update)."""
+    return sorted({link.how for link in _end(sync).links if link.how is not None})
 
 
 def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str, out) -> None:
@@ -39,12 +57,13 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str,
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res = {"records": [], "verify": [], "generation": [], "sets": []}
-    res["kind"] = type(sync.programs[Mode.P2P].mapped).__name__
-    res["signals"] = sorted(set(sync.programs[Mode.P2P].mapped._signals.values()))  # none yet: read at the first update
+    res["kind"] = type(_end(sync)).__name__
+    res["signals"] = _signals(sync)  # none yet: read at the first update
     # push checks and copies the largest tensor first, the rest while it copies: move either
     largest = max(sorted(params), key=lambda k: params[k].numel() * params[k].element_size())
-    if res["kind"] == "PushedTransport":
-        res["lead"] = sync.programs[Mode.P2P].mapped._parts[0] == [largest]
+    end = _end(sync)
+    if isinstance(end, PushSender):
+        res["lead"] = end.parts[0] == [largest]
     for version in (1, 2, 3, 4):
         fresh = load_rank(lay, rank, random_source(spec, seed=200 + version))
         for k, v in params.items():
@@ -57,9 +76,9 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str,
                                "step_bytes": sum(st["bytes"] for st in rec.steps),
                                "plan_bytes": sync.topo.p2p_plan.bytes_per_src().get(rank, 0)})
         res["verify"].append(sync.verify())
-        res["generation"].append(sync.programs[Mode.P2P].mapped.generation)
+        res["generation"].append(_end(sync).exports.generation)
         res["sets"].append(_staged_sets(sync))
-    res["signals"] += sorted(set(sync.programs[Mode.P2P].mapped._signals.values()))
+    res["signals"] += _signals(sync)
     # an older version: the engine refuses the pipelined begin and answers the trainer's signal
     # in place of the copies, so the refusal is prompt and the connection stays usable
     try:
@@ -88,7 +107,7 @@ def _trainer(rank: int, world: int, port: int, url: str, signals: str, ipc: str,
     print(f"DBG rank {rank} connected", flush=True)  # a failed update drops the group; reconnect and send a full update
     sync.update(6)
     res["after"] = sync.verify()
-    res["files"] = sorted(sync.programs[Mode.P2P].mapped.shm_names)
+    res["files"] = sorted(_end(sync).exports.shm_names)
     sync.close()  # engines unmap: the trainer holds the last reference to its shared memory
     dist.destroy_process_group()
     out.put((rank, res))
@@ -113,7 +132,7 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(case: str) 
     try:
         results = run_world(_trainer, 2, args=(2, free_port(), url, signals, ipc), timeout=180)
         for rank, res in results.items():
-            assert res["kind"] == ("PushedTransport" if ipc == "push" else "MappedTransport")
+            assert res["kind"] == ("PushSender" if ipc == "push" else "MapSender")
             if ipc == "push":  # every commit swapped the sets: the next update writes the other one
                 assert res["sets"] == [[1, 1], [0, 0], [1, 1], [0, 0]] and res["sets_after_refusal"] == [0, 0], res
                 assert res["lead"], "the test moves the tensor push copies first"

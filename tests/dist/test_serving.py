@@ -46,7 +46,7 @@ def _trainer(rank: int, world: int, port: int, url: str, updates: int, out) -> N
         rec = sync.update(version)
         res["done"][version] = time.monotonic()
         res["ok"].append(rec.ok)
-        res["engines"].append(rec.engines)
+        res["engines"].append(rec.engines_json())
         time.sleep(0.15)  # serving time between updates (in place, nothing is served during one)
     res["verify"] = sync.verify()
     sync.close()

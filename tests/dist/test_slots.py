@@ -15,7 +15,7 @@ from shardsync.mode import Mode
 from shardsync.models.weights import load_rank, random_source
 from shardsync.spec import PRESETS
 from shardsync.sync import WeightSync
-from shardsync.transport.mapped import identity
+from shardsync.transport.colocated.exports import identity
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 

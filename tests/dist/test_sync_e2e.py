@@ -35,7 +35,7 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
         rec = sync.update(version)
         res["records"].append({"ok": rec.ok, "mode": rec.mode, "phases": rec.phases,
                                "bytes_sent": rec.bytes_sent, "links": rec.link_bytes, "steps": rec.steps,
-                               "engines": rec.engines})
+                               "engines": rec.engines_json()})
         res["verify"].append(sync.verify())
     sync.close()
     dist.destroy_process_group()

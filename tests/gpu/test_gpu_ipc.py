@@ -54,8 +54,8 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
             bad.append(sync.verify())
         program = sync.programs[Mode.P2P]
         mapped = ipc in ("map", "push")
-        generation = program.mapped.generation if mapped else None
-        signals = set(program.mapped._signals.values()) if mapped else None
+        generation = program.end.exports.generation if mapped else None
+        signals = {link.how for link in program.end.links} if mapped else None
         sync.close()
         assert bad == [[], [], []]
         if mapped:
@@ -120,7 +120,8 @@ def test_the_gather_kernel_copies_what_the_per_copy_path_copies(ttp: int, etp: i
 
     from shardsync.layout import EngineParallel
     from shardsync.plan.local import allocate
-    from shardsync.plan.runs import Copies, coalesce, compile_runs
+    from shardsync.plan.runs import coalesce, compile_runs
+    from shardsync.transport.copies import Copies
     from shardsync.transport.gather import Gather, Tuning, available
 
     assert available(), "triton and CUDA are on the GPU machine"

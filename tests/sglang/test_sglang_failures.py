@@ -54,7 +54,7 @@ def _trainer(rank: int, world: int, port: int, url: str, version: int, out) -> N
     sync.connect()
     rec = sync.update(version)
     res = {"ok": rec.ok, "mismatched": sync.verify(), "mode": rec.mode, "fallback": sync.fallback_reason,
-           "destination": rec.engines[0]["destination"]}
+           "destination": rec.engines[0].destination}
     sync.close()
     dist.destroy_process_group()
     out.put((rank, res))

@@ -77,7 +77,8 @@ def _trainer(rank: int, world: int, port: int, model: str, trainer: str, urls: l
     for version, mode, base in STEPS:
         _load(params, lay, rank, version_source(spec, version, base))
         rec = sync.update(version, mode=mode)
-        step = {"version": version, "mode": rec.mode, "ok": rec.ok, "engines": rec.engines, "mismatched": sync.verify()}
+        step = {"version": version, "mode": rec.mode, "ok": rec.ok, "engines": rec.engines_json(),
+                "mismatched": sync.verify()}
         if rank == 0:
             step["sglang"] = [httpx.post(u + "/fake/compare", json={"version": version, "base": base},
                                          timeout=120).json()["mismatched"] for u in urls]

@@ -71,10 +71,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "package": {"mode", "store", "metadata", "trainer", "receiver", "control"},  # lazy public names
 }
 # imports that run against the table, each named (docs/architecture.md lists them); shrink this
-UPWARD = {
-    "shardsync.runtime.record -> shardsync.control.wire",  # the update record holds engines' results
-    "shardsync.plan.runs -> shardsync.transport",  # copy execution inside the plan room
-}
+UPWARD: set[str] = set()
 
 
 def _imports() -> list[tuple[str, str]]:

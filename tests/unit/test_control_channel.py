@@ -14,8 +14,9 @@ import pytest
 from shardsync.control.client import StoreChannel, SyncError
 from shardsync.control.listener import StoreListener
 from shardsync.control.session import Conflict
-from shardsync.control.wire import Accepted, BeginRequest, UpdateResult
+from shardsync.control.wire import Accepted, BeginRequest
 from shardsync.launch.procs import listening
+from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.store.sealed import get

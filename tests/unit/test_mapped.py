@@ -7,7 +7,7 @@ def test_identity_changes_when_a_shared_cpu_tensor_is_replaced() -> None:
     """A CPU tensor's identity includes its shared-memory name, not only its address."""
     import torch.multiprocessing as tmp
 
-    from shardsync.transport.mapped import identity
+    from shardsync.transport.colocated.exports import identity
 
     t = torch.arange(8.0)
     plain = identity(t)

@@ -1,4 +1,5 @@
-"""Strided runs (what one-sided transports execute) copy exactly what the plan's copies copy."""
+"""Strided runs (what one-sided transports execute, ``transport.copies``) copy exactly what the plan's copies
+copy."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import torch
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import allocate, execute_local
-from shardsync.plan.runs import Copies, coalesce, compile_runs
+from shardsync.plan.runs import coalesce, compile_runs
 from shardsync.spec import PRESETS, load_spec
 from shardsync.topology import Topology
+from shardsync.transport.copies import Copies
 
 
 @pytest.mark.parametrize("model,ttp,etp,tdtype,edtype", [
@@ -50,7 +52,7 @@ def test_strided_host_reads_bounce_through_one_contiguous_span_per_source() -> N
     """Megatron's interleaved QKV read as the engine's q / k / v (strided views of one host
     tensor): one span per source storage, then device-side strided copies out of it.  Run
     here with a CPU buffer; on a GPU the buffer is on the device (benchmarks/gpu_update.py)."""
-    from shardsync.plan.runs import Bounce
+    from shardsync.transport.copies import Bounce
 
     qkv = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)  # 4 groups x [q q q q k v] rows
     other = torch.arange(30, dtype=torch.float32).reshape(6, 5) * -1

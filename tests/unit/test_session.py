@@ -13,7 +13,8 @@ from shardsync.control.session import (
     State,
     UpdateSession,
 )
-from shardsync.control.wire import BeginRequest, ConnectRequest, UpdateResult
+from shardsync.control.wire import BeginRequest, ConnectRequest
+from shardsync.runtime.ledger import UpdateResult
 
 
 def _connected() -> UpdateSession:

@@ -77,7 +77,7 @@ def _trainer(rank: int, world: int, port: int, url: str, model: str, out) -> Non
         source = version_source(spec, version, base)
         _load(params, lay, rank, source)
         rec = sync.update(version, mode=mode)
-        step = {"version": version, "mode": rec.mode, "ok": rec.ok, "engines": rec.engines,
+        step = {"version": version, "mode": rec.mode, "ok": rec.ok, "engines": rec.engines_json(),
                 "mismatched": sync.verify()}
         if rank == 0:
             step["diff"] = compare(vllm_generate(url, model), hf_reference(spec, source))

@@ -1,0 +1,78 @@
+"""What trainer rank 0 decides at connect from its engines' own facts (never from its own
+config): which client speaks to them, the decision every trainer rank shares, the sync's
+rendezvous, and the connection's topology."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Protocol
+
+from shardsync.control.client import EngineClient, Engines, SyncError
+from shardsync.control.sglang import SglangEngines
+from shardsync.control.vllm import VllmEngines
+from shardsync.control.wire import Decision, InfoResponse
+from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
+from shardsync.spec import ModelSpec
+from shardsync.store.rendezvous import Rendezvous
+from shardsync.topology import STAGED_KINDS, Topology
+from shardsync.vocab import Channel, Crossing
+
+
+class HostedClient(Protocol):
+    """How a client of engines that host the receiver behind their own endpoints is made."""
+
+    def __call__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
+                 update_timeout_s: float = 600.0, crossing: str | None = None) -> EngineClient: ...
+
+
+# control channels whose engines host the receiver behind their own endpoints (answers
+# through the sync group's store)
+HOSTED: dict[Channel, HostedClient] = {Channel.VLLM: VllmEngines, Channel.SGLANG: SglangEngines}
+
+
+def engine_client(channel: Channel, urls: Sequence[str], http_timeout_s: float, secret: str | None, *,
+                  update_timeout_s: float, crossing: Crossing | None) -> EngineClient:
+    """The client of every engine of one trainer, for the control channel they speak."""
+    hosted = HOSTED.get(channel)
+    if hosted is not None:
+        return hosted(urls, http_timeout_s, secret, update_timeout_s=update_timeout_s, crossing=crossing)
+    return Engines(urls, http_timeout_s, secret, store_channel=channel is Channel.STORE)
+
+
+def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
+    """One plan for engines that agree on dtype, kind, pipeline stages and quantization (their
+    TP and EP may differ); a ``SyncError`` names what they disagree on."""
+    dtypes = {i.dtype for i in infos}
+    if len(dtypes) != 1:
+        raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
+    staged = {i.kind for i in infos} <= set(STAGED_KINDS)  # their pipeline stages are planned per rank
+    facts = {(i.kind, 1 if staged else i.pp, i.quantization) for i in infos}
+    if len(facts) != 1:
+        raise SyncError(f"engines differ in (kind, pp, quantization): {sorted(facts, key=str)}")
+    kind, pp, quantization = facts.pop()
+    return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos],
+                    pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(), port=port,
+                    name=f"shardsync-{uuid.uuid4().hex[:8]}",
+                    facts={"kind": kind, "pp": pp, "quantization": quantization})
+
+
+def rendezvous_of(decision: Decision, trainer_ranks: int, *, host: str, backend: str, timeout_s: float) -> Rendezvous:
+    """The sync group's rendezvous: every trainer rank and every engine rank (TP x PP)."""
+    pps = decision.pps or [1] * len(decision.tps)
+    engine_ranks = sum(tp * pp for tp, pp in zip(decision.tps, pps, strict=True))
+    return Rendezvous(host, decision.port, trainer_ranks + engine_ranks, decision.name, backend, timeout_s)
+
+
+def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel | Fsdp2Parallel, *, relay: bool,
+                whole: bool) -> Topology:
+    """The connection's topology from the engines' facts (``whole``: engines whose own loaders
+    shard whole tensors)."""
+    n = len(decision.tps)
+    eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
+    dtype = decision.dtype
+    return Topology(spec.replace(dtype=dtype), trainer,
+                    tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole)
+                          for t, ep, pp in zip(decision.tps, eps, pps, strict=True)),
+                    engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
+                    quantization=decision.facts["quantization"], relay=relay)
