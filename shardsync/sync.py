@@ -28,6 +28,8 @@ from shardsync.dtypes import torch_dtype
 from shardsync.layout import MegatronParallel
 from shardsync.mode import Mode
 from shardsync.paths import (
+    Colocated,
+    DeltaSide,
     Endpoint,
     Program,
     UpdateArgs,
@@ -46,7 +48,7 @@ from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
-from shardsync.vocab import Reason, Refused
+from shardsync.vocab import Completion, Reason, Refused, Signals
 
 log = logging.getLogger("shardsync")
 
@@ -218,12 +220,13 @@ class WeightSync:
         self.group = SyncGroup(rdv, self.rank, subgroups(topo), store=store)
         cfg = self.config
         device = next(iter(self.params.values())).device  # buffers live where the weights do
+        co = cfg.colocated
         ep = Endpoint(topo, self.rank, self.group, cfg.transport.bucket_bytes, cfg.transport.credits, device,
-                      ipc=cfg.ipc, ipc_stream=cfg.colocated is None or cfg.colocated.complete == "stream",
-                      ipc_mailbox=cfg.colocated is None or cfg.colocated.signals == "mailbox",
-                      detail=cfg.detail, tensors=self.params, snapshot=self._snapshot,
-                      delta_dir=cfg.delta.dir if cfg.delta else None, verify=cfg.transport.verify_buckets,
-                      secret=self._secret)
+                      detail=cfg.detail, verify=cfg.transport.verify_buckets, secret=self._secret, tensors=self.params,
+                      colocated=None if co is None else Colocated(ipc=co.ipc, stream=co.complete is Completion.STREAM,
+                                                                  mailbox=co.signals is Signals.MAILBOX),
+                      delta=None if self._snapshot is None else DeltaSide(snapshot=self._snapshot,
+                                                                          dir=cfg.delta.dir if cfg.delta else None))
         self.programs = {m: compile_path(m, ep) for m in self.modes}
 
     def add_engine(self, url: str) -> None:

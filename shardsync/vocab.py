@@ -122,3 +122,30 @@ class Refused(RuntimeError):
     def __init__(self, message: str, reason: Reason | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class Phase(Word):
+    """Where the reference engine's pending update stands (its scheduler's ``Pending.phase``)."""
+
+    STAGING = "staging"  # receiving into staging while steps go on
+    GATE = "gate"  # waiting on the crossing policy before the weights change
+    OPEN = "open"  # paused: a staging window's rest lands in place, no step runs
+
+
+class Op(Word):
+    """A command the reference engine's dispatcher runs on every TP worker (in-host queues)."""
+
+    GENERATE = "generate"  # a generation request (the dispatcher admits it, then steps it)
+    ADMIT = "admit"  # start a request's sequences
+    STEP = "step"  # decode the running sequences by a few tokens
+    SCORE = "score"  # logprobs of given sequences
+    CHECKSUM = "checksum"  # checksums of the served weights
+    JOIN = "join"  # join the sync group a trainer opened
+    DISCONNECT = "disconnect"  # leave the sync group
+    UPDATE = "update"  # receive an update from the trainer
+    PULL = "pull"  # apply a disk delta from a shared directory
+    REFUSE = "refuse"  # answer a refused update the trainer already signalled
+    STAGE = "stage"  # start an update or pull into staging on a thread; serving goes on
+    OPEN = "open"  # the engine paused: a staging window's receive may write served weights
+    COMMIT = "commit"  # make the staged receive the served weights
+    STAGED = "staged"  # the dispatcher's own: a staged receive reported (never sent to a worker)

@@ -31,7 +31,7 @@ from shardsync.engine.fanout import FanOut, WorkerError, peer_loop
 from shardsync.engine.worker import EngineWorker
 from shardsync.mode import Mode
 from shardsync.runtime.ledger import Served, UpdateResult
-from shardsync.vocab import Crossing, Staging
+from shardsync.vocab import Crossing, Op, Phase, Staging
 
 __all__ = ["Aborted", "BusyError", "Dispatcher", "Serving", "WorkerError", "peer_loop"]
 
@@ -46,11 +46,12 @@ class Aborted(RuntimeError):
     """A request a weight update ended (crossing policy); retrying it runs on the new weights."""
 
 
-SERVING = ("generate", "score")
-UPDATES = {"update": None, "pull": Mode.DELTA_DISK}  # commands that write weights -> mode (None: in args)
+SERVING = (Op.GENERATE, Op.SCORE)
+# commands that write weights -> their mode (None: in the args)
+UPDATES: dict[Op, Mode | None] = {Op.UPDATE: None, Op.PULL: Mode.DELTA_DISK}
 # Weight commands go ahead of queued serving (an update is never starved by generation); a
 # request overtaken by an update runs on the new weights and says so (its version).
-PRIORITY = {"generate": 1, "score": 1, "checksum": 1}
+PRIORITY = {Op.GENERATE: 1, Op.SCORE: 1, Op.CHECKSUM: 1}
 EVENT, STOP = -1, 9  # a staged receive's report goes ahead of everything
 
 
@@ -71,7 +72,7 @@ class Serving:
 
 @dataclass
 class Command:
-    kind: str
+    kind: Op
     args: dict[str, Any]
     future: Future = field(default_factory=Future)
     started: Future = field(default_factory=Future)  # set when the workers begin running it
@@ -116,7 +117,7 @@ class Pending:
     staged: bool
     t0: float
     crossing: str
-    phase: str = "gate"  # staging | gate | open
+    phase: Phase = Phase.GATE  # in place: at the gate at once; staged: STAGING first
     reports: dict[int, dict] = field(default_factory=dict)
     stage_s: float = 0.0
     gate_t0: float | None = None
@@ -150,15 +151,16 @@ class Dispatcher:
     def staged(self) -> bool:
         return self.worker.staged
 
-    def submit(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
+    def submit(self, kind: Op, args: dict[str, Any], *, wait_s: float | None = None,
                timeout_s: float = 300.0) -> Future:
         return self.command(kind, args, wait_s=wait_s, timeout_s=timeout_s).future
 
-    def command(self, kind: str, args: dict[str, Any], *, wait_s: float | None = None,
+    def command(self, kind: Op, args: dict[str, Any], *, wait_s: float | None = None,
                 timeout_s: float = 300.0) -> Command:
-        """Queue a command; its ``started`` and ``future`` report progress."""
-        cmd = Command(kind, args, deadline=None if wait_s is None else time.monotonic() + wait_s,
-                      timeout_s=timeout_s)
+        """Queue a command; its ``started`` and ``future`` report progress.  ``kind`` is
+        checked here, where commands enter (the loop compares words by identity)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        cmd = Command(Op.parse(kind, "engine command"), args, deadline=deadline, timeout_s=timeout_s)
         try:
             self._q.put_nowait((PRIORITY.get(kind, 0), next(self._order), cmd))
         except queue.Full:
@@ -178,7 +180,7 @@ class Dispatcher:
     # -- the loop --
 
     def _staged(self, msg: tuple[int, int, dict]) -> None:
-        self._q.put((EVENT, next(self._order), Command("staged", {"msg": msg})))
+        self._q.put((EVENT, next(self._order), Command(Op.STAGED, {"msg": msg})))
 
     def _forward(self) -> None:
         while True:
@@ -189,12 +191,12 @@ class Dispatcher:
 
     def _paused(self) -> bool:
         """A window's rest is being written in place: no forward may run."""
-        return self.pending is not None and self.pending.phase == "open"
+        return self.pending is not None and self.pending.phase is Phase.OPEN
 
     def _busy(self) -> bool:
         if self._paused():
             return False  # wait for the receive's reports, do not spin
-        return bool(self.requests) or (self.pending is not None and self.pending.phase == "gate") or (
+        return bool(self.requests) or (self.pending is not None and self.pending.phase is Phase.GATE) or (
             bool(self.waiting) and not self._holding())
 
     def _loop(self) -> None:
@@ -234,18 +236,18 @@ class Dispatcher:
                 self._skip(c, stopping)
 
     def _accept(self, cmd: Command) -> None:
-        if cmd.kind == "staged":
+        if cmd.kind is Op.STAGED:
             self._on_staged(*cmd.args["msg"])
             return
         if cmd.deadline is not None and time.monotonic() > cmd.deadline:
             self._skip(cmd, BusyError("request waited too long: a weight update was in progress; retry"))
         elif cmd.kind in SERVING and self.session.stale:
             self._skip(cmd, Stale(self.session.stale_message()))
-        elif cmd.kind == "generate":
+        elif cmd.kind is Op.GENERATE:
             self.waiting.append(cmd)
         elif cmd.kind in UPDATES:
             self._begin_update(cmd)
-        elif cmd.kind in ("join", "disconnect") and self.pending is not None:
+        elif cmd.kind in (Op.JOIN, Op.DISCONNECT) and self.pending is not None:
             self.deferred.append(cmd)
         elif self._paused():  # score, checksum, ... would read weights being written
             self.deferred.append(cmd)
@@ -280,7 +282,7 @@ class Dispatcher:
     def _holding(self) -> bool:
         """New requests wait while a change waits for running ones to finish on the old version."""
         p = self.pending
-        return p is not None and (p.phase == "open" or (p.phase == "gate" and p.crossing == "finish"))
+        return p is not None and (p.phase is Phase.OPEN or (p.phase is Phase.GATE and p.crossing == "finish"))
 
     def _running(self) -> list[Seq]:
         return [s for r in self.requests for s in r.seqs if not s.done]
@@ -300,7 +302,7 @@ class Dispatcher:
             sids = [next(self._sids) for _ in cmd.args["prompts"]]
             cmd.started.set_result(None)
             try:
-                self.fanout.run("admit", dict(cmd.args, sids=sids), cmd.timeout_s)
+                self.fanout.run(Op.ADMIT, dict(cmd.args, sids=sids), cmd.timeout_s)
             except BaseException as e:  # a prompt the model refuses fails its request alone
                 self._failed(e)
                 cmd.future.set_exception(e)
@@ -321,7 +323,7 @@ class Dispatcher:
         self._refill, self._drop = set(), []
         version = self.session.version
         try:
-            out = self.fanout.run("step", args, 300.0)[0]
+            out = self.fanout.run(Op.STEP, args, 300.0)[0]
         except BaseException as e:
             self._failed(e)
             self._end_running(e)
@@ -358,11 +360,11 @@ class Dispatcher:
         self.pending = p = Pending(cmd, self.staged, time.monotonic(), crossing)
         if not p.staged:
             return  # in place: the receive waits for the gate
-        p.phase = "staging"
+        p.phase = Phase.STAGING
         cmd.started.set_result(None)
         try:
-            self.fanout.run("stage", {"kind": cmd.kind, "version": cmd.args["version"], "args": cmd.args,
-                                      "wait_s": cmd.timeout_s}, cmd.timeout_s)
+            self.fanout.run(Op.STAGE, {"kind": cmd.kind, "version": cmd.args["version"], "args": cmd.args,
+                                       "wait_s": cmd.timeout_s}, cmd.timeout_s)
         except BaseException as e:
             self._failed(e)
             self._finish(p, [], error=f"{type(e).__name__}: {e}", kept=True, exc=e)
@@ -370,27 +372,27 @@ class Dispatcher:
     def _on_staged(self, rank: int, version: int, report: dict) -> None:
         p = self.pending
         if p is None or not p.staged or p.cmd.args["version"] != version or (
-                p.phase not in ("staging", "open") and not p.window):
+                p.phase not in (Phase.STAGING, Phase.OPEN) and not p.window):
             log.debug("staged report of tp%d for v%d arrived after its update ended", rank, version)
             return
         if report.get("gate"):  # a window's receive reached the served weights: pause the engine
-            if p.phase == "staging":
-                p.phase, p.window, p.stage_s = "gate", True, time.monotonic() - p.t0
+            if p.phase is Phase.STAGING:
+                p.phase, p.window, p.stage_s = Phase.GATE, True, time.monotonic() - p.t0
             return
         p.touched |= bool(report.pop("touched", False))
         p.reports[rank] = report
         if len(p.reports) < 1 + len(self.peers):
             return
-        if p.phase == "staging":
+        if p.phase is Phase.STAGING:
             p.stage_s = time.monotonic() - p.t0
         if not all(r.get("ok", True) for r in p.reports.values()):
             self._finish(p, self._ordered(p), kept=not p.touched)  # kept: served weights never written
             return
         p.window = False
-        if p.phase == "open":
+        if p.phase is Phase.OPEN:
             self._apply(p, drain_s=p.drain_s)
         else:
-            p.phase = "gate"
+            p.phase = Phase.GATE
 
     def _ordered(self, p: Pending) -> list[dict]:
         return [p.reports[r] for r in sorted(p.reports)]
@@ -400,10 +402,10 @@ class Dispatcher:
         if p is None:
             return
         now = time.monotonic()
-        if p.phase in ("staging", "open"):
+        if p.phase in (Phase.STAGING, Phase.OPEN):
             if now > p.t0 + p.cmd.timeout_s:
                 self._finish(p, [], error=f"the staged receive did not finish within {p.cmd.timeout_s:g}s",
-                             kept=p.phase == "staging")
+                             kept=p.phase is Phase.STAGING)
             return
         if p.gate_t0 is None:
             p.gate_t0 = now
@@ -429,9 +431,9 @@ class Dispatcher:
 
     def _open(self, p: Pending, *, drain_s: float) -> None:
         """Pause the engine and let every worker's window receive write the served weights."""
-        p.phase, p.open_t0, p.drain_s = "open", time.monotonic(), drain_s
+        p.phase, p.open_t0, p.drain_s = Phase.OPEN, time.monotonic(), drain_s
         try:
-            self.fanout.run("open", {}, 60.0)
+            self.fanout.run(Op.OPEN, {}, 60.0)
         except BaseException as e:
             self._failed(e)
             self._finish(p, [], error=f"{type(e).__name__}: {e}", exc=e)
@@ -442,7 +444,7 @@ class Dispatcher:
         facts, commit_s = None, 0.0
         try:
             if p.staged:
-                commits = self.fanout.run("commit", {}, 60.0)
+                commits = self.fanout.run(Op.COMMIT, {}, 60.0)
                 reports = self._ordered(p)
                 facts = self.worker.staging_facts
                 assert facts is not None, "a staged update on a worker without staging"

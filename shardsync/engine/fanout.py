@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from shardsync.engine.worker import EngineWorker
+from shardsync.vocab import Op
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class FanOut:
         self.worker, self.peers, self.results = worker, peers, results
         self._seq = 0
 
-    def run(self, kind: str, args: dict[str, Any], timeout_s: float) -> list[Any]:
+    def run(self, kind: Op, args: dict[str, Any], timeout_s: float) -> list[Any]:
         """Results of every worker, by TP rank."""
         self._seq += 1
         for q in self.peers:
@@ -41,7 +42,7 @@ class FanOut:
             try:
                 rank, seq, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise WorkerError(f"a TP worker did not finish {kind!r} within {timeout_s}s") from None
+                raise WorkerError(f"a TP worker did not finish '{kind}' within {timeout_s}s") from None
             if seq != self._seq:
                 raise WorkerError(f"TP worker {rank} answered command {seq}, expected {self._seq}")
             if not ok and error is None:

@@ -39,6 +39,7 @@ from shardsync.engine.protocol import (
 from shardsync.engine.updates import WeightService
 from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.auth import Forbidden, Unauthorized, check_bearer
+from shardsync.vocab import Op
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 2**20
@@ -111,7 +112,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         return await call_next(request)
 
 
-    def serve(kind: str, args: dict) -> Future:
+    def serve(kind: Op, args: dict) -> Future:
         try:
             return dispatcher.submit(kind, args, wait_s=request_wait_s)
         except BusyError as e:
@@ -126,7 +127,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
     async def generate(req: GenerateRequest) -> GenerateResponse:
         session.check_servable()
         t0 = time.perf_counter()
-        outs, version = await wait(serve("generate", req.model_dump()))
+        outs, version = await wait(serve(Op.GENERATE, req.model_dump()))
         session.count("generate_requests_total")
         session.count("generated_tokens_total", sum(len(t) for t, _, _ in outs))
         session.count("generate_seconds_total", time.perf_counter() - t0)
@@ -139,7 +140,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
     @app.post("/logprobs", response_model=LogprobsResponse)
     async def logprobs(req: LogprobsRequest) -> LogprobsResponse:
         session.check_servable()
-        out, version = await wait(serve("score", req.model_dump()))
+        out, version = await wait(serve(Op.SCORE, req.model_dump()))
         session.count("logprobs_requests_total")
         return LogprobsResponse(logprobs=out[0], weight_version=version)
 

@@ -27,6 +27,7 @@ from shardsync.receiver.connect import spec_to_dict
 from shardsync.runtime.checksum import combine
 from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.rendezvous import Rendezvous, open_store
+from shardsync.vocab import Op
 
 UPDATE_TIMEOUT_S = 3600.0
 REACH_S = 5.0  # how long a join may take to reach the trainer's store before it is refused
@@ -88,7 +89,7 @@ class WeightService:
             raise Conflict(f"cannot reach the trainer's rendezvous {rdv.host}:{rdv.port} within "
                            f"{min(REACH_S, rdv.timeout_s):g}s ({type(e).__name__}); connection unchanged") from None
         timeout = req.rendezvous.timeout_s + 30
-        fut = self.dispatcher.submit("join", {"req": req.model_dump(mode="json")}, wait_s=timeout,
+        fut = self.dispatcher.submit(Op.JOIN, {"req": req.model_dump(mode="json")}, wait_s=timeout,
                                      timeout_s=timeout)
 
         def joined(out: tuple) -> dict:
@@ -106,7 +107,7 @@ class WeightService:
         """Validate and queue one update.  ``started`` resolves when the workers are ready to
         receive (after any command already running); ``result`` is its ``UpdateResult``."""
         update = self.session.begin(req)
-        cmd = self.dispatcher.command("update", {"version": update.version, "mode": update.mode,
+        cmd = self.dispatcher.command(Op.UPDATE, {"version": update.version, "mode": update.mode,
                                                  "crossing": req.crossing}, timeout_s=UPDATE_TIMEOUT_S)
         result = _then(cmd.future, lambda out: out[0])
         self._results = {update.version: result}
@@ -114,7 +115,7 @@ class WeightService:
 
     def refuse(self, req: BeginRequest) -> Future:
         """Answer a refused pipelined begin through the transport (``BeginRequest.pipelined``)."""
-        return self.dispatcher.submit("refuse", {"mode": req.mode}, timeout_s=UPDATE_TIMEOUT_S)
+        return self.dispatcher.submit(Op.REFUSE, {"mode": req.mode}, timeout_s=UPDATE_TIMEOUT_S)
 
     def finish(self, version: int) -> Future:
         self.session.in_progress(version)
@@ -142,14 +143,14 @@ class WeightService:
         except ValueError as e:
             raise Invalid(str(e)) from None
         update = self.session.begin_pull(req.version, manifest["base_version"])
-        fut = self.dispatcher.submit("pull", {"root": str(root), "version": update.version,
+        fut = self.dispatcher.submit(Op.PULL, {"root": str(root), "version": update.version,
                                               "current": update.base_version}, timeout_s=UPDATE_TIMEOUT_S)
         return _then(fut, lambda out: out[0])
 
     def disconnect(self) -> Future:
         self.session.disconnect()
         self._stop_listener()
-        return self.dispatcher.submit("disconnect", {})
+        return self.dispatcher.submit(Op.DISCONNECT, {})
 
     def checksum(self) -> Future:
         def sums(out: tuple) -> dict:
@@ -157,7 +158,7 @@ class WeightService:
             return {"weight_version": version, "stale": self.session.stale,
                     "checksums": {k: (None if v is None else str(v)) for k, v in combine(parts).items()}}
 
-        return _then(self.dispatcher.submit("checksum", {}), sums)
+        return _then(self.dispatcher.submit(Op.CHECKSUM, {}), sums)
 
     def _stop_listener(self) -> None:
         if self._listener is not None:

@@ -1,8 +1,9 @@
 """One reference-engine TP worker: the model shard, serving it, and hosting a ``Receiver``.
 
-Workers are driven by commands (plain dicts over in-host queues, never the network) that
-worker 0 fans out in one order to every worker; each command is collective over the
-engine's TP group or the sync group.  The update session lives on worker 0.
+Workers are driven by commands (an ``Op`` word and a plain dict of args, pickled over in-host
+queues, never the network) that worker 0 fans out in one order to every worker; each command
+is collective over the engine's TP group or the sync group.  The update session lives on
+worker 0.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts
 from shardsync.runtime.ledger import RankReport
 from shardsync.spec import ModelSpec
+from shardsync.vocab import Op
 
 SHARD = -1  # staging_bytes: exactly one copy of the rank's shard
 Notify = Callable[[tuple[int, int, dict]], None]  # (rank, version, report) of a staged receive
@@ -134,7 +136,7 @@ class EngineWorker:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return RankReport.of(stats, t0, self.receiver.destination.name).model_dump()
 
-    def stage(self, kind: str, version: int, args: dict[str, Any], wait_s: float = 300.0) -> None:
+    def stage(self, kind: Op, version: int, args: dict[str, Any], wait_s: float = 300.0) -> None:
         """Start ``kind`` (update | pull) into staging on a thread of its own and return: this
         worker keeps serving; the receive reports through ``notify`` when done.  A staging
         window's receive asks for the pause (``{"gate": True}``) before its first in-place
@@ -144,7 +146,8 @@ class EngineWorker:
             raise RuntimeError("this worker has no staging destination (staging_bytes=0)")
         if self._stage is not None and self._stage.is_alive():
             raise RuntimeError("the previous staged receive is still running")
-        fn = {"update": self.update, "pull": self.pull}[kind]
+        receives: dict[Op, Callable[..., dict[str, Any]]] = {Op.UPDATE: self.update, Op.PULL: self.pull}
+        fn = receives[kind]
         device = self.model.device
         self._open.clear()
 
@@ -199,18 +202,22 @@ class EngineWorker:
     def disconnect(self) -> None:
         self.receiver.leave()
 
-    def handle(self, kind: str, args: dict[str, Any]) -> Any:
+    def handle(self, kind: Op, args: dict[str, Any]) -> Any:
+        """Run command ``kind`` on this worker; ValueError for one no worker runs."""
         fn = COMMANDS.get(kind)
         if fn is None:
-            raise ValueError(f"unknown engine command {kind!r}")
+            raise ValueError(f"unknown engine command {str(kind)!r}")
         if kind in READS and self.staging is not None:
             self.staging.settle()  # a pushed update's copies, before its weights are read
         with torch.no_grad():
             return fn(self, **args)
 
 
-COMMANDS = {f.__name__: f for f in (EngineWorker.generate, EngineWorker.admit, EngineWorker.step,
-                                     EngineWorker.score, EngineWorker.join, EngineWorker.update,
-                                     EngineWorker.pull, EngineWorker.refuse, EngineWorker.stage, EngineWorker.open,
-                                     EngineWorker.commit, EngineWorker.checksum, EngineWorker.disconnect)}
-READS = {"generate", "admit", "step", "score", "checksum"}  # commands that read the served weights
+COMMANDS: dict[Op, Callable[..., Any]] = {
+    Op.GENERATE: EngineWorker.generate, Op.ADMIT: EngineWorker.admit, Op.STEP: EngineWorker.step,
+    Op.SCORE: EngineWorker.score, Op.JOIN: EngineWorker.join, Op.UPDATE: EngineWorker.update,
+    Op.PULL: EngineWorker.pull, Op.REFUSE: EngineWorker.refuse, Op.STAGE: EngineWorker.stage,
+    Op.OPEN: EngineWorker.open, Op.COMMIT: EngineWorker.commit, Op.CHECKSUM: EngineWorker.checksum,
+    Op.DISCONNECT: EngineWorker.disconnect,
+}  # every Op but STAGED (the dispatcher's own)
+READS = {Op.GENERATE, Op.ADMIT, Op.STEP, Op.SCORE, Op.CHECKSUM}  # commands that read the served weights

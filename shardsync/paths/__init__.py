@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardsync.mode import FULL, Mode
-from shardsync.paths.base import Endpoint, Program, UpdateArgs
+from shardsync.paths.base import Colocated, DeltaSide, Endpoint, Program, UpdateArgs
 from shardsync.paths.broadcast import BroadcastProgram
 from shardsync.paths.delta import DeltaProgram
 from shardsync.paths.disk import DiskWrite
@@ -49,5 +49,5 @@ def connection_modes(full: Mode, delta: str | None) -> tuple[Mode, ...]:
     return modes
 
 
-__all__ = ["FALLBACK_ORDER", "PATHS", "Endpoint", "Mode", "Program", "UpdateArgs", "choose_full",
-           "compile_path", "connection_modes", "release"]
+__all__ = ["FALLBACK_ORDER", "PATHS", "Colocated", "DeltaSide", "Endpoint", "Mode", "Program", "UpdateArgs",
+           "choose_full", "compile_path", "connection_modes", "release"]

@@ -20,11 +20,31 @@ from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology
 from shardsync.transport.colocated.push_receiver import Staging
 from shardsync.transport.group import SyncGroup
+from shardsync.vocab import Ipc
+
+
+@dataclass(frozen=True, kw_only=True)
+class Colocated:
+    """The p2p path's options for engines on the trainer's machine."""
+
+    ipc: Ipc  # how an engine reads the trainer's memory
+    stream: bool = True  # trainer, map: engines ack once their copies are queued (events)
+    mailbox: bool = True  # trainer, map: offer engines a shared-memory mailbox for the signals
+    staging: Staging | None = None  # engine ranks, push: the staging copies the trainer writes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaSide:
+    """The delta paths' options on a trainer rank."""
+
+    snapshot: Snapshot  # the last synced values, diffed against at every delta
+    dir: str | None = None  # delta over disk: where versions are published
 
 
 @dataclass
 class Endpoint:
-    """One sync rank's end of a connection (trainer ranks first, then engine ranks)."""
+    """One sync rank's end of a connection (trainer ranks first, then engine ranks): what
+    every path needs, and the options only some paths read (``colocated``, ``delta``)."""
 
     topo: Topology
     me: int
@@ -32,17 +52,13 @@ class Endpoint:
     bucket_bytes: int
     credits: int = 2
     device: torch.device | str = "cpu"
-    ipc: str | None = None  # colocated engines: "map", "slots" or "push"
-    ipc_stream: bool = True  # trainer, map: engines ack once their copies are queued (events)
-    ipc_mailbox: bool = True  # trainer, map: offer engines a shared-memory mailbox for the signals
-    detail: bool = False
-    tensors: Mapping[str, torch.Tensor] | None = None  # what IPC exports or maps into at compile
-    rank_layout: RankLayout | None = None  # engine ranks: the pieces this rank holds
-    snapshot: Snapshot | None = None  # trainer ranks with delta: the last synced values
-    delta_dir: str | None = None  # trainer ranks with delta over disk
+    detail: bool = False  # per-bucket timings in the stats
     verify: bool = False  # every message of the sync group checked against its digest
     secret: str | None = field(default=None, repr=False)  # signs and checks store values (handles)
-    staging: Staging | None = None  # engine ranks, push: the staging copies the trainer writes
+    tensors: Mapping[str, torch.Tensor] | None = None  # trainer: its weights; engine: what it receives into
+    rank_layout: RankLayout | None = None  # engine ranks: the pieces this rank holds
+    colocated: Colocated | None = None
+    delta: DeltaSide | None = None
 
     @property
     def is_trainer(self) -> bool:

@@ -19,11 +19,11 @@ class DeltaProgram(Program):
     def __init__(self, ep: Endpoint, mode: Mode) -> None:
         if ep.group is None:
             raise ValueError(f"the {mode} path needs a sync group")
-        if ep.is_trainer and ep.snapshot is None:
-            raise ValueError("a trainer rank needs a snapshot of the last synced values for delta")
+        if ep.is_trainer and ep.delta is None:
+            raise ValueError("a trainer rank needs a snapshot of the last synced values for delta (Endpoint.delta)")
         self.mode, self.group = mode, ep.group
         self.runner = DeltaRunner(ep.topo, ep.me, ep.bucket_bytes, credits=ep.credits,
-                                  snapshot=ep.snapshot if ep.is_trainer else None,
+                                  snapshot=ep.delta.snapshot if ep.is_trainer and ep.delta else None,
                                   rank=None if ep.is_trainer else ep.rank_layout, verify=ep.verify)
 
     def run(self, tensors: Mapping[str, torch.Tensor], args: UpdateArgs) -> Stats:

@@ -19,11 +19,11 @@ class DiskWrite(Program):
     """Trainer side; collective over the trainer ranks of the sync group."""
 
     def __init__(self, ep: Endpoint) -> None:
-        if not ep.delta_dir or ep.snapshot is None:
-            raise ValueError("delta over disk needs delta_dir and a snapshot on every trainer rank")
-        Path(ep.delta_dir).mkdir(parents=True, exist_ok=True)
-        self.root = ep.delta_dir
-        self.publisher = DiskPublisher(ep.topo, ep.me, ep.delta_dir, ep.snapshot, budget=ep.bucket_bytes,
+        if ep.delta is None or not ep.delta.dir:
+            raise ValueError("delta over disk needs a directory and a snapshot on every trainer rank (Endpoint.delta)")
+        Path(ep.delta.dir).mkdir(parents=True, exist_ok=True)
+        self.root = ep.delta.dir
+        self.publisher = DiskPublisher(ep.topo, ep.me, ep.delta.dir, ep.delta.snapshot, budget=ep.bucket_bytes,
                                        credits=ep.credits, verify=ep.verify)
         self.group = ep.group
 

@@ -4,7 +4,7 @@ written by the trainer into the engine's staging copy (push)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -21,12 +21,13 @@ from shardsync.transport.colocated.push_sender import PushSender
 from shardsync.transport.colocated.share import Share
 from shardsync.transport.group import SyncGroup
 from shardsync.transport.ipc import IpcTransport
+from shardsync.vocab import Ipc
 
 
 class P2pProgram(Program):
     """Steps of one rank through the one executor (group or IPC slots as the transport)."""
 
-    def __init__(self, ep: Endpoint, steps: list[Step], transport: Transport,
+    def __init__(self, ep: Endpoint, steps: Sequence[Step], transport: Transport,
                  slots: IpcTransport | None = None) -> None:
         self.ep, self.steps, self.transport, self.slots = ep, steps, transport, slots
         self.pool = BufferPool(ep.wire_dtype, ep.device)
@@ -117,24 +118,26 @@ class PushReceiveProgram(ColocatedProgram[PushReceiver]):
 def _colocated(ep: Endpoint, group: SyncGroup) -> Program:
     """The end of the map or push path for this rank (trainer ranks send): trainer ranks
     export before engine ranks map (engines wait for the handles, bounded by the group timeout)."""
-    push = ep.ipc == "push"
+    co = ep.colocated
+    assert co is not None, "only colocated endpoints compile a map or push end"
+    push = co.ipc is Ipc.PUSH
     tensors = ep.tensors
     assert tensors is not None, "both ends of a colocated path build their Endpoint with their tensors"
     prefix = group.rdv.name
     if ep.is_trainer:
         share = Share.sender(group, ep.topo, prefix, ep.secret)
         if push:
-            pusher = PushSender(share, stream=ep.ipc_stream, mailbox=ep.ipc_mailbox)
+            pusher = PushSender(share, stream=co.stream, mailbox=co.mailbox)
             pusher.export(tensors)
             return PushSendProgram(pusher)
-        mapper = MapSender(share, stream=ep.ipc_stream, mailbox=ep.ipc_mailbox)
+        mapper = MapSender(share, stream=co.stream, mailbox=co.mailbox)
         mapper.export(tensors)
         return MapSendProgram(mapper)
     share = Share.receiver(group, ep.topo, prefix, ep.secret)
     if push:
-        if ep.staging is None:
-            raise ValueError("ipc='push' needs the engine's staging copies (Endpoint.staging)")
-        receiver = PushReceiver(share, ep.staging)
+        if co.staging is None:
+            raise ValueError("ipc='push' needs the engine's staging copies (Colocated.staging)")
+        receiver = PushReceiver(share, co.staging)
         for peer in share.peers:
             receiver.attach(peer, 1, tensors)
         return PushReceiveProgram(receiver)
@@ -149,10 +152,11 @@ def compile_p2p(ep: Endpoint) -> Program:
     ranks map (engines wait for the handles, bounded by the group timeout)."""
     if ep.group is None:
         raise ValueError("the p2p path needs a sync group")
-    if ep.ipc in ("map", "push"):
+    ipc = ep.colocated.ipc if ep.colocated is not None else None
+    if ipc in (Ipc.MAP, Ipc.PUSH):
         return _colocated(ep, ep.group)
     steps = p2p_steps(ep.topo, ep.me, ep.bucket_bytes)
-    if ep.ipc == "slots":
+    if ipc is Ipc.SLOTS:
         slots = IpcTransport(ep.group, slots=ep.credits, secret=ep.secret)
         if ep.is_trainer:
             assert ep.tensors is not None, "a trainer rank builds its Endpoint with its tensors"
@@ -164,6 +168,4 @@ def compile_p2p(ep: Endpoint) -> Program:
             for peer in sorted({s.comm[1] for s in steps if s.comm[0] == "recv"}):
                 slots.attach(peer)
         return P2pProgram(ep, steps, slots, slots)
-    if ep.ipc:
-        raise ValueError(f"ipc must be 'map', 'slots' or 'push', got {ep.ipc!r}")
     return P2pProgram(ep, steps, ep.group)

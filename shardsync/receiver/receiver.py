@@ -20,7 +20,7 @@ from shardsync.dtypes import dtype_name
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.layout.piece import Layout, RankLayout, addressed
 from shardsync.mode import Mode
-from shardsync.paths import Endpoint, Program, UpdateArgs, compile_path, connection_modes, release
+from shardsync.paths import Colocated, Endpoint, Program, UpdateArgs, compile_path, connection_modes, release
 from shardsync.paths.disk import DiskApply
 from shardsync.receiver.connect import PUSH_NEEDS_STAGING, topology_from_connect
 from shardsync.receiver.destination import Destination
@@ -109,9 +109,9 @@ class Receiver:
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
-        ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, ipc=req.ipc,
-                      tensors=self._tensors(), rank_layout=self.rank_layout, verify=req.verify,
-                      secret=self._secret, staging=staging)
+        ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, verify=req.verify,
+                      secret=self._secret, tensors=self._tensors(), rank_layout=self.rank_layout,
+                      colocated=None if req.ipc is None else Colocated(ipc=req.ipc, staging=staging))
         programs: dict[Mode, Program] = {}
         try:
             for m in modes:
@@ -145,10 +145,10 @@ class Receiver:
         staged = self.destination.staged()
         if staged is None or not full:
             return
-        if full[0] is Mode.P2P:
+        if full[0] is Mode.P2P:  # the steps are cached: the program compiled next finds them again
             steps = p2p_steps(topo, me, req.bucket_bytes)
         else:
-            steps = [s for st in range(topo.trainer.pp) for s in broadcast_steps(topo, me, req.bucket_bytes, st)]
+            steps = tuple(s for st in range(topo.trainer.pp) for s in broadcast_steps(topo, me, req.bucket_bytes, st))
         staged.plan_window(write_order(steps))
 
     def receive(self, mode: Mode, args: UpdateArgs | None = None, *, commit: bool = True) -> Stats:

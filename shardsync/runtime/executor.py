@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -158,7 +158,7 @@ def _check(step: Step, buf: torch.Tensor, sent: torch.Tensor, peer: object) -> N
 
 
 @torch.no_grad()
-def execute(steps: list[Step], local: Mapping[str, torch.Tensor], transport: Transport, *,
+def execute(steps: Sequence[Step], local: Mapping[str, torch.Tensor], transport: Transport, *,
             pool: BufferPool, credits: int = 2, detail: bool = False, verify: bool = False) -> Stats:
     """Run ``steps`` in order, at most ``credits`` buffers in flight; oldest completes first.
 

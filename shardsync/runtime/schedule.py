@@ -2,12 +2,16 @@
 
 Sync-group ranks: trainer ranks first (``0..T-1``, Megatron order), then every engine
 rank (engine i's ranks after engine i-1's).  Every rank compiles its own steps from the
-same plans, in one global order, so no per-bucket metadata crosses the wire.
+same plans, in one global order, so no per-bucket metadata crosses the wire.  A rank's
+steps are compiled once per (topology, rank, budget) and shared by whoever asks (a staging
+window's write order, then the path's program).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardsync.layout.piece import box_overlap
@@ -70,7 +74,8 @@ def merge_bindings(bindings: list[Binding]) -> tuple[Binding, ...]:
     return tuple(out)
 
 
-def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> list[Step]:
+@functools.lru_cache(maxsize=16)
+def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> tuple[Step, ...]:
     """Steps of sync rank ``me`` for the shard-to-shard plan (and its relays, if any).
 
     A relaying engine rank forwards only after it received everything (a fenced step):
@@ -86,7 +91,7 @@ def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> list[Step]:
         if relay and relay[0].comm[0] == "send":
             relay[0] = dataclasses.replace(relay[0], fence=True)
         steps += relay
-    return steps
+    return tuple(steps)  # cached (lru_cache): shared, never mutated
 
 
 def _link_steps(plan: Plan, me: int, budget_bytes: int, src_rank, dst_rank, label: str = "p2p") -> list[Step]:
@@ -131,7 +136,8 @@ def _gather_parts(gather: Plan, bucket: Bucket) -> list[tuple[int, Copy, int, tu
     return out
 
 
-def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> list[Step]:
+@functools.lru_cache(maxsize=16)
+def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> tuple[Step, ...]:
     """Steps of sync rank ``me`` for one stage of the broadcast path (gather, then broadcast)."""
     ranks = SyncRanks(topo)
     group = f"stage{stage}"
@@ -189,7 +195,7 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> l
                                          _region(_rel(ov[0], bc.logical_offsets), ov[1])))
             steps.append(Step(label, b.numel, ("bcast", group, 0, False), drain=tuple(drain),
                               link=f"source{stage}->all"))
-    return steps
+    return tuple(steps)  # cached (lru_cache): shared, never mutated
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -205,7 +211,7 @@ def subgroups(topo: Topology) -> dict[str, list[int]]:
     return {f"stage{s}": ranks.stage_group(s) for s in range(topo.trainer.pp)}
 
 
-def write_order(steps: list[Step]) -> list[str]:
+def write_order(steps: Sequence[Step]) -> list[str]:
     """Local tensors in the order a rank's steps first write them (a staging window is the
     first ones: the receive reaches the rest last)."""
     seen: dict[str, None] = {}

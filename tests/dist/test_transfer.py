@@ -9,7 +9,8 @@ import torch
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.mode import Mode
-from shardsync.paths import Endpoint, UpdateArgs, compile_path
+from shardsync.paths import Colocated, Endpoint, UpdateArgs, compile_path
+from shardsync.vocab import Ipc
 from shardsync.runtime.schedule import subgroups
 from shardsync.spec import PRESETS
 from shardsync.topology import Topology
@@ -50,8 +51,9 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
                 local = load_rank(topo.engine_layouts[engine], e - topo.engine_rank_offset(engine),
                                   random_source(spec, seed=999))
         if mode not in programs:
+            ipc = case.get("ipc") if mode == "p2p" else None
             ep = Endpoint(topo, rank, group, case.get("bucket", 64 * 1024), case.get("credits", 2),
-                          ipc=case.get("ipc") if mode == "p2p" else None, tensors=local,
+                          colocated=Colocated(ipc=Ipc(ipc)) if ipc else None, tensors=local,
                           verify=case.get("verify", False))
             programs[mode] = compile_path(Mode(mode), ep)
         stats = programs[mode].run(local, UpdateArgs(version=step))

@@ -17,6 +17,7 @@ from shardsync.control.session import UpdateSession
 from shardsync.control.wire import BeginRequest
 from shardsync.engine.dispatch import Aborted, Dispatcher, Serving
 from shardsync.receiver.destination import StagingFacts
+from shardsync.vocab import Op
 
 REPORT = {"ok": True, "pack_s": 0.0, "transfer_s": 0.0, "unpack_s": 0.0, "total_s": 0.0, "bytes_received": 7,
           "changed": 0, "buffer_bytes": 0, "buckets": 0, "destination": "params"}
@@ -32,20 +33,20 @@ class _StandInWorker:
         self.staging_facts = StagingFacts("swap", 1234, 4096) if staged else None
         self.served, self.staging = 0, None
         self.seqs: dict[int, list[int]] = {}  # sid -> [count, max_new]
-        self.order: list[str] = []
+        self.order: list[Op] = []
         self.gate = threading.Event()
         self.opened = threading.Event()  # ``open``: the engine paused for a window's rest
         self.refilled: list[int] = []
         self.in_place_steps = 0  # steps run while a window's rest was being written
 
-    def handle(self, kind: str, args: dict):
-        if kind != "step":
+    def handle(self, kind: Op, args: dict):
+        if kind is not Op.STEP:
             self.order.append(kind)
-        if kind == "admit":
+        if kind is Op.ADMIT:
             for sid in args["sids"]:
                 self.seqs[sid] = [0, args["max_new_tokens"]]
             return None
-        if kind == "step":
+        if kind is Op.STEP:
             if self.opened.is_set() and self.staging is None:
                 self.in_place_steps += 1
             time.sleep(0.01)
@@ -56,11 +57,11 @@ class _StandInWorker:
                 s[0] += 1
                 out[sid] = ([100 * self.served + s[0]], [-0.5], s[0] == s[1])
             return out
-        if kind == "update":  # in place: the receive waits for the trainer (the gate)
+        if kind is Op.UPDATE:  # in place: the receive waits for the trainer (the gate)
             assert self.gate.wait(10)
             self.served = args["version"]
             return dict(REPORT)
-        if kind == "stage":
+        if kind is Op.STAGE:
             self.opened.clear()
             self.staging = None
 
@@ -78,10 +79,10 @@ class _StandInWorker:
 
             threading.Thread(target=receive, daemon=True).start()
             return None
-        if kind == "open":
+        if kind is Op.OPEN:
             self.opened.set()
             return None
-        if kind == "commit":
+        if kind is Op.COMMIT:
             self.served = self.staging
             return {"commit_s": 0.0}
         return {}
@@ -97,11 +98,11 @@ def _engine(staged: bool = False, **serving) -> tuple[_StandInWorker, UpdateSess
 
 def _update(session: UpdateSession, d: Dispatcher, version: int, **extra):
     session.begin(BeginRequest(version=version, mode="p2p", fingerprint="f"))
-    return d.command("update", {"version": version, "mode": "p2p", **extra})
+    return d.command(Op.UPDATE, {"version": version, "mode": "p2p", **extra})
 
 
 def _gen(d: Dispatcher, n: int, prompts: int = 1):
-    return d.submit("generate", {"prompts": [[1]] * prompts, "max_new_tokens": n, "temperature": 0.0,
+    return d.submit(Op.GENERATE, {"prompts": [[1]] * prompts, "max_new_tokens": n, "temperature": 0.0,
                                  "top_p": 1.0, "seed": 0, "stop_token_ids": []})
 
 
@@ -136,7 +137,7 @@ def test_in_place_update_waits_for_running_requests_and_goes_ahead_of_queued_one
         outs, v = f.result(10)
         _consistent(outs)
         assert v == 5 and outs[0][2] == [[5, 0, 2]], "requests queued behind the update ran on version 5"
-    assert worker.order.index("update") < worker.order.index("admit", 1)
+    assert worker.order.index(Op.UPDATE) < worker.order.index(Op.ADMIT, 1)
     d.stop()
 
 
@@ -152,7 +153,7 @@ def test_staged_receive_lets_generation_go_on_and_only_the_commit_pauses() -> No
     assert result.ok and version == 3 and result.staging == "swap" and result.staging_bytes == 1234
     assert result.shard_bytes == 4096
     assert result.stage_s > 0 and result.pause_s > 0
-    assert worker.order == ["stage", "admit", "commit"], "served during the receive; only the commit paused"
+    assert worker.order == [Op.STAGE, Op.ADMIT, Op.COMMIT], "served during the receive; only the commit paused"
     outs, v = _gen(d, 2).result(10)
     assert v == 3 and outs[0][2] == [[3, 0, 1]]
     d.stop()
@@ -162,7 +163,7 @@ def test_a_failed_staged_receive_keeps_serving_the_old_version() -> None:
     worker, session, d = _engine(staged=True)
     worker.gate.set()
     result, version = _update(session, d, 4, fail=True).future.result(10)
-    assert not result.ok and version == 0 and not session.stale and "commit" not in worker.order
+    assert not result.ok and version == 0 and not session.stale and Op.COMMIT not in worker.order
     assert not session.connected, "the broken sync group is dropped: the trainer reconnects"
     outs, v = _gen(d, 2).result(10)
     assert v == 0 and outs[0][0] == [1, 2]
@@ -183,7 +184,7 @@ def test_a_window_receive_pauses_the_engine_for_its_in_place_rest(crossing: str)
     during = _gen(d, 2)  # while the engine is paused
     result, version = update.future.result(10)
     assert result.ok and version == 6 and worker.in_place_steps == 0, "no step ran while weights were written"
-    assert worker.order.index("stage") < worker.order.index("open") < worker.order.index("commit")
+    assert worker.order.index(Op.STAGE) < worker.order.index(Op.OPEN) < worker.order.index(Op.COMMIT)
     assert result.pause_s >= 0.05 and result.stage_s > 0
     outs, v = running.result(10)
     _consistent(outs)
@@ -198,7 +199,7 @@ def test_a_window_receive_that_fails_after_the_pause_leaves_the_engine_stale() -
     worker, session, d = _engine(staged=True)
     worker.gate.set()
     result, version = _update(session, d, 4, window=True, fail=True).future.result(10)
-    assert not result.ok and session.stale and "commit" not in worker.order
+    assert not result.ok and session.stale and Op.COMMIT not in worker.order
     d.stop()
 
 
@@ -295,9 +296,22 @@ def test_the_scheduler_over_a_real_worker_generates_what_the_model_generates(tok
     d.start()
     bodies = [{"prompts": [[5, 6, 7], [8]], "max_new_tokens": 7, "temperature": 1.0, "top_p": 0.9, "seed": s,
                "stop_token_ids": []} for s in range(3)]
-    futures = [d.submit("generate", b) for b in bodies]
+    futures = [d.submit(Op.GENERATE, b) for b in bodies]
     for b, f in zip(bodies, futures, strict=True):
         outs, version = f.result(60)
         assert [(t, lp) for t, lp, _ in outs] == model.generate(**b) and version == 0
         assert all(spans == [[0, 0, len(t) - 1]] for t, _, spans in outs)
+    with pytest.raises(ValueError, match="engine command must be one of .*got 'nope'"):
+        d.submit("nope", {})  # not a word: refused where commands enter, naming every choice
+    with pytest.raises(ValueError, match="unknown engine command 'nope'"):
+        d.worker.handle("nope", {})  # the worker refuses it by name too
+    with pytest.raises(ValueError, match="unknown engine command 'staged'"):
+        d.worker.handle(Op.STAGED, {})  # the dispatcher's own word, never a worker's
     d.stop()
+
+
+def test_every_command_but_the_dispatchers_own_has_its_worker_method() -> None:
+    from shardsync.engine.worker import COMMANDS
+
+    assert set(COMMANDS) == set(Op) - {Op.STAGED}
+    assert all(fn.__name__ == op.value for op, fn in COMMANDS.items())
