@@ -8,12 +8,12 @@ mapped again before it is read, so a stale mapping is never read.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from shardsync.transport import events
-from shardsync.transport.colocated.link import TrainerLink
+from shardsync.transport.colocated.link import TrainerLink, proceeds
 from shardsync.transport.colocated.share import Share
 from shardsync.transport.events import EventHandle
 from shardsync.transport.handles import OpenedSet, export_tensors, open_set
@@ -135,6 +135,16 @@ class Mapped:
 
     def current(self, peer: int, generation: int) -> bool:
         return self.sets.get(peer, (None,))[0] == generation
+
+    def proceed(self, peer: int, generation: int, error: Exception | None,
+                attach: Callable[[int, int], None]) -> bool:
+        """Whether ``peer``'s part of a receive goes on (no earlier error, no abort), with its
+        set of ``generation`` mapped (``attach`` maps a set this rank has not seen yet)."""
+        if not proceeds(peer, generation, error):
+            return False
+        if not self.current(peer, generation):
+            attach(peer, generation)
+        return True
 
     def wait(self, peer: int, generation: int) -> str:
         """The store key of ``peer``'s set of ``generation``, once it is there."""

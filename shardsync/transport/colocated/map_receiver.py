@@ -16,7 +16,7 @@ from shardsync.runtime.gated import Gated, ungated, window_of
 from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.transport import events
 from shardsync.transport.colocated.exports import Mapped
-from shardsync.transport.colocated.link import FAILED, QUEUED, READY, EngineLink, proceeds
+from shardsync.transport.colocated.link import FAILED, QUEUED, READY, EngineLink
 from shardsync.transport.colocated.share import Share
 from shardsync.transport.copies import Copies, SideStreams
 
@@ -112,7 +112,7 @@ class MapReceiver:
             queued[peer] = bool(stream)
             waits[peer] = time.perf_counter() - t0
             try:
-                if self._mapped_for(peer, gen, local, error):
+                if self.mapped.proceed(peer, gen, error, lambda p, g: self.attach(p, g, local)):
                     staged, live = self._compiled(peer, local)
                     queued[peer] &= staged.on_device and live.on_device
                     self._after_writes(peer, staged.device or live.device)
@@ -150,14 +150,6 @@ class MapReceiver:
             raise error
         stats.bytes_received = self.share.nbytes
         return stats
-
-    def _mapped_for(self, peer: int, gen: int, local: Mapping[str, torch.Tensor], error: Exception | None) -> bool:
-        """Whether ``peer``'s part of this update proceeds, its generation mapped."""
-        if not proceeds(peer, gen, error):
-            return False
-        if not self.mapped.current(peer, gen):
-            self.attach(peer, gen, local)
-        return True
 
     def refuse(self) -> None:
         """Answer an update the engine refused (a pipelined begin: the trainer's signal is on

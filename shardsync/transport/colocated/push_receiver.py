@@ -16,7 +16,7 @@ import torch
 from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.transport import events
 from shardsync.transport.colocated.exports import Mapped
-from shardsync.transport.colocated.link import FAILED, READY, EngineLink, proceeds
+from shardsync.transport.colocated.link import FAILED, READY, EngineLink
 from shardsync.transport.colocated.share import Share
 from shardsync.transport.handles import export_tensors
 
@@ -80,7 +80,7 @@ class PushReceiver:
             gen, stream, index = link.header(HEADER_WORDS)
             status = FAILED
             try:
-                if self._mapped_for(peer, gen, local, error):
+                if self.mapped.proceed(peer, gen, error, lambda p, g: self.attach(p, g, local)):
                     if index != staging.index():
                         raise RuntimeError(f"trainer sync rank {peer} wrote staging set {index}; this rank "
                                            f"stages into set {staging.index()}")
@@ -99,14 +99,6 @@ class PushReceiver:
             raise error
         stats.bytes_received = self.share.nbytes
         return stats
-
-    def _mapped_for(self, peer: int, gen: int, local: Mapping[str, torch.Tensor], error: Exception | None) -> bool:
-        """Whether ``peer``'s part of this update proceeds, its generation's event opened."""
-        if not proceeds(peer, gen, error):
-            return False
-        if not self.mapped.current(peer, gen):
-            self.attach(peer, gen, local)
-        return True
 
     def committed(self) -> None:
         """The engine committed: each trainer may write the set staged next."""
