@@ -149,7 +149,7 @@ class _Experts(nn.Module):
                 setattr(self.experts, fc, _Weights(tensors, f"{prefix}experts.{fc}", [f"weight{j}" for j in range(n)],
                                                    tp_sharded=False))
             fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
-            self._local = [(getattr(fc1, f"weight{j}"), getattr(fc2, f"weight{j}")) for j in range(n)]
+            self._local = [(fc1.get_parameter(f"weight{j}"), fc2.get_parameter(f"weight{j}")) for j in range(n)]
         else:
             self.experts.local_experts = nn.ModuleList()
             for j in range(n):
