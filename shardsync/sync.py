@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shardsync.config import SyncConfig
+from shardsync.connection import Connection, agree
 from shardsync.control import ranks
 from shardsync.control.client import EngineClient, SyncError, UpdateChannel
-from shardsync.control.connect import decide, engine_client, rendezvous_of, topology_of
-from shardsync.control.hosted import LAYOUT_MISMATCH
+from shardsync.control.connect import decide, engine_client, rendezvous_of
 from shardsync.control.wire import BeginRequest, Decision, Done, Go, Note, RankSums, Verdict
 from shardsync.delta.transfer import Snapshot
 from shardsync.dtypes import torch_dtype
@@ -33,12 +33,9 @@ from shardsync.paths import (
     Endpoint,
     Program,
     UpdateArgs,
-    choose_full,
     compile_path,
-    connection_modes,
     release,
 )
-from shardsync.receiver.connect import connect_request
 from shardsync.runtime.checksum import combine, compare, piece_checksums
 from shardsync.runtime.record import UpdateRecord, append_jsonl, make_record
 from shardsync.runtime.schedule import subgroups
@@ -48,7 +45,7 @@ from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
-from shardsync.vocab import Completion, Reason, Refused, Signals
+from shardsync.vocab import Completion, Refused, Signals
 
 log = logging.getLogger("shardsync")
 
@@ -79,21 +76,56 @@ class WeightSync:
         self.urls = [u.rstrip("/") for u in engines]
         self.config = config or SyncConfig()
         self.trainer_group = trainer_group
-        self.topo: Topology | None = None
-        self.mode: Mode | None = None  # the full-update path of this connection
-        self.modes: tuple[Mode, ...] = ()
-        self.fallback_reason: str | None = None
+        self.conn: Connection | None = None
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
         self.plan_s = 0.0
         ctl = self.config.control
         self._secret = load_token(ctl.token, ctl.token_file)
+        self.ranks = ranks.TrainerRanks(rank, parallel.world_size, trainer_group,
+                                        datetime.timedelta(seconds=self.config.transport.timeout_s), self._secret)
         self._engines = self._client() if rank == 0 else None
         self._channel: UpdateChannel | None = None
-        self._keys: Keys | None = None
         self._snapshot: Snapshot | None = None
         self._synced: int | None = None  # the version every engine got from this connection last
         self._calls = 0  # store keys are per call: a version may be sent twice (resync)
+
+    # -- the connection --
+
+    @property
+    def topo(self) -> Topology | None:
+        return None if self.conn is None else self.conn.topo
+
+    @property
+    def mode(self) -> Mode | None:
+        """The full-update path of this connection (None before ``connect``)."""
+        return None if self.conn is None else self.conn.mode
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        return () if self.conn is None else self.conn.modes
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return None if self.conn is None else self.conn.fallback_reason
+
+    def _live(self) -> tuple[Connection, SyncGroup]:
+        if self.conn is None or self.group is None:
+            raise SyncError("not connected; call connect() first")
+        return self.conn, self.group
+
+    @property
+    def _lead(self) -> EngineClient:
+        """Rank 0's engine client (only rank 0 talks to the engines)."""
+        if self._engines is None:
+            raise SyncError(f"trainer rank {self.rank} asked the engines; only rank 0 talks to them")
+        return self._engines
+
+    @property
+    def _lead_channel(self) -> UpdateChannel:
+        if self._channel is None:
+            raise SyncError("no update channel; call connect() first (on rank 0)")
+        return self._channel
 
     # -- helpers --
 
@@ -111,112 +143,53 @@ class WeightSync:
         return engine_client(ctl.channel, self.urls, ctl.http_timeout_s, self._secret, crossing=ctl.crossing,
                              update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s)
 
-    @property
-    def _timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.config.transport.timeout_s)
-
-    def _share(self, msg, model):
-        return ranks.share(msg, model, rank=self.rank, world=self.parallel.world_size, group=self.trainer_group)
-
-    def _signal(self, key: str, msg, model):
-        return ranks.signal(self.group.store, key, msg, model, rank=self.rank, timeout=self._timeout,
-                            secret=self._secret, world=self.parallel.world_size)
-
-    def _rank0(self, fn, model):
-        """``fn()`` on rank 0 as ``model`` (its exception as ``model(error=...)``)."""
-        if self.rank != 0:
-            return None
-        try:
-            return fn()
-        except Exception as e:
-            return model(error=_error(e))
-
     # -- connect --
 
     def connect(self) -> None:
         """Agree on engines and paths, join the sync group, compile every path once.
 
         Named steps, each collective over the trainer ranks: ``decide`` (rank 0 reads the
-        engines' facts and picks the rendezvous, ``control.connect``), ``_plan_and_offer`` (plan the connection's
+        engines' facts and picks the rendezvous, ``control.connect``), ``connection.agree`` (plan the connection's
         paths and offer them; an engine whose parameters are not shardsync's layout refuses,
         and the plan falls back to whole tensors by broadcast), ``_join`` (the sync group and
         every path compiled), then rank 0 opens the update channel."""
         t0 = time.perf_counter()
         t = self.config.transport
-        decision = self._share(self._rank0(lambda: decide(self._engines.info(), port=t.port or free_port(t.host)),
+        decision = self.ranks.share(self.ranks.lead(lambda: decide(self._lead.info(), port=t.port or free_port(t.host)),
                                            Decision), Decision)
         if decision.error:
             raise SyncError(f"connect failed on trainer rank 0: {decision.error}")
         rdv = rendezvous_of(decision, self.parallel.world_size, host=t.host, backend=t.backend, timeout_s=t.timeout_s)
-        self._keys = Keys(rdv.name)
+        keys = Keys(rdv.name)
         store = None
         if self.rank == 0:  # hosted engines answer through the store from their first check on
             store = open_store(rdv, is_master=True)
-            self._engines.bind(store, self._keys)
-        topo = self._plan_and_offer(decision, rdv)
+            self._lead.bind(store, keys)
+        self.conn = conn = agree(self.ranks, self._engines, self.config, self.spec, self.parallel, decision, rdv, keys)
+        topo = conn.topo
         self.plan_s = time.perf_counter() - t0
-        self.topo = topo
         if self.config.delta is not None and self._snapshot is None:
             self._snapshot = Snapshot(self.params, torch_dtype(topo.wire_dtype), pin=self.config.delta.pin_memory)
         if self.rank == 0:
             with ThreadPoolExecutor(1) as pool:
-                joined = pool.submit(self._engines.join)
-                self._join(topo, rdv, store)
+                joined = pool.submit(self._lead.join)
+                self._join(conn, rdv, store)
                 joined.result()
-            self._channel = self._engines.channel()
+            self._channel = self._lead.channel()
         else:
-            self._join(topo, rdv, open_store(rdv, is_master=False))
+            self._join(conn, rdv, open_store(rdv, is_master=False))
         self._synced = None  # a (re)connected engine set starts with a full update
         self._calls = 0
         if self.rank == 0:
-            if self.fallback_reason:
-                log.info("[rank 0] mode=auto falls back to broadcast: %s", self.fallback_reason)
+            if conn.fallback_reason:
+                log.info("[rank 0] mode=auto falls back to broadcast: %s", conn.fallback_reason)
             log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
-                     len(self.urls), decision.tps, self.mode, time.perf_counter() - t0)
+                     len(self.urls), decision.tps, conn.mode, time.perf_counter() - t0)
 
-    def _plan_and_offer(self, decision: Decision, rdv: Rendezvous) -> Topology:
-        """Choose the full path for the engines' layout and offer the plan (rank 0 sends it,
-        every rank learns the answer).  An engine that refuses it as not its layout is offered
-        whole tensors by broadcast instead, once; any other refusal ends the connect."""
-        cfg = self.config
-        refused: str | None = None
-        for whole in (False, True):
-            topo = topology_of(decision, self.spec, self.parallel, relay=cfg.relay, whole=whole)
-            if whole:
-                self.mode, self.fallback_reason = Mode.BROADCAST, refused
-            else:
-                self.mode, self.fallback_reason = choose_full(topo, cfg.mode)
-            if cfg.ipc and self.mode is not Mode.P2P:
-                raise SyncError(f"colocated IPC needs the p2p path, but {self.fallback_reason}")
-            self.modes = connection_modes(self.mode, cfg.delta.transport if cfg.delta else None)
-            offered = self._share(self._rank0(lambda topo=topo: self._offer(topo, rdv), Note), Note)
-            if not offered.error:
-                return topo
-            # an engine whose parameters are not shardsync's layout takes whole tensors by broadcast
-            if whole or offered.reason is not Reason.LAYOUT_MISMATCH or cfg.mode == "p2p" or cfg.ipc:
-                raise SyncError(f"engines refused the connect: {offered.error}")
-            # the decision is the typed reason; the log line shows the engine's own words after it
-            refused = f"{LAYOUT_MISMATCH}: {offered.error.partition(LAYOUT_MISMATCH + ': ')[2][:300] or offered.error}"
-        raise AssertionError("unreachable: the whole-tensor offer returns or raises")
-
-    def _offer(self, topo: Topology, rdv: Rendezvous) -> Note:
-        """Rank 0: every engine gets the connection's plan fingerprints to check against its own."""
-        cfg = self.config
-        fingerprints = {m.value: topo.fingerprint(m.value) for m in self.modes if not m.is_delta}
-        try:
-            self._engines.connect([connect_request(topo, i, fingerprints, rdv,
-                                                   bucket_bytes=cfg.transport.bucket_bytes,
-                                                   credits=cfg.transport.credits, ipc=cfg.ipc,
-                                                   control=cfg.control.channel, verify=cfg.transport.verify_buckets,
-                                                   delta=cfg.delta.transport if cfg.delta else None)
-                                   for i in range(len(self.urls))])
-        except Refused as e:
-            return Note(error=_error(e), reason=e.reason)
-        return Note()
-
-    def _join(self, topo: Topology, rdv: Rendezvous, store) -> None:
+    def _join(self, conn: Connection, rdv: Rendezvous, store) -> None:
         """Build the sync group with the engines, then compile every path of the connection
         (colocated IPC exports here, before the engines' join returns: they map at join)."""
+        topo = conn.topo
         self.group = SyncGroup(rdv, self.rank, subgroups(topo), store=store)
         cfg = self.config
         device = next(iter(self.params.values())).device  # buffers live where the weights do
@@ -227,7 +200,7 @@ class WeightSync:
                                                                   mailbox=co.signals is Signals.MAILBOX),
                       delta=None if self._snapshot is None else DeltaSide(snapshot=self._snapshot,
                                                                           dir=cfg.delta.dir if cfg.delta else None))
-        self.programs = {m: compile_path(m, ep) for m in self.modes}
+        self.programs = {m: compile_path(m, ep) for m in conn.modes}
 
     def add_engine(self, url: str) -> None:
         """Bring a new engine in while training runs: every engine reconnects in one new sync
@@ -252,32 +225,34 @@ class WeightSync:
     def synced_version(self, version: int | None) -> None:
         self._synced = version
 
-    def _choose(self, requested: Mode | None) -> Mode:
+    def _choose(self, conn: Connection, requested: Mode | None) -> Mode:
         """Rank 0: this update's path.  A delta needs every engine on the version synced last."""
-        delta = next((m for m in self.modes if m.is_delta), None)
-        if requested is not None or delta is None or self._synced is None or not self._snapshot.valid:
-            return requested or self.mode  # the first sync is always full
-        versions = self._engines.versions()
+        delta = next((m for m in conn.modes if m.is_delta), None)
+        snapshot_valid = self._snapshot is not None and self._snapshot.valid
+        if requested is not None or delta is None or self._synced is None or not snapshot_valid:
+            return requested or conn.mode  # the first sync is always full
+        versions = self._lead.versions()
         if any(v.stale or v.weight_version != self._synced for v in versions):
             log.info("[rank 0] delta skipped: engines at versions %s, trainer synced %s; full update",
                      [v.weight_version for v in versions], self._synced)
-            return self.mode
+            return conn.mode
         return delta
 
-    def _begin(self, version: int, requested: Mode | None) -> Go:
+    def _begin(self, conn: Connection, version: int, requested: Mode | None) -> Go:
         """Rank 0.  Where the program answers refusals itself and the channel can read the
         answers later, the transfer starts without waiting for them (one round trip less)."""
-        mode = self._choose(requested)
+        mode = self._choose(conn, requested)
         if mode.over_group:
-            pipelined = self.programs[mode].answers_refusals and self._channel.pipelines
-            self._channel.begin(BeginRequest(version=version, mode=mode, fingerprint=self.topo.fingerprint(
+            channel = self._lead_channel
+            pipelined = self.programs[mode].answers_refusals and channel.pipelines
+            channel.begin(BeginRequest(version=version, mode=mode, fingerprint=conn.topo.fingerprint(
                 mode.plan.value), base_version=self._synced if mode.is_delta else None,
                 crossing=self.config.control.crossing, pipelined=pipelined))
         return Go(mode=mode)
 
     def _finish(self, version: int) -> Done:
         try:
-            return Done(engines=self._channel.finish(version))
+            return Done(engines=self._lead_channel.finish(version))
         except Refused as e:
             return Done(error=_error(e), refused=True)
 
@@ -290,45 +265,43 @@ class WeightSync:
         last, and a full update otherwise (first sync, a restarted or stale engine, a missed
         step).  Re-sending the engine's current version is allowed.
         """
-        if self.group is None or self.topo is None:
-            raise SyncError("not connected; call connect() first")
+        conn, group = self._live()
         requested = Mode(mode) if mode is not None else None
-        if requested is not None and (requested not in self.modes or requested.is_delta):
+        if requested is not None and (requested not in conn.modes or requested.is_delta):
             raise ValueError(f"mode {mode!r} not available for this connection (have "
-                             f"{[m.value for m in self.modes if not m.is_delta]}"
-                             f"{'; ' + self.fallback_reason if self.fallback_reason else ''})")
+                             f"{[m.value for m in conn.modes if not m.is_delta]}"
+                             f"{'; ' + conn.fallback_reason if conn.fallback_reason else ''})")
         t0 = time.perf_counter()
         self._calls += 1
         n = self._calls
         if Mode.P2P in self.programs and requested in (None, Mode.P2P):
             self.programs[Mode.P2P].launch(self.params)  # push: copies into staging start before the engines hear
-        go = self._signal(self._keys.go(n), self._rank0(lambda: self._begin(version, requested), Go), Go)
-        if go.error:
+        decided = self.ranks.lead(lambda: self._begin(conn, version, requested), Go)
+        go = self.ranks.signal(group.store, conn.keys.go(n), decided, Go)
+        if go.error or go.mode is None:
             raise SyncError(f"update {version} refused: {go.error}")
-        mode = go.mode
+        path = go.mode
         args = UpdateArgs(version=version, base_version=self._synced)
         t1 = time.perf_counter()
         error, stats = None, None
         try:
-            stats = self.programs[mode].run(self.params, args)
+            stats = self.programs[path].run(self.params, args)
         except Exception as e:
             error = _error(e)
         t2 = time.perf_counter()
-        if mode is Mode.DELTA_DISK:  # files need no receive loop: engines pull once all wrote
-            notes = ranks.gather(self.group.store, self._keys.written(n), Note(error=error), Note,
-                                 rank=self.rank, world=self.parallel.world_size, timeout=self._timeout,
-                                 secret=self._secret)
-            done = self._rank0(lambda: self._publish(version, args, notes), Done)
+        if path is Mode.DELTA_DISK:  # files need no receive loop: engines pull once all wrote
+            notes = self.ranks.gather(group.store, conn.keys.written(n), Note(error=error), Note)
+            done = self.ranks.lead(lambda: self._publish(version, args, notes), Done)
         else:
-            done = self._rank0(lambda: self._finish(version), Done)
-        done = self._signal(self._keys.done(n), done, Done)
+            done = self.ranks.lead(lambda: self._finish(version), Done)
+        done = self.ranks.signal(group.store, conn.keys.done(n), done, Done)
         t3 = time.perf_counter()
         error = "; ".join(e for e in (error, done.error) if e) or None  # ours, and what the engines saw
-        record = make_record(version, mode, error, stats, done.engines,
+        record = make_record(version, path, error, stats, done.engines,
                              {"plan": self.plan_s, "control": (t1 - t0) + (t3 - t2), "total": t3 - t0},
-                             rank=self.rank, topo=self.topo, detail=self.config.detail,
-                             fallback_reason=self.fallback_reason if mode is Mode.BROADCAST else None,
-                             buckets=self.programs[mode].buckets, source=self.source)
+                             rank=self.rank, topo=conn.topo, detail=self.config.detail,
+                             fallback_reason=conn.fallback_reason if path is Mode.BROADCAST else None,
+                             buckets=self.programs[path].buckets, source=self.source)
         if self.rank == 0:
             (log.info if record.ok else log.error)("[rank 0] %s", record.summary())
             if self.config.records_path:
@@ -337,7 +310,7 @@ class WeightSync:
             self._synced = None  # the next update is a full one
             if done.refused:  # rank 0's word, the same on every rank: each message was answered
                 raise SyncError(f"update {version} refused: {error}")
-            if mode.over_group:
+            if path.over_group:
                 self._drop_group()  # a failed collective breaks the group: reconnect
             raise SyncError(f"update {version} failed: {error}")
         if self._snapshot is not None:
@@ -350,33 +323,30 @@ class WeightSync:
         if failed:
             raise SyncError(f"writing version {version} failed: {failed}")
         root = self.programs[Mode.DELTA_DISK].publish(args)
-        return Done(engines=self._engines.pull(root, version))
+        return Done(engines=self._lead.pull(root, version))
 
     # -- verify and close --
 
     def verify(self) -> list[str]:
         """Logical tensors whose engine checksum differs from this trainer's (bitwise, in the
         engine dtype); an empty list means every engine holds exactly the trainer's weights."""
-        if self.group is None or self.topo is None:
-            raise SyncError("not connected; call connect() first")
-        lay = self.topo.trainer_layout
-        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, torch_dtype(self.topo.wire_dtype))
+        conn, group = self._live()
+        lay = conn.topo.trainer_layout
+        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, torch_dtype(conn.topo.wire_dtype))
         self._calls += 1
         sums = RankSums.of(mine)
-        parts = ranks.gather(self.group.store, self._keys.check(self._calls, "sums"), sums, RankSums,
-                             rank=self.rank, world=self.parallel.world_size, timeout=self._timeout,
-                             secret=self._secret)
+        parts = self.ranks.gather(group.store, conn.keys.check(self._calls, "sums"), sums, RankSums)
 
         def judge() -> Verdict:
             expected = combine(p.keyed() for p in parts)
             bad = []
-            for url, res in zip(self.urls, self._engines.checksums(), strict=True):
+            for url, res in zip(self.urls, self._lead.checksums(), strict=True):
                 got = {k: (None if v is None else int(v)) for k, v in res.checksums.items()}
                 bad += [f"{url}: {name}" for name in compare(expected, got)]
             return Verdict(mismatched=bad)
 
-        verdict = self._rank0(judge, lambda error: Verdict(mismatched=[f"verify failed: {error}"]))
-        return self._signal(self._keys.check(self._calls, "verdict"), verdict, Verdict).mismatched
+        verdict = self.ranks.lead(judge, lambda error: Verdict(mismatched=[f"verify failed: {error}"]))
+        return self.ranks.signal(group.store, conn.keys.check(self._calls, "verdict"), verdict, Verdict).mismatched
 
     def _drop_group(self) -> None:
         release(self.programs, self.group)
@@ -385,14 +355,15 @@ class WeightSync:
     def close(self) -> None:
         """Engines leave the sync group (and unmap this trainer's memory) before any trainer
         rank lets go of its tensors."""
-        if self.group is not None:
-            if self.rank == 0:
+        if self.group is not None and self.conn is not None:
+            if self._engines is not None:
                 try:
                     self._engines.disconnect()
                 except Exception as e:  # an engine that is gone needs no goodbye
                     log.debug("disconnect: %s", e)
             try:
-                self._signal(self._keys.closed(self._calls), Note() if self.rank == 0 else None, Note)
+                bye = Note() if self.rank == 0 else None
+                self.ranks.signal(self.group.store, self.conn.keys.closed(self._calls), bye, Note)
             except Exception as e:
                 log.debug("close signal: %s", e)
         self._drop_group()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,3 +69,35 @@ def gather(store: dist.Store, key: str, msg: M, model: type[M], *, rank: int, wo
     """Every trainer rank's ``msg`` (under ``key/<rank>``), on every rank."""
     put(store, f"{key}/{rank}", msg, secret)
     return [get(store, f"{key}/{r}", model, timeout, secret) for r in range(world)]
+
+
+@dataclass(frozen=True)
+class TrainerRanks:
+    """One trainer rank among its peers: the helpers above with who it is, the trainer's group,
+    the wait bound and the shared secret filled in."""
+
+    rank: int
+    world: int
+    group: Any  # the trainer's process group (None: a lone rank)
+    timeout: datetime.timedelta
+    secret: str | None = None
+
+    def share(self, msg: M | None, model: type[M]) -> M:
+        return share(msg, model, rank=self.rank, world=self.world, group=self.group)
+
+    def signal(self, store: dist.Store, key: str, msg: M | None, model: type[M]) -> M:
+        return signal(store, key, msg, model, rank=self.rank, world=self.world, timeout=self.timeout,
+                      secret=self.secret)
+
+    def gather(self, store: dist.Store, key: str, msg: M, model: type[M]) -> list[M]:
+        return gather(store, key, msg, model, rank=self.rank, world=self.world, timeout=self.timeout,
+                      secret=self.secret)
+
+    def lead(self, fn: Callable[[], M], model: Callable[..., M]) -> M | None:
+        """``fn()`` on rank 0, its exception as ``model(error=...)``; None on the other ranks."""
+        if self.rank != 0:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            return model(error=f"{type(e).__name__}: {e}")

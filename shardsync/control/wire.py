@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from shardsync.mode import Mode
 from shardsync.runtime.ledger import UpdateResult
@@ -81,9 +81,15 @@ class ConnectRequest(Msg):
     rendezvous: RendezvousMsg
 
 
+def _over_group(mode: Mode) -> Mode:
+    if not mode.over_group:
+        raise ValueError(f"{mode.value} does not move through the sync group; engines pull it")
+    return mode
+
+
 class BeginRequest(Msg):
     version: Version
-    mode: Literal[Mode.P2P, Mode.BROADCAST, Mode.DELTA_P2P, Mode.DELTA_BROADCAST]
+    mode: Annotated[Mode, AfterValidator(_over_group)]  # a path whose bytes come through the group
     fingerprint: str = Field(max_length=64)
     base_version: Version | None = Field(None, description="delta modes: the version the delta is against")
     crossing: Crossing | None = None  # None: the engine's own policy

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from shardsync.control.session import Stale, UpdateSession
 from shardsync.engine.fanout import FanOut, WorkerError, peer_loop
@@ -116,7 +116,7 @@ class Pending:
     cmd: Command
     staged: bool
     t0: float
-    crossing: str
+    crossing: Crossing
     phase: Phase = Phase.GATE  # in place: at the gate at once; staged: STAGING first
     reports: dict[int, dict] = field(default_factory=dict)
     stage_s: float = 0.0
@@ -218,7 +218,7 @@ class Dispatcher:
             if (self.requests or self._drop) and not self._paused():
                 self._step()
 
-    def _next(self, timeout: float | None) -> Command | None | bool:
+    def _next(self, timeout: float | None) -> Command | None | Literal[False]:
         """The next command, None to stop, False when none came within ``timeout``."""
         try:
             return self._q.get_nowait()[2] if timeout == 0 else self._q.get(timeout=timeout)[2]
@@ -282,7 +282,7 @@ class Dispatcher:
     def _holding(self) -> bool:
         """New requests wait while a change waits for running ones to finish on the old version."""
         p = self.pending
-        return p is not None and (p.phase is Phase.OPEN or (p.phase is Phase.GATE and p.crossing == "finish"))
+        return p is not None and (p.phase is Phase.OPEN or (p.phase is Phase.GATE and p.crossing is Crossing.FINISH))
 
     def _running(self) -> list[Seq]:
         return [s for r in self.requests for s in r.seqs if not s.done]
@@ -356,7 +356,8 @@ class Dispatcher:
     # -- weight updates --
 
     def _begin_update(self, cmd: Command) -> None:
-        crossing = cmd.args.pop("crossing", None) or self.serving.crossing  # the trainer's, else the engine's
+        asked = cmd.args.pop("crossing", None)  # the trainer's, else the engine's
+        crossing = self.serving.crossing if asked is None else Crossing.parse(asked, "crossing")
         self.pending = p = Pending(cmd, self.staged, time.monotonic(), crossing)
         if not p.staged:
             return  # in place: the receive waits for the gate
@@ -412,13 +413,13 @@ class Dispatcher:
         running = self._running()
         to = p.cmd.args["version"]
         if running:
-            if p.crossing == "finish":
+            if p.crossing is Crossing.FINISH:
                 if now - p.gate_t0 < self.serving.commit_wait_s:
                     return  # keep stepping them; new requests wait
                 p.crossed = self._end_running(Aborted(
                     f"request aborted: it did not finish within commit_wait_s={self.serving.commit_wait_s:g}s "
                     f"before weight version {to} was committed; retry it (it runs on version {to})"))
-            elif p.crossing == "abort":
+            elif p.crossing is Crossing.ABORT:
                 p.crossed = self._end_running(Aborted(
                     f"request aborted by weight update to version {to} (crossing policy 'abort'); retry it"))
             else:  # span: they go on, on fresh caches

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from shardsync.placement import rank_device
 from shardsync.store.auth import ENV_TOKEN, is_loopback, load_token
 from shardsync.store.rendezvous import free_port
+from shardsync.vocab import Crossing
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,11 @@ class EngineConfig:
     token_file: str | None = None  # the shared secret (else $SHARDSYNC_TOKEN / $SHARDSYNC_TOKEN_FILE)
     delta_root: str | None = None  # disk deltas are pulled only from under this directory
     staging_bytes: int = 0  # receive while serving into this much staging (0: in place; -1: one shard)
-    crossing: str = "finish"  # running requests when the weights change: finish | span | abort
+    crossing: Crossing = Crossing.FINISH  # running requests when the weights change: finish | span | abort
     commit_wait_s: float = 30.0  # finish: the longest a change waits for them
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "crossing", Crossing.parse(self.crossing, "crossing"))
 
 
 
@@ -68,7 +72,7 @@ def engine_command(cfg: EngineConfig) -> list[str]:
            "--seed", str(cfg.seed),
            "--device", cfg.device, "--threads", str(cfg.threads), "--log-level", cfg.log_level,
            "--staging-bytes", "shard" if cfg.staging_bytes == -1 else str(cfg.staging_bytes),
-           "--crossing", cfg.crossing, "--commit-wait-s", str(cfg.commit_wait_s)]
+           "--crossing", cfg.crossing.value, "--commit-wait-s", str(cfg.commit_wait_s)]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
                 "--delta-root": cfg.delta_root}
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
@@ -156,8 +160,9 @@ def serve(cfg: EngineConfig) -> int:
     def stop(*_: object) -> None:
         nonlocal stopping
         stopping = True
-        if procs[0].is_alive():
-            os.kill(procs[0].pid, signal.SIGINT)
+        pid = procs[0].pid
+        if procs[0].is_alive() and pid is not None:
+            os.kill(pid, signal.SIGINT)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

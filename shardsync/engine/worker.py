@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,13 +23,14 @@ from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts
 from shardsync.runtime.ledger import RankReport
 from shardsync.spec import ModelSpec
-from shardsync.vocab import Op
+from shardsync.vocab import Commit, Op
 
 SHARD = -1  # staging_bytes: exactly one copy of the rank's shard
 Notify = Callable[[tuple[int, int, dict]], None]  # (rank, version, report) of a staged receive
 
 
-def destination_for(params: dict[str, torch.Tensor], staging_bytes: int, *, commit: str = "swap") -> Destination:
+def destination_for(params: dict[str, torch.Tensor], staging_bytes: int, *,
+                    commit: str | Commit = Commit.SWAP) -> Destination:
     """In place (``staging_bytes == 0``), staged (one shard, ``SHARD``, or a budget that holds
     it), or a staged window of the tensors a receive writes first (a smaller budget)."""
     if staging_bytes == 0:
@@ -54,7 +55,7 @@ class EngineWorker:
         self.notify: Notify | None = None  # where a staged receive reports (set by the host)
         self._stage: threading.Thread | None = None
         self._open = threading.Event()  # the dispatcher paused the engine for a window's rest
-        self._stream = None  # CUDA: the stream staged receives run on
+        self._stream: torch.cuda.Stream | None = None  # CUDA: the stream staged receives run on
 
     @property
     def staged(self) -> bool:
@@ -84,7 +85,7 @@ class EngineWorker:
                                  stop_token_ids=stop_token_ids) for i, p in enumerate(prompts)]
         self.seqs.update((sid, seq) for sid, seq in zip(sids, seqs, strict=True) if not seq.done)
 
-    def step(self, advance: list[int], refill: list[int] = (), drop: list[int] = (),
+    def step(self, advance: list[int], refill: Sequence[int] = (), drop: Sequence[int] = (),
              tokens: int = 1) -> dict[int, tuple]:
         """Up to ``tokens`` tokens for each sequence in ``advance``: {sid: (tokens, logprobs,
         done)}.  ``refill``: drop their KV caches first (built on weights that changed);

@@ -17,6 +17,7 @@ import torch
 from shardsync.layout.piece import RankLayout
 from shardsync.plan.local import region
 from shardsync.runtime.gated import Gated
+from shardsync.vocab import Commit
 
 
 class Destination:
@@ -108,14 +109,11 @@ class Loader(Destination):
         self.load(self.slices())
 
 
-COMMITS = ("swap", "copy")  # how a staged receive becomes the served weights
-
-
 @dataclass(frozen=True)
 class StagingFacts:
     """What an update's record says of the staging it went through."""
 
-    mode: str  # how a commit makes the staged copy served (``COMMITS``)
+    mode: Commit  # how a commit makes the staged copy served
     nbytes: int  # bytes staged (the window)
     shard_bytes: int  # bytes of the rank's whole shard
 
@@ -143,10 +141,9 @@ class Staged(Destination):
     def staged(self) -> Staged:
         return self
 
-    def __init__(self, params: Mapping[str, torch.Tensor], *, commit: str = "swap",
+    def __init__(self, params: Mapping[str, torch.Tensor], *, commit: str | Commit = Commit.SWAP,
                  budget: int | None = None) -> None:
-        if commit not in COMMITS:
-            raise ValueError(f"commit must be one of {COMMITS}, got {commit!r}")
+        commit = Commit.parse(commit, "commit")
         if budget is not None and budget <= 0:
             raise ValueError(f"a staging budget must be positive (got {budget}); use Params to receive in place")
         self.mode, self.budget = commit, budget
@@ -216,7 +213,7 @@ class Staged(Destination):
         if not self.whole:
             raise ValueError("a staging window is written partly in place, after the engine paused: only "
                              "whole staged shards can be written from another process (no staging budget)")
-        if self.mode == "copy":
+        if self.mode is Commit.COPY:
             return self._sets[:1]
         if not self._sets[1]:
             self._sets[1] = {n: self._live[n].data for n in self.window}
@@ -292,7 +289,7 @@ class Staged(Destination):
         ready, self._ready = self._ready, []
         staging = self._sets[self._staging]
         names = list(staging)
-        if self.mode == "copy":
+        if self.mode is Commit.COPY:
             self.settle()
             for event in ready:  # the copy below reads another process's writes
                 torch.cuda.current_stream().wait_event(event)
@@ -307,7 +304,7 @@ class Staged(Destination):
             self._staging, self._behind = old, True
             self._served_ready = ready  # what the served weights now wait for (``settle``)
         fence = self.fence()
-        if fence is not None and (self.mode == "copy" or not torch.cuda.current_stream().query()):
+        if fence is not None and (self.mode is Commit.COPY or not torch.cuda.current_stream().query()):
             fence.record()  # after the steps still queued on the old storages
             self._fenced = True
 

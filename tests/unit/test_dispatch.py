@@ -17,7 +17,7 @@ from shardsync.control.session import UpdateSession
 from shardsync.control.wire import BeginRequest
 from shardsync.engine.dispatch import Aborted, Dispatcher, Serving
 from shardsync.receiver.destination import StagingFacts
-from shardsync.vocab import Op
+from shardsync.vocab import Commit, Op
 
 REPORT = {"ok": True, "pack_s": 0.0, "transfer_s": 0.0, "unpack_s": 0.0, "total_s": 0.0, "bytes_received": 7,
           "changed": 0, "buffer_bytes": 0, "buckets": 0, "destination": "params"}
@@ -30,7 +30,7 @@ class _StandInWorker:
 
     def __init__(self, staged: bool = False) -> None:
         self.staged, self.notify = staged, None
-        self.staging_facts = StagingFacts("swap", 1234, 4096) if staged else None
+        self.staging_facts = StagingFacts(Commit.SWAP, 1234, 4096) if staged else None
         self.served, self.staging = 0, None
         self.seqs: dict[int, list[int]] = {}  # sid -> [count, max_new]
         self.order: list[Op] = []
