@@ -1,9 +1,10 @@
-"""Model specs: the few numbers of a dense decoder that decide every tensor's shape.
+"""Model specs: the few numbers of a decoder that decide every tensor's shape.
 
 A spec comes from a HuggingFace ``config.json`` or from a named preset
 (``PRESETS``); tiny presets exist for CPU tests and the demo.  Everything in
-shardsync (layouts, plans, the reference models) is derived from a spec, so
-it never needs the checkpoint itself to plan a sync.
+shardsync (layouts, plans, the reference models) is derived from a spec and its
+family's tables (``shardsync.family``), so it never needs the checkpoint itself
+to plan a sync.
 """
 
 from __future__ import annotations
@@ -14,39 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF architecture class -> family.  Families differ only in the flags below.
-ARCHITECTURES: dict[str, str] = {
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "LlamaForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Glm4ForCausalLM": "glm4",
-    "Glm4MoeForCausalLM": "glm4_moe",
-}
+from shardsync.family import ARCHITECTURES, FAMILIES, Family
 
-# Per-family architecture flags (not present as config keys in HF configs).  GLM4 (dense):
-# a norm after attention and after the MLP (``post_norms``), gate and up fused in the
-# checkpoint (``mlp.gate_up_proj``), rotary on neighbouring channel pairs.
-_BASE = {"post_norms": False, "fused_gate_up": False, "rope_interleaved": False}
-FAMILY_FLAGS: dict[str, dict[str, bool]] = {
-    "qwen2": {**_BASE, "qkv_bias": True, "qk_norm": False},
-    "qwen3": {**_BASE, "qkv_bias": False, "qk_norm": True},
-    "llama": {**_BASE, "qkv_bias": False, "qk_norm": False},
-    "qwen3_moe": {**_BASE, "qkv_bias": False, "qk_norm": True},
-    "glm4": {"qkv_bias": True, "qk_norm": False, "post_norms": True, "fused_gate_up": True, "rope_interleaved": True},
-    # GLM-4.5: attention bias and q/k norms are config keys (ModelSpec.attention_bias / qk_layernorm)
-    "glm4_moe": {**_BASE, "qkv_bias": True, "qk_norm": False},
-}
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
 ROUTERS = ("softmax", "sigmoid")
-
-FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape-defining numbers of a Qwen2/Qwen3/Llama decoder, dense or Qwen3-MoE (HF naming)."""
+    """Shape-defining numbers of a decoder, dense or mixture-of-experts (HF naming); its family
+    (``shardsync.family``) says which tensors those numbers shape."""
 
     name: str
     family: str
@@ -83,9 +61,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
-        if self.family not in FAMILY_FLAGS:
+        if self.family not in FAMILIES:
             raise ValueError(
-                f"unknown model family {self.family!r}; supported: {sorted(FAMILY_FLAGS)}"
+                f"unknown model family {self.family!r}; supported: {sorted(FAMILIES)}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not supported; use one of {DTYPES}")
@@ -93,7 +71,7 @@ class ModelSpec:
                     "intermediate_size", "vocab_size"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{self.name}: {key} must be positive, got {getattr(self, key)}")
-        moe = self.family in MOE_FAMILIES
+        moe = self.family_table.is_moe
         if moe != (self.num_experts > 0):
             raise ValueError(f"{self.name}: family {self.family} {'needs' if moe else 'takes no'} experts "
                              f"(num_experts={self.num_experts})")
@@ -108,9 +86,9 @@ class ModelSpec:
             raise ValueError(f"{self.name}: expert groups need n_group dividing num_experts into groups of >= 2 "
                              f"and 0 < topk_group <= n_group "
                              f"(got {self.num_experts}, {self.n_group}, {self.topk_group})")
-        if self.family == "glm4_moe" and (self.decoder_sparse_step != 1 or
-                                          self.mlp_only_layers != tuple(range(len(self.mlp_only_layers)))):
-            raise ValueError(f"{self.name}: GLM4-MoE's dense layers are the first k (first_k_dense_replace)")
+        broken = self.family_table.check(self) if self.family_table.check else None
+        if broken:
+            raise ValueError(f"{self.name}: {broken}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
@@ -118,24 +96,29 @@ class ModelSpec:
             )
 
     @property
+    def family_table(self) -> Family:
+        """The family's declarative tables (``shardsync.family``)."""
+        return FAMILIES[self.family]
+
+    @property
     def qkv_bias(self) -> bool:
-        return FAMILY_FLAGS[self.family]["qkv_bias"] if self.attention_bias is None else self.attention_bias
+        return self.family_table.qkv_bias if self.attention_bias is None else self.attention_bias
 
     @property
     def qk_norm(self) -> bool:
-        return FAMILY_FLAGS[self.family]["qk_norm"] if self.qk_layernorm is None else self.qk_layernorm
+        return self.family_table.qk_norm if self.qk_layernorm is None else self.qk_layernorm
 
     @property
     def post_norms(self) -> bool:
-        return FAMILY_FLAGS[self.family]["post_norms"]
+        return self.family_table.post_norms
 
     @property
     def fused_gate_up(self) -> bool:
-        return FAMILY_FLAGS[self.family]["fused_gate_up"]
+        return self.family_table.fused_gate_up
 
     @property
     def rope_interleaved(self) -> bool:
-        return FAMILY_FLAGS[self.family]["rope_interleaved"]
+        return self.family_table.rope_interleaved
 
     @property
     def rotary_dim(self) -> int:
@@ -143,7 +126,7 @@ class ModelSpec:
 
     @property
     def architecture(self) -> str:
-        return FAMILY_ARCHITECTURE[self.family]
+        return self.family_table.architecture
 
     @property
     def is_moe(self) -> bool:
@@ -192,27 +175,15 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
-            "attention_bias": self.family.startswith("glm4") and self.qkv_bias,
+            "attention_bias": False,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "pad_token_id": None,  # a family default (GLM4: 151329) may lie outside a tiny vocab
         }
-        if self.family == "llama":
-            cfg["mlp_bias"] = False
         if self.partial_rotary_factor != 1.0:
             cfg["partial_rotary_factor"] = self.partial_rotary_factor
-        if self.family == "glm4_moe":
-            cfg.update(n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                       moe_intermediate_size=self.moe_intermediate_size,
-                       n_shared_experts=self.shared_expert_intermediate_size // self.moe_intermediate_size,
-                       first_k_dense_replace=len(self.mlp_only_layers), norm_topk_prob=self.norm_topk_prob,
-                       n_group=self.n_group, topk_group=self.topk_group,
-                       routed_scaling_factor=self.routed_scaling_factor, use_qk_norm=self.qk_norm)
-        elif self.is_moe:
-            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                       moe_intermediate_size=self.moe_intermediate_size,
-                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
-                       norm_topk_prob=self.norm_topk_prob)
+        if self.family_table.write:
+            cfg.update(self.family_table.write(self))
         return cfg
 
 
@@ -224,7 +195,7 @@ def spec_from_config(cfg: dict[str, Any], name: str) -> ModelSpec:
 def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-    if family is None and not archs and cfg.get("model_type") in FAMILY_FLAGS:
+    if family is None and not archs and cfg.get("model_type") in FAMILIES:
         family = cfg["model_type"]
     if family is None:
         raise ValueError(
@@ -240,8 +211,11 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = rope
     head_dim = cfg.get("head_dim") or hidden // heads
-    if family == "llama" and cfg.get("attention_bias"):
-        raise ValueError(f"{name}: Llama with attention_bias=true is not supported")
+    read = FAMILIES[family].read
+    try:
+        own = read(cfg) if read else {}
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     partial = cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None) or 1.0
     rope.pop("partial_rotary_factor", None)
     return ModelSpec(
@@ -261,34 +235,8 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
         partial_rotary_factor=float(partial),
-        **(MOE_FIELDS[family](cfg) if family in MOE_FIELDS else {}),
+        **own,
     )
-
-
-def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5.19 writes Qwen3-MoE's expert count as num_local_experts (num_experts: null)
-    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
-            "num_experts_per_tok": cfg["num_experts_per_tok"],
-            "moe_intermediate_size": cfg["moe_intermediate_size"],
-            "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
-            "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}
-
-
-def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    k, inter = cfg.get("first_k_dense_replace", 0), cfg["moe_intermediate_size"]
-    return {"num_experts": cfg["n_routed_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
-            "moe_intermediate_size": inter, "mlp_only_layers": tuple(range(k)),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "router": "sigmoid",
-            "n_group": cfg.get("n_group", 1), "topk_group": cfg.get("topk_group", 1),
-            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
-            "shared_expert_intermediate_size": inter * cfg.get("n_shared_experts", 0),
-            "attention_bias": bool(cfg.get("attention_bias", False)),
-            "qk_layernorm": bool(cfg.get("use_qk_norm", False))}
-
-
-# family -> the MoE fields of its HF config
-MOE_FIELDS = {"qwen3_moe": _moe_fields, "glm4_moe": _glm4_moe_fields}
 
 
 def _llama3_rope(factor: float) -> dict[str, Any]:
@@ -303,10 +251,7 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
 
 def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: int, V: int,
             tied: bool, **extra: Any) -> ModelSpec:
-    base: dict[str, Any] = {"rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
-    if family == "llama":
-        base = {"rms_norm_eps": 1e-5, "rope_theta": 500_000.0}
-    base.update(extra)
+    base: dict[str, Any] = {"rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, **FAMILIES[family].defaults, **extra}
     return ModelSpec(name=name, family=family, hidden_size=H, num_layers=L, num_heads=h,
                      num_kv_heads=ng, head_dim=d, intermediate_size=F, vocab_size=V,
                      tie_word_embeddings=tied, **base)

@@ -15,19 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsync.family.table import ExpertStacks, QkvHeads, Row
 from shardsync.gcpause import gc_paused
+from shardsync.layout.cut import Cut, Local, cut_rows
 from shardsync.layout.full import full_layout
-from shardsync.layout.logical import gate_up_segments, logical_tensors
+from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
-
-# HF layer suffixes held whole on every engine rank.
-REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight")
-QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
-POST_NORMS = ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")  # GLM4
-# families whose untied ``lm_head`` SGLang (0.5.23) builds and loads on every pipeline stage;
-# the others hold it on the last stage only
-LM_HEAD_EVERY_STAGE = ("llama", "qwen3_moe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,38 +108,40 @@ def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
             raise ValueError(f"engine layout of {spec.name} impossible: {why}")
 
 
-def _experts(spec: ModelSpec, par: EngineParallel, layer: int, r: int,
-             logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], tuple[int, ...], list[Piece]]]:
-    """A sparse layer's router and this rank's expert stacks: (name, addressed shape, held shape, pieces)."""
-    H, p = spec.hidden_size, f"model.layers.{layer}.mlp."
-    n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.moe_tp
-    first, lo = (r // par.moe_tp) * n, (r % par.moe_tp) * f
-    experts = range(first, first + n)
-    w13, w2 = p + "experts.w13_weight", p + "experts.w2_weight"
-    segs = [Segment(f"{p}experts.{e}.{proj}.weight", lo, f) for e in experts for proj in ("gate_proj", "up_proj")]
-    down = [Piece(f"{p}experts.{e}.down_proj.weight", (0, lo), (H, f), w2, (k * H, 0)) for k, e in enumerate(experts)]
-    E = spec.num_experts
-    out = [(p + "gate.weight", (E, H), (E, H), [whole(p + "gate.weight", p + "gate.weight", logical)])]
-    if spec.router == "sigmoid":
-        bias = p + "gate.e_score_correction_bias"
-        out.append((bias, (E,), (E,), [whole(bias, bias, logical)]))
-    out += [(w13, (n * 2 * f, H), (n, 2 * f, H), stacked(w13, segs, logical, 0)), (w2, (n * H, f), (n, H, f), down)]
-    if spec.shared_expert_intermediate_size:  # shared experts: a dense MLP split over the TP group
-        fs, s = spec.shared_expert_intermediate_size // par.tp, p + "shared_experts."
-        gu = [Segment(s + "gate_proj.weight", r * fs, fs), Segment(s + "up_proj.weight", r * fs, fs)]
-        out += [(s + "gate_up_proj.weight", (2 * fs, H), (2 * fs, H),
-                 stacked(s + "gate_up_proj.weight", gu, logical, 0)),
-                (s + "down_proj.weight", (H, fs), (H, fs),
-                 stacked(s + "down_proj.weight", [Segment(s + "down_proj.weight", r * fs, fs)], logical, 1))]
-    return out
+def _own(par: EngineParallel):
+    """The engine's own kinds: fused QKV by heads and the FusedMoE expert stacks."""
+
+    def cut(row: Row, name: str, c: Cut) -> list[Local]:
+        spec, kind, r, H = c.spec, row.kind, c.rank, c.spec.hidden_size
+        if isinstance(kind, QkvHeads):
+            d, nq = spec.head_dim, spec.num_heads // par.tp
+            k0, nkv = par.kv_heads(spec.num_kv_heads, r)
+            attn = c.hf + "self_attn."
+            segs = [Segment(attn + "q_proj." + kind.suffix, r * nq * d, nq * d),
+                    Segment(attn + "k_proj." + kind.suffix, k0 * d, nkv * d),
+                    Segment(attn + "v_proj." + kind.suffix, k0 * d, nkv * d)]
+            rows = (nq + 2 * nkv) * d
+            return [Local(name, (rows, H) if kind.suffix == "weight" else (rows,), stacked(name, segs, c.logical, 0))]
+        if isinstance(kind, ExpertStacks):
+            n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.moe_tp
+            first, lo = (r // par.moe_tp) * n, (r % par.moe_tp) * f
+            experts = range(first, first + n)
+            w13, w2 = name + ".w13_weight", name + ".w2_weight"
+            segs = [Segment(c.hf + proj.format(e=e), lo, f) for e in experts for proj in (kind.gate, kind.up)]
+            down = [Piece(c.hf + kind.down.format(e=e), (0, lo), (H, f), w2, (k * H, 0)) for k, e in enumerate(experts)]
+            return [Local(w13, (n * 2 * f, H), stacked(w13, segs, c.logical, 0), (n, 2 * f, H)),
+                    Local(w2, (n * H, f), down, (n, H, f))]
+        raise ValueError(f"{spec.name}: the engine layout has no rule for {type(kind).__name__} ({row.name})")
+
+    return cut
 
 
 def _engine_rank(spec: ModelSpec, par: EngineParallel, stage: int, r: int,
                  logical: dict[str, tuple[int, ...]], dtype: str) -> RankLayout:
     """TP rank ``r`` of stage ``stage``: its layers (global names), the embedding on the first
     stage, the final norm and ``lm_head`` on the last (a tied one there is its own tensor,
-    filled from the embedding; ``LM_HEAD_EVERY_STAGE``: on every stage), as SGLang holds them."""
-    t, H, V, d = par.tp, spec.hidden_size, spec.vocab_size, spec.head_dim
+    filled from the embedding; a family's ``lm_head_every_stage``: on every stage), as SGLang holds them."""
+    t, H, V = par.tp, spec.hidden_size, spec.vocab_size
     tensors: list[TensorMeta] = []
     pieces: list[Piece] = []
 
@@ -163,45 +159,19 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, stage: int, r: int,
     first, last = stage == 0, stage == par.pp - 1
     if first:
         vocab("model.embed_tokens.weight")
-    nq = spec.num_heads // t
-    k0, nkv = par.kv_heads(spec.num_kv_heads, r)
-    f = spec.intermediate_size // t
+    own = _own(par)
     for layer in par.stage_layers(spec.num_layers, stage):
-        p = f"model.layers.{layer}."
-        add(p + REPLICATED[0], (H,), [whole(p + REPLICATED[0], p + REPLICATED[0], logical)])
-        for suffix in ("weight", "bias") if spec.qkv_bias else ("weight",):
-            name = p + "self_attn.qkv_proj." + suffix
-            segs = [
-                Segment(p + "self_attn.q_proj." + suffix, r * nq * d, nq * d),
-                Segment(p + "self_attn.k_proj." + suffix, k0 * d, nkv * d),
-                Segment(p + "self_attn.v_proj." + suffix, k0 * d, nkv * d),
-            ]
-            shape = ((nq + 2 * nkv) * d, H) if suffix == "weight" else ((nq + 2 * nkv) * d,)
-            add(name, shape, stacked(name, segs, logical, 0))
-        if spec.qk_norm:
-            for n in QK_NORMS:
-                add(p + n, (d,), [whole(p + n, p + n, logical)])
-        name = p + "self_attn.o_proj.weight"
-        add(name, (H, nq * d), stacked(name, [Segment(name, r * nq * d, nq * d)], logical, 1))
-        if spec.post_norms:
-            add(p + POST_NORMS[0], (H,), [whole(p + POST_NORMS[0], p + POST_NORMS[0], logical)])
-        add(p + REPLICATED[1], (H,), [whole(p + REPLICATED[1], p + REPLICATED[1], logical)])
-        if spec.sparse_layer(layer):
-            for name, shape, held, new in _experts(spec, par, layer, r, logical):
-                add(name, shape, new, held)
-            continue
-        name = p + "mlp.gate_up_proj.weight"
-        add(name, (2 * f, H), stacked(name, gate_up_segments(spec, p + "mlp.", r * f, f), logical, 0))
-        name = p + "mlp.down_proj.weight"
-        add(name, (H, f), stacked(name, [Segment(name, r * f, f)], logical, 1))
-        if spec.post_norms:
-            add(p + POST_NORMS[1], (H,), [whole(p + POST_NORMS[1], p + POST_NORMS[1], logical)])
+        c = Cut(spec, layer, f"model.layers.{layer}.", t, r, logical)
+        for block in spec.family_table.blocks(spec, layer):
+            for made, row_dtype in cut_rows(block.engine, c, own):
+                tensors.append(made.meta(row_dtype or dtype))
+                pieces.extend(made.pieces)
     if last:
         add("model.norm.weight", (H,), [whole("model.norm.weight", "model.norm.weight", logical)])
     if spec.tie_word_embeddings:
         if last and not first:
             vocab("lm_head.weight", "model.embed_tokens.weight")
-    elif last or spec.family in LM_HEAD_EVERY_STAGE:
+    elif last or spec.family_table.lm_head_every_stage:
         vocab("lm_head.weight")
     return RankLayout(f"pp{stage}tp{r}" if par.pp > 1 else f"tp{r}", tuple(tensors), tuple(pieces))
 

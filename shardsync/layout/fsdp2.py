@@ -80,6 +80,5 @@ def fsdp2_layout(spec: ModelSpec, par: Fsdp2Parallel) -> Layout:
     ranks = []
     for g in range(par.world_size):
         rep, s = par.coords(g)
-        tensors, pieces = per_shard[s]
-        ranks.append(RankLayout(f"rep{rep}.shard{s}", tensors, pieces))
+        ranks.append(RankLayout(f"rep{rep}.shard{s}", *per_shard[s]))
     return Layout("fsdp2", spec, logical, tuple(ranks), (("shard", par.shard), ("replicate", par.replicate)))

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsync.family.table import ExpertMlps, QkvGroups, Row
 from shardsync.gcpause import gc_paused
-from shardsync.layout.logical import gate_up_segments, logical_tensors
+from shardsync.layout.cut import Cut, Local, cut_rows
+from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
@@ -30,12 +32,6 @@ EXPERT_NAMES = {
                    "mlp.experts.local_experts.{j}.linear_fc2.weight"),
     "grouped": ("mlp.experts.linear_fc1.weight{j}", "mlp.experts.linear_fc2.weight{j}"),
 }
-QK_NORMS = {
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-}
-
-
 @dataclass(frozen=True, kw_only=True)
 class MegatronParallel:
     """Trainer parallelism.  ``pp_layers`` gives uneven stage sizes (defaults to even)."""
@@ -180,47 +176,40 @@ def qkv_segments(spec: ModelSpec, layer: int, suffix: str) -> list[Segment]:
     return segs
 
 
-def _shared(spec: ModelSpec, pre: str, hf: str, r: int, t: int,
-            logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
-    f, H = spec.shared_expert_intermediate_size // t, spec.hidden_size
-    fc1, fc2 = pre + "mlp.shared_experts.linear_fc1.weight", pre + "mlp.shared_experts.linear_fc2.weight"
-    segs = [Segment(hf + "shared_experts.gate_proj.weight", r * f, f),
-            Segment(hf + "shared_experts.up_proj.weight", r * f, f)]
-    return [(fc1, (2 * f, H), stacked(fc1, segs, logical, 0)),
-            (fc2, (H, f), stacked(fc2, [Segment(hf + "shared_experts.down_proj.weight", r * f, f)], logical, 1))]
+def _own(par: MegatronParallel, ep_rank: int, etp_rank: int):
+    """Megatron's own kinds: the interleaved fused QKV and the local experts' MLPs."""
 
+    def cut(row: Row, name: str, c: Cut) -> list[Local]:
+        spec, kind, H = c.spec, row.kind, c.spec.hidden_size
+        if isinstance(kind, QkvGroups):
+            rows = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim // c.tp
+            shape = (rows, H) if kind.suffix == "weight" else (rows,)
+            win = (c.rank * rows, (c.rank + 1) * rows)
+            return [Local(name, shape, stacked(name, qkv_segments(spec, c.layer, kind.suffix), c.logical, 0, win))]
+        if isinstance(kind, ExpertMlps):
+            n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.expert_tp
+            lo, fc1, fc2 = etp_rank * f, *EXPERT_NAMES[par.expert_names]
+            ones, twos = [], []
+            for j in range(n):
+                e = ep_rank * n + j
+                name1, name2 = c.local + fc1.format(j=j), c.local + fc2.format(j=j)
+                segs = [Segment(c.hf + kind.gate.format(e=e), lo, f), Segment(c.hf + kind.up.format(e=e), lo, f)]
+                ones.append(Local(name1, (2 * f, H), stacked(name1, segs, c.logical, 0)))
+                down = [Segment(c.hf + kind.down.format(e=e), lo, f)]
+                twos.append(Local(name2, (H, f), stacked(name2, down, c.logical, 1)))
+            if par.expert_names == "grouped":  # TEGroupedMLP registers every fc1 weight, then every fc2
+                return ones + twos
+            return [x for pair in zip(ones, twos, strict=True) for x in pair]
+        raise ValueError(f"{spec.name}: the Megatron layout has no rule for {type(kind).__name__} ({row.name})")
 
-def _experts(spec: ModelSpec, par: MegatronParallel, layer: int, pre: str, tp_rank: int, ep_rank: int,
-             etp_rank: int, logical: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
-    """A sparse layer's router and this rank's local experts, (name, shape, pieces) in module order."""
-    H, hf = spec.hidden_size, f"model.layers.{layer}.mlp."
-    n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.expert_tp
-    out = [(pre + "mlp.router.weight", (spec.num_experts, H),
-            [whole(pre + "mlp.router.weight", hf + "gate.weight", logical)])]
-    if spec.router == "sigmoid":  # moe_router_enable_expert_bias: a buffer, updated by load balancing
-        out.append((pre + "mlp.router.expert_bias", (spec.num_experts,),
-                    [whole(pre + "mlp.router.expert_bias", hf + "gate.e_score_correction_bias", logical)]))
-    fc1, fc2 = EXPERT_NAMES[par.expert_names]
-    lo = etp_rank * f
-    for j in range(n):
-        e = ep_rank * n + j
-        name1, name2 = pre + fc1.format(j=j), pre + fc2.format(j=j)
-        segs = [Segment(f"{hf}experts.{e}.gate_proj.weight", lo, f), Segment(f"{hf}experts.{e}.up_proj.weight", lo, f)]
-        out.append((name1, (2 * f, H), stacked(name1, segs, logical, 0)))
-        out.append((name2, (H, f), stacked(name2, [Segment(f"{hf}experts.{e}.down_proj.weight", lo, f)], logical, 1)))
-    if par.expert_names == "grouped":  # TEGroupedMLP registers every fc1 weight, then every fc2
-        head = 2 if spec.router == "sigmoid" else 1
-        out = out[:head] + out[head::2] + out[head + 1::2]
-    if spec.shared_expert_intermediate_size:  # shared experts: a dense MLP split over TP
-        out += _shared(spec, pre, hf, tp_rank, par.tp, logical)
-    return out
+    return cut
 
 
 def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int,
                 logical: dict[str, tuple[int, ...]], dtype: str,
                 expert_rank: tuple[int, int] = (0, 0)) -> tuple[list, list]:
     t, r = par.tp, tp_rank
-    H, F, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    H, V = spec.hidden_size, spec.vocab_size
     tensors: list[TensorMeta] = []
     pieces: list[Piece] = []
 
@@ -239,40 +228,13 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
     if first:
         vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight")
     attn_norm, mlp_norm = LAYER_NORM_NAMES[par.norm_names]
-    fused_rows = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim // t
+    own = _own(par, *expert_rank)
     for local, layer in enumerate(stages[stage]):
-        pre, hf = f"decoder.layers.{local}.", f"model.layers.{layer}."
-        add(pre + attn_norm, (H,), [whole(pre + attn_norm, hf + "input_layernorm.weight", logical)])
-        win = (r * fused_rows, (r + 1) * fused_rows)
-        name = pre + "self_attention.linear_qkv.weight"
-        add(name, (fused_rows, H), stacked(name, qkv_segments(spec, layer, "weight"), logical, 0, win))
-        if spec.qkv_bias:
-            name = pre + "self_attention.linear_qkv.bias"
-            add(name, (fused_rows,), stacked(name, qkv_segments(spec, layer, "bias"), logical, 0, win))
-        if spec.qk_norm:
-            for m, h in QK_NORMS.items():
-                add(pre + m, (spec.head_dim,), [whole(pre + m, hf + h, logical)])
-        hd = spec.num_heads * spec.head_dim // t
-        name = pre + "self_attention.linear_proj.weight"
-        add(name, (H, hd), stacked(name, [Segment(hf + "self_attn.o_proj.weight", r * hd, hd)], logical, 1))
-        if spec.post_norms:  # GLM4: TransformerConfig(post_self_attn_layernorm=True, post_mlp_layernorm=True)
-            norm = pre + "post_self_attn_layernorm.weight"
-            add(norm, (H,), [whole(norm, hf + "post_self_attn_layernorm.weight", logical)])
-        if spec.sparse_layer(layer):  # the norm cannot fuse into the router: always its own module
-            norm = pre + "pre_mlp_layernorm.weight"
-            add(norm, (H,), [whole(norm, hf + "post_attention_layernorm.weight", logical)])
-            for name, shape, new in _experts(spec, par, layer, pre, r, *expert_rank, logical):
-                add(name, shape, new)
-            continue
-        add(pre + mlp_norm, (H,), [whole(pre + mlp_norm, hf + "post_attention_layernorm.weight", logical)])
-        f = F // t
-        name = pre + "mlp.linear_fc1.weight"
-        add(name, (2 * f, H), stacked(name, gate_up_segments(spec, hf + "mlp.", r * f, f), logical, 0))
-        name = pre + "mlp.linear_fc2.weight"
-        add(name, (H, f), stacked(name, [Segment(hf + "mlp.down_proj.weight", r * f, f)], logical, 1))
-        if spec.post_norms:
-            norm = pre + "post_mlp_layernorm.weight"
-            add(norm, (H,), [whole(norm, hf + "post_mlp_layernorm.weight", logical)])
+        c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, {"attn_norm": attn_norm, "mlp_norm": mlp_norm})
+        for block in spec.family_table.blocks(spec, layer):
+            for made, row_dtype in cut_rows(block.megatron, c, own):
+                tensors.append(made.meta(row_dtype or dtype))
+                pieces.extend(made.pieces)
     if last:
         add("decoder.final_layernorm.weight", (H,),
             [whole("decoder.final_layernorm.weight", "model.norm.weight", logical)])

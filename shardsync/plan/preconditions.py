@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardsync.spec import FAMILY_FLAGS, MOE_FAMILIES
+from shardsync.family import FAMILIES, MOE_FAMILIES
 from shardsync.topology import ENGINE_KINDS, Topology
 
 
@@ -42,8 +42,8 @@ def _vllm_vocab(topo: Topology) -> bool:
 
 
 PRECONDITIONS: tuple[Precondition, ...] = (
-    Precondition("model_family", f"model family is one of {sorted(FAMILY_FLAGS)} (MoE: {list(MOE_FAMILIES)})",
-                 lambda t: t.spec.family in FAMILY_FLAGS),
+    Precondition("model_family", f"model family is one of {sorted(FAMILIES)} (MoE: {list(MOE_FAMILIES)})",
+                 lambda t: t.spec.family in FAMILIES),
     Precondition("engine_layout_known", f"engine kind is one of {list(ENGINE_KINDS)}",
                  lambda t: t.engine_kind in ENGINE_KINDS),
     Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1), except those "

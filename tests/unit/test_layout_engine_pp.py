@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout
-from shardsync.layout.engine import LM_HEAD_EVERY_STAGE
 from shardsync.plan import build_plan
 from shardsync.spec import PRESETS
 from shardsync.topology import Topology
@@ -40,7 +39,7 @@ def test_stages_hold_their_layers_and_ends(model) -> None:
         assert layers == set(range(2 * stage, 2 * stage + 2)), (i, layers)
         assert ("model.embed_tokens.weight" in names) == (stage == 0)
         assert ("model.norm.weight" in names) == (stage == 1)
-        every = spec.family in LM_HEAD_EVERY_STAGE and not spec.tie_word_embeddings
+        every = spec.family_table.lm_head_every_stage and not spec.tie_word_embeddings
         assert ("lm_head.weight" in names) == (stage == 1 or every), (i, names & {"lm_head.weight"})
     if spec.tie_word_embeddings:  # the last stage's own lm_head is filled from the embedding
         (head,) = [p for p in lay.ranks[2].pieces if p.local == "lm_head.weight"]

@@ -1,0 +1,142 @@
+"""The blocks decoder families share: grouped-query attention, the gated MLP (two checkpoint
+tensors or one fused), and the mixture-of-experts MLP (router, optional score-correction
+bias, routed experts, optional shared experts).  Rows are in parameter order."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardsync.family.table import (
+    Block,
+    ExpertMlps,
+    ExpertStacks,
+    Fused,
+    Part,
+    PerExpert,
+    QkvGroups,
+    QkvHeads,
+    Row,
+    Split,
+    T,
+    Whole,
+)
+
+if TYPE_CHECKING:
+    from shardsync.spec import ModelSpec
+
+
+def qkv_bias(spec: ModelSpec) -> bool:
+    return spec.qkv_bias
+
+
+def qk_norm(spec: ModelSpec) -> bool:
+    return spec.qk_norm
+
+
+def post_norms(spec: ModelSpec) -> bool:
+    return spec.post_norms
+
+
+def expert_bias(spec: ModelSpec) -> bool:
+    """A per-expert score-correction bias (sigmoid routers: GLM4-MoE, DeepSeek-V3)."""
+    return spec.router == "sigmoid"
+
+
+def shared_experts(spec: ModelSpec) -> bool:
+    return spec.shared_expert_intermediate_size > 0
+
+
+GQA = Block(
+    logical=(
+        T("input_layernorm.weight", "H"),
+        T("self_attn.q_proj.weight", "q", "H"),
+        T("self_attn.k_proj.weight", "kv", "H"),
+        T("self_attn.v_proj.weight", "kv", "H"),
+        T("self_attn.q_proj.bias", "q", when=qkv_bias),
+        T("self_attn.k_proj.bias", "kv", when=qkv_bias),
+        T("self_attn.v_proj.bias", "kv", when=qkv_bias),
+        T("self_attn.q_norm.weight", "d", when=qk_norm),
+        T("self_attn.k_norm.weight", "d", when=qk_norm),
+        T("self_attn.o_proj.weight", "H", "q"),
+        T("post_self_attn_layernorm.weight", "H", when=post_norms),
+    ),
+    megatron=(
+        Row("{attn_norm}", Whole("input_layernorm.weight")),
+        Row("self_attention.linear_qkv.weight", QkvGroups("weight")),
+        Row("self_attention.linear_qkv.bias", QkvGroups("bias"), when=qkv_bias),
+        Row("self_attention.q_layernorm.weight", Whole("self_attn.q_norm.weight"), when=qk_norm),
+        Row("self_attention.k_layernorm.weight", Whole("self_attn.k_norm.weight"), when=qk_norm),
+        Row("self_attention.linear_proj.weight", Split("self_attn.o_proj.weight", dim=1)),
+        Row("post_self_attn_layernorm.weight", Whole(), when=post_norms),
+    ),
+    engine=(
+        Row("input_layernorm.weight", Whole()),
+        Row("self_attn.qkv_proj.weight", QkvHeads("weight")),
+        Row("self_attn.qkv_proj.bias", QkvHeads("bias"), when=qkv_bias),
+        Row("self_attn.q_norm.weight", Whole(), when=qk_norm),
+        Row("self_attn.k_norm.weight", Whole(), when=qk_norm),
+        Row("self_attn.o_proj.weight", Split(dim=1)),
+        Row("post_self_attn_layernorm.weight", Whole(), when=post_norms),
+    ),
+)
+
+
+def gated_mlp(*, fused_checkpoint: bool = False) -> Block:
+    """The dense MLP; ``fused_checkpoint``: gate and up are one HF tensor (GLM4)."""
+    if fused_checkpoint:
+        gate, up = Part("mlp.gate_up_proj.weight", 0, 2), Part("mlp.gate_up_proj.weight", 1, 2)
+        proj: tuple[T, ...] = (T("mlp.gate_up_proj.weight", "2F", "H"),)
+    else:
+        gate, up = Part("mlp.gate_proj.weight"), Part("mlp.up_proj.weight")
+        proj = (T("mlp.gate_proj.weight", "F", "H"), T("mlp.up_proj.weight", "F", "H"))
+    return Block(
+        logical=(T("post_attention_layernorm.weight", "H"), *proj, T("mlp.down_proj.weight", "H", "F"),
+                 T("post_mlp_layernorm.weight", "H", when=post_norms)),
+        megatron=(
+            Row("{mlp_norm}", Whole("post_attention_layernorm.weight")),
+            Row("mlp.linear_fc1.weight", Fused((gate, up))),
+            Row("mlp.linear_fc2.weight", Split("mlp.down_proj.weight", dim=1)),
+            Row("post_mlp_layernorm.weight", Whole(), when=post_norms),
+        ),
+        engine=(
+            Row("post_attention_layernorm.weight", Whole()),
+            Row("mlp.gate_up_proj.weight", Fused((gate, up))),
+            Row("mlp.down_proj.weight", Split(dim=1)),
+            Row("post_mlp_layernorm.weight", Whole(), when=post_norms),
+        ),
+    )
+
+
+_EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+_SHARED = "mlp.shared_experts."
+_SHARED_GATE_UP = Fused((Part(_SHARED + "gate_proj.weight"), Part(_SHARED + "up_proj.weight")))
+
+MOE = Block(
+    logical=(
+        T("post_attention_layernorm.weight", "H"),
+        T("mlp.gate.weight", "E", "H"),
+        T("mlp.gate.e_score_correction_bias", "E", when=expert_bias),
+        PerExpert((T(_EXPERT[0], "Fe", "H"), T(_EXPERT[1], "Fe", "H"), T(_EXPERT[2], "H", "Fe"))),
+        T(_SHARED + "gate_proj.weight", "Fs", "H", when=shared_experts),
+        T(_SHARED + "up_proj.weight", "Fs", "H", when=shared_experts),
+        T(_SHARED + "down_proj.weight", "H", "Fs", when=shared_experts),
+    ),
+    megatron=(
+        # the norm cannot fuse into the router: always its own module
+        Row("pre_mlp_layernorm.weight", Whole("post_attention_layernorm.weight")),
+        Row("mlp.router.weight", Whole("mlp.gate.weight")),
+        # moe_router_enable_expert_bias: a buffer, updated by load balancing
+        Row("mlp.router.expert_bias", Whole("mlp.gate.e_score_correction_bias"), when=expert_bias),
+        Row("mlp.experts", ExpertMlps(*_EXPERT)),
+        Row(_SHARED + "linear_fc1.weight", _SHARED_GATE_UP, when=shared_experts),
+        Row(_SHARED + "linear_fc2.weight", Split(_SHARED + "down_proj.weight", dim=1), when=shared_experts),
+    ),
+    engine=(
+        Row("post_attention_layernorm.weight", Whole()),
+        Row("mlp.gate.weight", Whole()),
+        Row("mlp.gate.e_score_correction_bias", Whole(), when=expert_bias),
+        Row("mlp.experts", ExpertStacks(*_EXPERT)),
+        Row(_SHARED + "gate_up_proj.weight", _SHARED_GATE_UP, when=shared_experts),
+        Row(_SHARED + "down_proj.weight", Split(dim=1), when=shared_experts),
+    ),
+)

@@ -1,0 +1,186 @@
+"""The vocabulary of a model family's tables: logical tensors, and the rows that say how
+each layout's local tensors are cut from them.
+
+A family is data: its HF config fields, its logical tensors per layer kind, and for each
+layout a row per local tensor naming a *kind* from the piece algebra (``Whole``, ``Split``,
+``Fused``, ``QkvGroups``, ``QkvHeads``, ``ExpertMlps``, ``ExpertStacks``).  The layout room
+interprets the kinds (``layout/cut.py``); nothing here builds a piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardsync.spec import ModelSpec
+
+Predicate = Callable[["ModelSpec"], bool]
+
+
+def always(spec: ModelSpec) -> bool:
+    return True
+
+
+def dims(spec: ModelSpec) -> dict[str, int]:
+    """The symbols logical shapes are written in."""
+    d = spec.head_dim
+    return {"H": spec.hidden_size, "d": d, "q": spec.num_heads * d, "kv": spec.num_kv_heads * d,
+            "F": spec.intermediate_size, "2F": 2 * spec.intermediate_size, "E": spec.num_experts,
+            "Fe": spec.moe_intermediate_size, "Fs": spec.shared_expert_intermediate_size}
+
+
+# -- logical tensors ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, init=False)
+class T:
+    """A logical (HF) tensor of a layer: its name after ``model.layers.{L}.`` and its shape in
+    ``dims`` symbols.  ``{e}`` in the name: one per routed expert (``PerExpert``)."""
+
+    name: str
+    shape: tuple[str, ...]
+    when: Predicate = always
+
+    def __init__(self, name: str, *shape: str, when: Predicate = always) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "when", when)
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """Tensors every routed expert has, listed expert by expert (the checkpoint order)."""
+
+    tensors: tuple[T, ...]
+
+
+# -- how a local tensor is cut from logical ones ----------------------------------------------
+
+@dataclass(frozen=True)
+class Part:
+    """Block ``index`` of ``count`` equal row blocks of a logical tensor (a fused checkpoint
+    tensor's gate half is ``Part("mlp.gate_up_proj.weight", 0, 2)``)."""
+
+    name: str
+    index: int = 0
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Whole:
+    """Held whole on every rank (norms, routers, MLA's down projections)."""
+
+    source: str | None = None  # None: the row's own name
+
+
+@dataclass(frozen=True)
+class Split:
+    """Split evenly over the tensor-parallel ranks along ``dim`` (0: column-parallel,
+    1: row-parallel in Megatron's words)."""
+
+    source: str | None = None
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Each part split over the tensor-parallel ranks, the rank's slices stacked along dim 0
+    (``gate_up_proj``, Megatron's ``linear_fc1``)."""
+
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class QkvGroups:
+    """Megatron's fused QKV: per query group its q heads, k head, v head, globally; a rank
+    holds one contiguous window."""
+
+    suffix: str  # weight | bias
+
+
+@dataclass(frozen=True)
+class QkvHeads:
+    """An engine's fused QKV: ``[q (my heads) | k | v (my kv heads)]``, kv heads replicated
+    over consecutive ranks when TP exceeds them."""
+
+    suffix: str
+
+
+@dataclass(frozen=True)
+class ExpertMlps:
+    """Megatron: this rank's local experts, each a dense MLP split over expert-TP
+    (``linear_fc1`` = [gate; up] slices, ``linear_fc2`` = down's columns)."""
+
+    gate: str  # logical names with ``{e}``
+    up: str
+    down: str
+
+
+@dataclass(frozen=True)
+class ExpertStacks:
+    """An engine's FusedMoE: this rank's experts stacked, ``w13 [E_loc, 2I/moe_tp, H]`` =
+    per expert [gate slice; up slice], ``w2 [E_loc, H, I/moe_tp]``."""
+
+    gate: str
+    up: str
+    down: str
+
+
+Kind = Whole | Split | Fused | QkvGroups | QkvHeads | ExpertMlps | ExpertStacks
+
+
+@dataclass(frozen=True)
+class Row:
+    """One local tensor of a layout (or a set of them, for expert kinds): its name after the
+    layer prefix, how it is cut, when it exists, and its dtype when not the model's."""
+
+    name: str
+    kind: Kind
+    when: Predicate = always
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class Block:
+    """A part of a decoder layer in every layout: logical tensors and each layout's rows,
+    in parameter order."""
+
+    logical: tuple[T | PerExpert, ...]
+    megatron: tuple[Row, ...]
+    engine: tuple[Row, ...]
+
+
+# -- a family ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: what its HF config holds, how its layers are built, and the flags the
+    reference models' forward reads.  ``read`` maps a config to ``ModelSpec`` fields beyond
+    the common ones, ``write`` the reverse (``None``: nothing beyond); ``check`` says which of
+    the family's own rules a spec breaks."""
+
+    name: str
+    architecture: str
+    attention: Block
+    mlp: Block  # dense layers
+    moe: Block | None = None  # sparse layers (mixture of experts)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False  # a norm after attention and after the MLP (GLM4)
+    fused_gate_up: bool = False  # gate and up as one checkpoint tensor
+    rope_interleaved: bool = False  # rotary on neighbouring channel pairs
+    lm_head_every_stage: bool = False  # SGLang 0.5.23 builds an untied lm_head on every PP stage
+    read: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    write: Callable[[ModelSpec], dict[str, Any]] | None = None
+    check: Callable[[ModelSpec], str | None] | None = None  # a family rule a spec breaks, or None
+    defaults: dict[str, Any] = field(default_factory=dict)  # preset fields (rms_norm_eps, rope_theta)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def blocks(self, spec: ModelSpec, layer: int) -> tuple[Block, Block]:
+        """The attention block and the MLP block of ``layer``."""
+        sparse = self.moe is not None and spec.sparse_layer(layer)
+        return self.attention, (self.moe if sparse and self.moe is not None else self.mlp)

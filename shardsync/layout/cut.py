@@ -1,0 +1,80 @@
+"""Rows of a family's tables read as pieces: the kinds every layout shares (``Whole``,
+``Split``, ``Fused``) here; a layout passes its own kinds (fused QKV, experts) as ``own``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from shardsync.family.table import Fused, Part, Row, Split, Whole
+from shardsync.layout.piece import Box, Piece, Segment, TensorMeta, stacked, whole
+from shardsync.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Local:
+    """One local tensor a row cut: pieces address ``shape``; ``held`` is the owner's shape
+    where that differs (engine expert stacks)."""
+
+    name: str
+    shape: Box
+    pieces: list[Piece]
+    held: Box | None = None
+
+    def meta(self, dtype: str) -> TensorMeta:
+        return TensorMeta(self.name, self.shape, dtype, self.held if self.held != self.shape else None)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where one rank sits when it cuts a layer: the layer's local and HF name prefixes, the
+    tensor-parallel split dense rows follow, and the fields row names are formatted with."""
+
+    spec: ModelSpec
+    layer: int
+    local: str  # the local names' prefix (Megatron: ``decoder.layers.{local}.``)
+    tp: int
+    rank: int
+    logical: dict[str, Box]
+    names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def hf(self) -> str:
+        return f"model.layers.{self.layer}."
+
+    def part(self, part: Part) -> Segment:
+        """This rank's slice of ``part`` (its rows split over the TP ranks)."""
+        name = self.hf + part.name
+        rows = self.logical[name][0] // part.count
+        n = rows // self.tp
+        return Segment(name, part.index * rows + self.rank * n, n)
+
+
+Own = Callable[[Row, str, Cut], list[Local]]
+
+
+def cut_rows(rows: Iterable[Row], c: Cut, own: Own) -> list[tuple[Local, str | None]]:
+    """Every row that exists for the spec as (local tensor, its dtype when not the model's)."""
+    out: list[tuple[Local, str | None]] = []
+    for row in rows:
+        if not row.when(c.spec):
+            continue
+        name = c.local + row.name.format(**c.names)
+        kind = row.kind
+        if isinstance(kind, Whole):
+            src = c.hf + (kind.source or row.name)
+            made = [Local(name, c.logical[src], [whole(name, src, c.logical)])]
+        elif isinstance(kind, Split):
+            src = c.hf + (kind.source or row.name)
+            shape = list(c.logical[src])
+            n = shape[kind.dim] // c.tp
+            shape[kind.dim] = n
+            made = [Local(name, tuple(shape), stacked(name, [Segment(src, c.rank * n, n)], c.logical, kind.dim))]
+        elif isinstance(kind, Fused):
+            segs = [c.part(p) for p in kind.parts]
+            cols = c.logical[segs[0].logical][1:]
+            made = [Local(name, (sum(s.length for s in segs), *cols), stacked(name, segs, c.logical, 0))]
+        else:
+            made = own(row, name, c)
+        out += [(m, row.dtype) for m in made]
+    return out

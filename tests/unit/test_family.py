@@ -1,0 +1,82 @@
+"""Model families as tables: the registry is consistent, a new family is a table and nothing
+else, rows carry their own dtypes, and a layout refuses a kind it has no rule for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardsync.family import ARCHITECTURES, FAMILIES
+from shardsync.family.blocks import GQA, MOE, gated_mlp
+from shardsync.family.table import Block, ExpertMlps, Family, Row, Whole
+from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
+from shardsync.layout.logical import logical_tensors
+from shardsync.plan.plan import build_plan
+from shardsync.spec import PRESETS, spec_from_config
+
+TINY = {s.family: s for s in PRESETS.values() if s.name.startswith("tiny-")}
+
+
+def test_every_family_has_a_tiny_preset_and_one_architecture() -> None:
+    assert set(TINY) == set(FAMILIES)
+    assert sorted(ARCHITECTURES.values()) == sorted(FAMILIES)
+    for name, fam in FAMILIES.items():
+        assert fam.name == name and ARCHITECTURES[fam.architecture] == name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_megatron_and_engine_row_reads_logical_tensors_that_exist(family: str) -> None:
+    """Cutting a row whose source is not a logical tensor would raise: every layer of the
+    tiny preset builds in both layouts, and both cover every logical element once."""
+    spec = TINY[family]
+    full = full_layout(spec)
+    trainer = megatron_layout(spec, MegatronParallel(tp=2, ep=2 if spec.is_moe else 1, etp=1 if spec.is_moe else None))
+    engine = engine_layout(spec, EngineParallel(tp=2, ep=2 if spec.is_moe else 1))
+    for lay in (trainer, engine):
+        plan = build_plan(lay, full)  # raises unless every logical element has a source
+        assert sum(c.numel for c in plan.copies) == spec.num_parameters()
+
+
+def _custom(monkeypatch: pytest.MonkeyPatch, fam: Family) -> None:
+    monkeypatch.setitem(FAMILIES, fam.name, fam)
+    monkeypatch.setitem(ARCHITECTURES, fam.architecture, fam.name)
+
+
+def test_a_new_family_is_a_table_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family built from the shared blocks plans and round-trips its config without any
+    layout code knowing its name."""
+    fam = Family("qwen3_custom", "Qwen3CustomForCausalLM", GQA, gated_mlp(), MOE, qk_norm=True, qkv_bias=True,
+                 read=FAMILIES["qwen3_moe"].read, write=FAMILIES["qwen3_moe"].write)
+    _custom(monkeypatch, fam)
+    spec = TINY["qwen3_moe"].replace(family="qwen3_custom")
+    assert spec_from_config(spec.to_hf_config(), spec.name) == spec
+    names = logical_tensors(spec)
+    assert "model.layers.1.self_attn.q_proj.bias" in names and "model.layers.1.mlp.experts.7.up_proj.weight" in names
+    trainer = megatron_layout(spec, MegatronParallel(tp=2, ep=2, etp=1))
+    assert build_plan(trainer, engine_layout(spec, EngineParallel(tp=2))).copies
+
+
+def test_a_row_dtype_reaches_the_layouts_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    fp32_router = dataclasses.replace(MOE, engine=tuple(
+        dataclasses.replace(r, dtype="float32") if r.name.startswith("mlp.gate.") else r for r in MOE.engine))
+    base = FAMILIES["glm4_moe"]
+    _custom(monkeypatch, dataclasses.replace(base, name="glm4_fp32_router", architecture="X", moe=fp32_router))
+    spec = TINY["glm4_moe"].replace(family="glm4_fp32_router", dtype="bfloat16")
+    rank = engine_layout(spec, EngineParallel(tp=2)).ranks[0]
+    dtypes = {t.name: t.dtype for t in rank.tensors}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == "float32"
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "float32"
+    assert dtypes["model.layers.1.mlp.experts.w13_weight"] == "bfloat16"
+    assert {t.dtype for t in megatron_layout(spec, MegatronParallel(tp=2)).ranks[0].tensors} == {"bfloat16"}
+
+
+def test_a_layout_refuses_a_kind_it_has_no_rule_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = Block(logical=GQA.logical, megatron=GQA.megatron,
+                engine=(*GQA.engine, Row("mlp.experts", ExpertMlps("a{e}", "b{e}", "c{e}"))))
+    _custom(monkeypatch, Family("broken", "BrokenForCausalLM", bad, gated_mlp()))
+    spec = TINY["qwen3"].replace(family="broken")
+    with pytest.raises(ValueError, match="the engine layout has no rule for ExpertMlps"):
+        engine_layout(spec, EngineParallel(tp=1))
+    assert megatron_layout(spec, MegatronParallel(tp=1)).ranks  # the Megatron rows are fine
+    assert Whole().source is None
