@@ -64,7 +64,7 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
     if args.trainer == "fsdp2":  # FSDP2's row blocks (the layout tests/dist/test_fsdp2.py checks on real DTensors)
         par = Fsdp2Parallel(shard=args.trainer_dp, dtype=args.dtype or "float32")
     else:
-        par = MegatronParallel(tp=args.trainer_tp, dp=args.trainer_dp, ep=args.trainer_ep,
+        par = MegatronParallel(tp=args.trainer_tp, dp=args.trainer_dp, ep=args.trainer_ep, etp=args.trainer_etp,
                                dtype=args.dtype or "float32")
     device = rank_device(args.device, rank)
     if device.startswith("cuda"):
@@ -132,6 +132,7 @@ def main() -> None:
                     help="fsdp2: --trainer-dp ranks hold FSDP2 row blocks; broadcast is then gather-then-broadcast")
     ap.add_argument("--trainer-dp", type=int, default=1)
     ap.add_argument("--trainer-ep", type=int, default=1, help="expert parallel (MoE models)")
+    ap.add_argument("--trainer-etp", type=int, default=None, help="expert tensor parallel (default: trainer TP)")
     ap.add_argument("--engine-tp", type=int, default=2)
     ap.add_argument("--engine-ep", type=int, default=1, help="engine expert parallel (MoE models)")
     ap.add_argument("--engines", type=int, default=1, help="engines of --engine-tp each")
@@ -150,7 +151,8 @@ def main() -> None:
     results = [bench_model(m, args) for m in models]
     MiB = 2**20
     trainer = (f"FSDP2 shard {args.trainer_dp}" if args.trainer == "fsdp2"
-               else f"TP{args.trainer_tp} DP{args.trainer_dp} EP{args.trainer_ep}")
+               else f"TP{args.trainer_tp} DP{args.trainer_dp} EP{args.trainer_ep} "
+                    f"ETP{args.trainer_etp or args.trainer_tp}")
     print(f"trainer {trainer} -> {args.engines} engine(s) of "
           f"TP{args.engine_tp} EP{args.engine_ep}, bucket {args.bucket_mb} MiB, "
           f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")

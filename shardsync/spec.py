@@ -58,6 +58,14 @@ class ModelSpec:
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor channels (GLM4: 0.5)
     attention_bias: bool | None = None  # None: the family's flag (GLM-4.5 reads it from the config)
     qk_layernorm: bool | None = None
+    # multi-head latent attention (DeepSeek-V3 naming; kv_lora_rank 0: not MLA).  ``head_dim`` is
+    # then the q/k head (nope + rope) and ``num_kv_heads`` equals ``num_heads``
+    q_lora_rank: int | None = None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_nextn_predict_layers: int = 0  # MTP layers the checkpoint holds after the decoder
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
@@ -122,11 +130,17 @@ class ModelSpec:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        """Channels the rotary embedding turns (latent attention: the rope part of a head)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def architecture(self) -> str:
         return self.family_table.architecture
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (the family's attention block is MLA)."""
+        return self.family_table.mla
 
     @property
     def is_moe(self) -> bool:
@@ -171,7 +185,7 @@ class ModelSpec:
             "tie_word_embeddings": self.tie_word_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,  # engines rewrite theirs
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
@@ -185,6 +199,23 @@ class ModelSpec:
         if self.family_table.write:
             cfg.update(self.family_table.write(self))
         return cfg
+
+
+# rope types engines rename in the config they serve (SGLang's DeepSeek classes: yarn)
+ROPE_TYPE_ALIASES = {"deepseek_yarn": "yarn"}
+
+
+def _rope_scaling(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The scaling settings alone, under one spelling: ``rope_type`` (legacy ``type``), no
+    ``rope_theta`` / ``partial_rotary_factor`` (transformers 5 keeps them in the same dict)."""
+    if not raw:
+        return None
+    out = {k: v for k, v in raw.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
+    kind = raw.get("rope_type") or raw.get("type") or "default"
+    if kind == "default":
+        return None
+    out["rope_type"] = ROPE_TYPE_ALIASES.get(kind, kind)
+    return out
 
 
 def spec_from_config(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -210,6 +241,7 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     scaling = cfg.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = rope
+    scaling = _rope_scaling(scaling)
     head_dim = cfg.get("head_dim") or hidden // heads
     read = FAMILIES[family].read
     try:
@@ -218,7 +250,7 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         raise ValueError(f"{name}: {e}") from None
     partial = cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None) or 1.0
     rope.pop("partial_rotary_factor", None)
-    return ModelSpec(
+    fields: dict[str, Any] = dict(
         name=name,
         family=family,
         hidden_size=hidden,
@@ -235,8 +267,8 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
         partial_rotary_factor=float(partial),
-        **own,
     )
+    return ModelSpec(**{**fields, **own})  # the family's own reading wins (MLA: head_dim)
 
 
 def _llama3_rope(factor: float) -> dict[str, Any]:
@@ -247,6 +279,23 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
+
+
+def _yarn(factor: float, original: int, *, beta_fast: float, beta_slow: float) -> dict[str, Any]:
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": beta_fast, "beta_slow": beta_slow, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def _mla(q_lora: int | None, kv_lora: int, nope: int, rope: int, v: int, nextn: int = 0) -> dict[str, Any]:
+    return {"q_lora_rank": q_lora, "kv_lora_rank": kv_lora, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+            "v_head_dim": v, "num_nextn_predict_layers": nextn}
+
+
+def _sigmoid_moe(experts: int, top_k: int, inter: int, *, shared: int, dense: int, scale: float,
+                 groups: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
+            "shared_expert_intermediate_size": shared * inter, "mlp_only_layers": tuple(range(dense)),
+            "router": "sigmoid", "n_group": groups[0], "topk_group": groups[1], "routed_scaling_factor": scale}
 
 
 def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: int, V: int,
@@ -300,6 +349,27 @@ _PRESET_LIST = [
             dtype="float32", partial_rotary_factor=0.5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
             mlp_only_layers=(0,), router="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5,
             shared_expert_intermediate_size=128, attention_bias=True, qk_layernorm=True),
+    # multi-head latent attention (DeepSeek-V3 architecture; docs/models.md names the sources).  d = nope + rope.
+    _preset("DeepSeek-V3", "deepseek_v3", 7168, 61, 128, 128, 192, 18432, 129280, False, rope_theta=10000.0,
+            rope_scaling=_yarn(40.0, 4096, beta_fast=32.0, beta_slow=1.0), max_position_embeddings=163840,
+            **_mla(1536, 512, 128, 64, 128, nextn=1), **_sigmoid_moe(256, 8, 2048, shared=1, dense=3, groups=(8, 4),
+                                                                  scale=2.5)),
+    _preset("Kimi-K2", "deepseek_v3", 7168, 61, 64, 64, 192, 18432, 163840, False, rope_theta=50000.0,
+            rope_scaling=_yarn(32.0, 4096, beta_fast=1.0, beta_slow=1.0), max_position_embeddings=131072,
+            **_mla(1536, 512, 128, 64, 128), **_sigmoid_moe(384, 8, 2048, shared=1, dense=1, scale=2.827)),
+    _preset("GLM-4.7-Flash", "glm4_moe_lite", 2048, 47, 20, 20, 256, 10240, 154880, False, rms_norm_eps=1e-5,
+            max_position_embeddings=202752, **_mla(768, 512, 192, 64, 256, nextn=1),
+            **_sigmoid_moe(64, 4, 1536, shared=1, dense=1, scale=1.8)),
+    # tiny (CPU): yarn rope, expert groups, one dense layer; a q_proj variant (no q_lora_rank); GLM's wider
+    # nope and v heads than rope
+    _preset("tiny-deepseek-v3", "deepseek_v3", 256, 4, 8, 8, 48, 512, 1100, False, max_position_embeddings=2048,
+            dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
+            **_mla(64, 32, 32, 16, 32), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5)),
+    _preset("tiny-deepseek-v3-q-proj", "deepseek_v3", 256, 4, 8, 8, 48, 512, 1100, False, max_position_embeddings=2048,
+            dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
+            **_mla(None, 32, 32, 16, 32), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5)),
+    _preset("tiny-glm4-moe-lite", "glm4_moe_lite", 256, 4, 8, 8, 64, 512, 1100, False, max_position_embeddings=2048,
+            dtype="float32", **_mla(64, 32, 48, 16, 64), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, scale=1.8)),
     # mixture of experts
     _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
             max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),

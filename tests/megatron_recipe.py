@@ -1,4 +1,5 @@
-"""The megatron-core TransformerConfig fields that make a GPTModel a Qwen2/Qwen3/Llama/Qwen3-MoE.
+"""The megatron-core TransformerConfig fields that make a GPTModel a Qwen2/Qwen3/Llama/Qwen3-MoE,
+a GLM4-MoE, or (MLATransformerConfig) a DeepSeek-V3 / GLM-4.7-Flash.
 
 Shared by the CPU name/shape test and the GPU numerics check, so both build the same model.
 """
@@ -13,6 +14,18 @@ from shardsync.spec import ModelSpec
 
 
 def architecture(spec: ModelSpec) -> dict[str, Any]:
+    return {**_common(spec), **(mla_architecture(spec) if spec.is_mla else {})}
+
+
+def mla_architecture(spec: ModelSpec) -> dict[str, Any]:
+    """MLATransformerConfig's latent attention fields (megatron-core's ``qk_head_dim`` is the
+    nope part).  Rotary: plain ``rope`` (yarn's numerics are the GPU check's business)."""
+    return dict(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                qk_head_dim=spec.qk_nope_head_dim, qk_pos_emb_head_dim=spec.qk_rope_head_dim,
+                v_head_dim=spec.v_head_dim, rope_type="rope", qk_layernorm=True)
+
+
+def _common(spec: ModelSpec) -> dict[str, Any]:
     return dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,

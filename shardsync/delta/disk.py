@@ -208,6 +208,6 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
                 stats.bytes_received += len(blob)
                 mask = xor_decode(blob, part.numel, dtype)
                 stats.changed += int((mask != 0).sum())
-                apply_xor(part, mask, tensors, where)
+                apply_xor(part, mask, tensors, where, dtype)
     stats.unpack_s = time.perf_counter() - t0
     return stats

@@ -134,13 +134,15 @@ def _unravel(positions: torch.Tensor, sizes: Box) -> list[torch.Tensor]:
 
 
 def apply_xor(part: Part, mask_bits: torch.Tensor, tensors: Mapping[str, torch.Tensor],
-              targets: list[Target]) -> None:
-    """XOR a part's dense bit mask into every target (exactly once, on the right base)."""
+              targets: list[Target], wire: torch.dtype) -> None:
+    """XOR a part's dense bit mask into every target (exactly once, on the right base).  The
+    mask is in the ``wire`` dtype's bits; a target held wider (an engine's float32 router
+    bias under a bfloat16 sync) is XORed in the wire dtype and widened back, exactly."""
     from shardsync.delta.encode import _INT
 
     box = mask_bits.view(part.sizes)
     for name, region, sub in targets:
         t = tensors[name]
         view = t[region]
-        mixed = view.contiguous().view(_INT[t.element_size()]) ^ box[sub]
-        view.copy_(mixed.view(t.dtype))
+        mixed = view.to(wire).contiguous().view(_INT[box.element_size()]) ^ box[sub]
+        view.copy_(mixed.view(wire))

@@ -1,6 +1,7 @@
-"""The blocks decoder families share: grouped-query attention, the gated MLP (two checkpoint
-tensors or one fused), and the mixture-of-experts MLP (router, optional score-correction
-bias, routed experts, optional shared experts).  Rows are in parameter order."""
+"""The blocks decoder families share: grouped-query attention, multi-head latent attention,
+the gated MLP (two checkpoint tensors or one fused), and the mixture-of-experts MLP (router,
+optional score-correction bias, routed experts, optional shared experts).  Rows are in
+parameter order."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from shardsync.family.table import (
     Block,
+    Concat,
     ExpertMlps,
     ExpertStacks,
     Fused,
@@ -81,6 +83,66 @@ GQA = Block(
 )
 
 
+def q_lora(spec: ModelSpec) -> bool:
+    """MLA's query goes through a low-rank down projection (DeepSeek-V3; not V2-Lite)."""
+    return spec.q_lora_rank is not None
+
+
+def no_q_lora(spec: ModelSpec) -> bool:
+    return spec.q_lora_rank is None
+
+
+_A = "self_attn."
+# Multi-head latent attention.  Every head-major tensor (q_b / q_proj, kv_b: per head
+# [nope; rope] / [k_nope; v]) splits over TP by heads; the down projections and their norms
+# are whole on every rank, except in megatron-core's local spec, whose down projections are
+# column-parallel (a plain row split, not head aligned).  Megatron's TE spec fuses the q/kv
+# norms into the up projections; row orders are the HF ones on every side.
+MLA = Block(
+    logical=(
+        T("input_layernorm.weight", "H"),
+        T(_A + "q_a_proj.weight", "ql", "H", when=q_lora),
+        T(_A + "q_a_layernorm.weight", "ql", when=q_lora),
+        T(_A + "q_b_proj.weight", "qh", "ql", when=q_lora),
+        T(_A + "q_proj.weight", "qh", "H", when=no_q_lora),
+        T(_A + "kv_a_proj_with_mqa.weight", "kva", "H"),
+        T(_A + "kv_a_layernorm.weight", "kl"),
+        T(_A + "kv_b_proj.weight", "kvb", "kl"),
+        T(_A + "o_proj.weight", "H", "hv"),
+    ),
+    megatron=(
+        Row("input_layernorm.weight", Whole()),
+        Row("self_attention.linear_q_down_proj.weight", Whole(_A + "q_a_proj.weight"), when=q_lora, variant="fused"),
+        Row("self_attention.linear_q_down_proj.weight", Split(_A + "q_a_proj.weight"), when=q_lora,
+            variant="separate"),
+        Row("self_attention.linear_q_up_proj.layer_norm_weight", Whole(_A + "q_a_layernorm.weight"), when=q_lora,
+            variant="fused"),
+        Row("self_attention.linear_q_up_proj.weight", Split(_A + "q_b_proj.weight"), when=q_lora),
+        Row("self_attention.linear_q_proj.weight", Split(_A + "q_proj.weight"), when=no_q_lora),
+        Row("self_attention.linear_kv_down_proj.weight", Whole(_A + "kv_a_proj_with_mqa.weight"), variant="fused"),
+        Row("self_attention.linear_kv_down_proj.weight", Split(_A + "kv_a_proj_with_mqa.weight"), variant="separate"),
+        Row("self_attention.linear_kv_up_proj.layer_norm_weight", Whole(_A + "kv_a_layernorm.weight"),
+            variant="fused"),
+        Row("self_attention.linear_kv_up_proj.weight", Split(_A + "kv_b_proj.weight")),
+        Row("self_attention.linear_proj.weight", Split(_A + "o_proj.weight", dim=1)),
+        Row("self_attention.q_layernorm.weight", Whole(_A + "q_a_layernorm.weight"), when=q_lora, variant="separate"),
+        Row("self_attention.kv_layernorm.weight", Whole(_A + "kv_a_layernorm.weight"), variant="separate"),
+    ),
+    engine=(
+        Row("input_layernorm.weight", Whole()),
+        Row(_A + "fused_qkv_a_proj_with_mqa.weight", Concat((_A + "q_a_proj.weight", _A + "kv_a_proj_with_mqa.weight")),
+            when=q_lora),
+        Row(_A + "q_a_layernorm.weight", Whole(), when=q_lora),
+        Row(_A + "q_b_proj.weight", Split(), when=q_lora),
+        Row(_A + "q_proj.weight", Split(), when=no_q_lora),
+        Row(_A + "kv_a_proj_with_mqa.weight", Whole(), when=no_q_lora),
+        Row(_A + "kv_a_layernorm.weight", Whole()),
+        Row(_A + "kv_b_proj.weight", Split()),
+        Row(_A + "o_proj.weight", Split(dim=1)),
+    ),
+)
+
+
 def gated_mlp(*, fused_checkpoint: bool = False) -> Block:
     """The dense MLP; ``fused_checkpoint``: gate and up are one HF tensor (GLM4)."""
     if fused_checkpoint:
@@ -111,32 +173,39 @@ _EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
 _SHARED = "mlp.shared_experts."
 _SHARED_GATE_UP = Fused((Part(_SHARED + "gate_proj.weight"), Part(_SHARED + "up_proj.weight")))
 
-MOE = Block(
-    logical=(
-        T("post_attention_layernorm.weight", "H"),
-        T("mlp.gate.weight", "E", "H"),
-        T("mlp.gate.e_score_correction_bias", "E", when=expert_bias),
-        PerExpert((T(_EXPERT[0], "Fe", "H"), T(_EXPERT[1], "Fe", "H"), T(_EXPERT[2], "H", "Fe"))),
-        T(_SHARED + "gate_proj.weight", "Fs", "H", when=shared_experts),
-        T(_SHARED + "up_proj.weight", "Fs", "H", when=shared_experts),
-        T(_SHARED + "down_proj.weight", "H", "Fs", when=shared_experts),
-    ),
-    megatron=(
-        # the norm cannot fuse into the router: always its own module
-        Row("pre_mlp_layernorm.weight", Whole("post_attention_layernorm.weight")),
-        Row("mlp.router.weight", Whole("mlp.gate.weight")),
-        # moe_router_enable_expert_bias: a buffer, updated by load balancing
-        Row("mlp.router.expert_bias", Whole("mlp.gate.e_score_correction_bias"), when=expert_bias),
-        Row("mlp.experts", ExpertMlps(*_EXPERT)),
-        Row(_SHARED + "linear_fc1.weight", _SHARED_GATE_UP, when=shared_experts),
-        Row(_SHARED + "linear_fc2.weight", Split(_SHARED + "down_proj.weight", dim=1), when=shared_experts),
-    ),
-    engine=(
-        Row("post_attention_layernorm.weight", Whole()),
-        Row("mlp.gate.weight", Whole()),
-        Row("mlp.gate.e_score_correction_bias", Whole(), when=expert_bias),
-        Row("mlp.experts", ExpertStacks(*_EXPERT)),
-        Row(_SHARED + "gate_up_proj.weight", _SHARED_GATE_UP, when=shared_experts),
-        Row(_SHARED + "down_proj.weight", Split(dim=1), when=shared_experts),
-    ),
-)
+def moe(*, router_dtype: str | None = None) -> Block:
+    """The mixture-of-experts MLP.  Engines hold a sigmoid router's score-correction bias in
+    float32 (SGLang and vLLM alike) and, for some families, the router weight too
+    (``router_dtype``); Megatron holds both in the model dtype here."""
+    return Block(
+        logical=(
+            T("post_attention_layernorm.weight", "H"),
+            T("mlp.gate.weight", "E", "H"),
+            T("mlp.gate.e_score_correction_bias", "E", when=expert_bias),
+            PerExpert((T(_EXPERT[0], "Fe", "H"), T(_EXPERT[1], "Fe", "H"), T(_EXPERT[2], "H", "Fe"))),
+            T(_SHARED + "gate_proj.weight", "Fs", "H", when=shared_experts),
+            T(_SHARED + "up_proj.weight", "Fs", "H", when=shared_experts),
+            T(_SHARED + "down_proj.weight", "H", "Fs", when=shared_experts),
+        ),
+        megatron=(
+            # the norm cannot fuse into the router: always its own module
+            Row("pre_mlp_layernorm.weight", Whole("post_attention_layernorm.weight")),
+            Row("mlp.router.weight", Whole("mlp.gate.weight")),
+            # moe_router_enable_expert_bias: a buffer, updated by load balancing
+            Row("mlp.router.expert_bias", Whole("mlp.gate.e_score_correction_bias"), when=expert_bias),
+            Row("mlp.experts", ExpertMlps(*_EXPERT)),
+            Row(_SHARED + "linear_fc1.weight", _SHARED_GATE_UP, when=shared_experts),
+            Row(_SHARED + "linear_fc2.weight", Split(_SHARED + "down_proj.weight", dim=1), when=shared_experts),
+        ),
+        engine=(
+            Row("post_attention_layernorm.weight", Whole()),
+            Row("mlp.gate.weight", Whole(), dtype=router_dtype),
+            Row("mlp.gate.e_score_correction_bias", Whole(), when=expert_bias, dtype="float32"),
+            Row("mlp.experts", ExpertStacks(*_EXPERT)),
+            Row(_SHARED + "gate_up_proj.weight", _SHARED_GATE_UP, when=shared_experts),
+            Row(_SHARED + "down_proj.weight", Split(dim=1), when=shared_experts),
+        ),
+    )
+
+
+MOE = moe()

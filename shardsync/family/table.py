@@ -25,10 +25,14 @@ def always(spec: ModelSpec) -> bool:
 
 def dims(spec: ModelSpec) -> dict[str, int]:
     """The symbols logical shapes are written in."""
-    d = spec.head_dim
-    return {"H": spec.hidden_size, "d": d, "q": spec.num_heads * d, "kv": spec.num_kv_heads * d,
+    d, h = spec.head_dim, spec.num_heads
+    return {"H": spec.hidden_size, "d": d, "q": h * d, "kv": spec.num_kv_heads * d,
             "F": spec.intermediate_size, "2F": 2 * spec.intermediate_size, "E": spec.num_experts,
-            "Fe": spec.moe_intermediate_size, "Fs": spec.shared_expert_intermediate_size}
+            "Fe": spec.moe_intermediate_size, "Fs": spec.shared_expert_intermediate_size,
+            # latent attention: q down rank, kv latent rank, kv down rows (latent + rope),
+            # q up rows (heads x (nope + rope)), kv up rows (heads x (nope + v)), attention output
+            "ql": spec.q_lora_rank or 0, "kl": spec.kv_lora_rank, "kva": spec.kv_lora_rank + spec.qk_rope_head_dim,
+            "qh": h * d, "kvb": h * (spec.qk_nope_head_dim + spec.v_head_dim), "hv": h * spec.v_head_dim}
 
 
 # -- logical tensors ---------------------------------------------------------------------------
@@ -92,6 +96,14 @@ class Fused:
 
 
 @dataclass(frozen=True)
+class Concat:
+    """Whole logical tensors stacked along dim 0, held whole on every rank (SGLang's
+    ``fused_qkv_a_proj_with_mqa`` = [q_a_proj; kv_a_proj_with_mqa])."""
+
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class QkvGroups:
     """Megatron's fused QKV: per query group its q heads, k head, v head, globally; a rank
     holds one contiguous window."""
@@ -127,18 +139,21 @@ class ExpertStacks:
     down: str
 
 
-Kind = Whole | Split | Fused | QkvGroups | QkvHeads | ExpertMlps | ExpertStacks
+Kind = Whole | Split | Fused | Concat | QkvGroups | QkvHeads | ExpertMlps | ExpertStacks
 
 
 @dataclass(frozen=True)
 class Row:
     """One local tensor of a layout (or a set of them, for expert kinds): its name after the
-    layer prefix, how it is cut, when it exists, and its dtype when not the model's."""
+    layer prefix, how it is cut, when it exists, its dtype when not the model's, and the
+    layout variant it belongs to (None: every variant; Megatron: ``fused`` is the TE layer
+    spec, ``separate`` the local spec)."""
 
     name: str
     kind: Kind
     when: Predicate = always
     dtype: str | None = None
+    variant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +186,7 @@ class Family:
     fused_gate_up: bool = False  # gate and up as one checkpoint tensor
     rope_interleaved: bool = False  # rotary on neighbouring channel pairs
     lm_head_every_stage: bool = False  # SGLang 0.5.23 builds an untied lm_head on every PP stage
+    mla: bool = False  # multi-head latent attention (the spec's MLA fields shape it)
     read: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     write: Callable[[ModelSpec], dict[str, Any]] | None = None
     check: Callable[[ModelSpec], str | None] | None = None  # a family rule a spec breaks, or None

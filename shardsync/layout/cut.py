@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from shardsync.family.table import Fused, Part, Row, Split, Whole
+from shardsync.family.table import Concat, Fused, Part, Row, Split, Whole
 from shardsync.layout.piece import Box, Piece, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
@@ -37,6 +37,7 @@ class Cut:
     rank: int
     logical: dict[str, Box]
     names: dict[str, str] = field(default_factory=dict)
+    variant: str | None = None  # rows of another variant are not this layout's
 
     @property
     def hf(self) -> str:
@@ -57,7 +58,7 @@ def cut_rows(rows: Iterable[Row], c: Cut, own: Own) -> list[tuple[Local, str | N
     """Every row that exists for the spec as (local tensor, its dtype when not the model's)."""
     out: list[tuple[Local, str | None]] = []
     for row in rows:
-        if not row.when(c.spec):
+        if not row.when(c.spec) or (row.variant is not None and row.variant != c.variant):
             continue
         name = c.local + row.name.format(**c.names)
         kind = row.kind
@@ -70,6 +71,11 @@ def cut_rows(rows: Iterable[Row], c: Cut, own: Own) -> list[tuple[Local, str | N
             n = shape[kind.dim] // c.tp
             shape[kind.dim] = n
             made = [Local(name, tuple(shape), stacked(name, [Segment(src, c.rank * n, n)], c.logical, kind.dim))]
+        elif isinstance(kind, Concat):
+            srcs = [c.hf + s for s in kind.sources]
+            segs = [Segment(s, 0, c.logical[s][0]) for s in srcs]
+            cols = c.logical[srcs[0]][1:]
+            made = [Local(name, (sum(s.length for s in segs), *cols), stacked(name, segs, c.logical, 0))]
         elif isinstance(kind, Fused):
             segs = [c.part(p) for p in kind.parts]
             cols = c.logical[segs[0].logical][1:]

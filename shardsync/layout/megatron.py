@@ -230,7 +230,8 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
     attn_norm, mlp_norm = LAYER_NORM_NAMES[par.norm_names]
     own = _own(par, *expert_rank)
     for local, layer in enumerate(stages[stage]):
-        c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, {"attn_norm": attn_norm, "mlp_norm": mlp_norm})
+        c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, {"attn_norm": attn_norm, "mlp_norm": mlp_norm},
+                variant=par.norm_names)
         for block in spec.family_table.blocks(spec, layer):
             for made, row_dtype in cut_rows(block.megatron, c, own):
                 tensors.append(made.meta(row_dtype or dtype))

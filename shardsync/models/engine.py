@@ -38,6 +38,7 @@ from torch import nn
 from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
+from shardsync.models.latent import LatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.spec import DTYPES, ModelSpec
@@ -128,6 +129,7 @@ class _Attention(nn.Module):
         d = spec.head_dim
         self.nq = spec.num_heads // tp.size
         self.nkv = (self.qkv_proj.weight.shape[0] // d - self.nq) // 2
+        self.k_dim = self.v_dim = d  # what a KV cache holds per kv head
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -207,7 +209,9 @@ class _Layer(nn.Module):
         p = f"model.layers.{layer}."
         self.eps, self.index = spec.rms_norm_eps, layer
         self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
-        self.self_attn = _Attention(spec, rl, p + "self_attn.", tp, device)
+        self.self_attn: _Attention | LatentAttention = (
+            LatentAttention(spec, p + "self_attn.", tp.size, lambda name, attrs: _Leaf(rl, name, attrs, device),
+                            tp.all_reduce) if spec.is_mla else _Attention(spec, rl, p + "self_attn.", tp, device))
         if spec.post_norms:  # GLM4
             self.post_self_attn_layernorm = _Leaf(rl, p + "post_self_attn_layernorm", ("weight",), device)
         self.post_attention_layernorm = _Leaf(rl, p + "post_attention_layernorm", ("weight",), device)
@@ -327,11 +331,12 @@ class EngineModel(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``capacity`` positions."""
-        shape = (batch, self.model.layers[0].self_attn.nkv, capacity, self.spec.head_dim)
+        attn = self.model.layers[0].self_attn
+        keys, values = (batch, attn.nkv, capacity, attn.k_dim), (batch, attn.nkv, capacity, attn.v_dim)
         n = self.spec.num_layers
         return KVCache(
-            keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)],
-            values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)],
+            keys=[torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(n)],
+            values=[torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(n)],
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

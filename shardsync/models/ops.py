@@ -21,15 +21,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def _yarn(spec: ModelSpec, freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN: interpolate the low frequencies by ``factor``, keep the high ones, blend linearly
+    between the dims whose wavelengths fit ``beta_fast`` and ``beta_slow`` turns in the original
+    context (DeepSeek-V3, Kimi-K2)."""
+    rs, d, base = spec.rope_scaling or {}, spec.rotary_dim, spec.rope_theta
+    factor = rs["factor"]
+    original = rs.get("original_max_position_embeddings") or spec.max_position_embeddings
+
+    def dim_of(turns: float) -> float:
+        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_of(rs.get("beta_fast") or 32.0)), 0)
+    high = min(math.ceil(dim_of(rs.get("beta_slow") or 1.0)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return freqs / factor * (1 - keep) + freqs * keep
+
+
+def rope_attention_factor(spec: ModelSpec) -> float:
+    """YaRN's cos/sin multiplier: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rs = spec.rope_scaling or {}
+    if rs.get("rope_type") != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if rs["factor"] <= 1 else 0.1 * m * math.log(rs["factor"]) + 1.0
+
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return mscale(rs["mscale"]) / mscale(rs["mscale_all_dim"])
+    return mscale(1.0)
+
+
 def inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Rotary inverse frequencies, with Llama-3 frequency scaling when the spec asks for it."""
+    """Rotary inverse frequencies, with Llama-3 or YaRN frequency scaling when the spec asks."""
     d = spec.rotary_dim
     freqs = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = spec.rope_scaling
     if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
         return freqs
+    if rs.get("rope_type") == "yarn":
+        return _yarn(spec, freqs)
     if rs.get("rope_type", rs.get("type")) != "llama3":
-        raise ValueError(f"rope_scaling {rs} not supported (only llama3)")
+        raise ValueError(f"rope_scaling {rs} not supported (llama3 or yarn)")
     factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old = rs["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old / low, old / high
@@ -50,7 +86,8 @@ def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype) -
         emb = angles.repeat_interleave(2, dim=-1)
     else:
         emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    factor = rope_attention_factor(spec)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,16 +111,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_offset: int | None = 0,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """GQA attention: q [b, hq, s, d], k/v [b, hkv, t, d] -> [b, hq, s, d].
+              mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """GQA attention: q [b, hq, s, d], k [b, hkv, t, d], v [b, hkv, t, dv] -> [b, hq, s, dv].
 
     ``causal_offset`` is the position of q's first row in k (KV-cache decode); None = no mask.
+    ``scale``: the softmax scale (default 1/sqrt(d)).
     """
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores = scores * scale if scale is not None else scores / math.sqrt(q.shape[-1])
     if causal_offset is not None:
         s, t = q.shape[-2], k.shape[-2]
         rows = torch.arange(s, device=q.device)[:, None] + causal_offset

@@ -125,6 +125,11 @@ class Comm:
         """All-reduce forward, identity backward: output of a row-parallel op."""
         return _ReduceFromTP.apply(x, self) if self.size > 1 else x
 
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather along the last dim forward, this rank's slice backward: the output of a
+        column-parallel op with ``gather_output`` (megatron-core's local-spec MLA down projections)."""
+        return _GatherLastTP.apply(x, self) if self.size > 1 else x
+
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
@@ -145,6 +150,18 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class _GatherLastTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm, ctx.width = comm, x.shape[-1]
+        return torch.cat(comm.all_gather(x.contiguous()), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        lo = ctx.comm.rank * ctx.width
+        return grad[..., lo:lo + ctx.width].contiguous(), None
 
 
 class ExpertExchange:

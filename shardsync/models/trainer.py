@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
+from shardsync.models.latent import TrainerLatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.parallel import (
     Comm,
@@ -208,19 +209,25 @@ class _Layer(nn.Module):
         self.fused_attn = model.par.norm_names == "fused"
         norm = ("layer_norm_weight",) if self.fused_attn else ()
         bias = ("bias",) if spec.qkv_bias else ()
-        if not self.fused_attn:
+        if not self.fused_attn or spec.is_mla:  # MLA's input norm is its own module in both specs
             self.input_layernorm = _Weights(tensors, prefix + "input_layernorm", ("weight",),
                                             tp_sharded=False)
-        self.self_attention = nn.Module()
-        att = self.self_attention
-        att.linear_qkv = _Weights(tensors, prefix + "self_attention.linear_qkv",
-                                  (*norm, "weight", *bias), tp_sharded=True)
-        if spec.qk_norm:
-            for name in ("q_layernorm", "k_layernorm"):
-                setattr(att, name, _Weights(tensors, f"{prefix}self_attention.{name}",
-                                            ("weight",), tp_sharded=False))
-        att.linear_proj = _Weights(tensors, prefix + "self_attention.linear_proj", ("weight",),
-                                   tp_sharded=True)
+        self.self_attention: nn.Module
+        if spec.is_mla:
+            self.self_attention = TrainerLatentAttention(
+                spec, prefix, self.tp, self.fused_attn,
+                lambda name, attrs, sharded: _Weights(tensors, name, attrs, tp_sharded=sharded))
+        else:
+            self.self_attention = nn.Module()
+            att = self.self_attention
+            att.linear_qkv = _Weights(tensors, prefix + "self_attention.linear_qkv",
+                                      (*norm, "weight", *bias), tp_sharded=True)
+            if spec.qk_norm:
+                for name in ("q_layernorm", "k_layernorm"):
+                    setattr(att, name, _Weights(tensors, f"{prefix}self_attention.{name}",
+                                                ("weight",), tp_sharded=False))
+            att.linear_proj = _Weights(tensors, prefix + "self_attention.linear_proj", ("weight",),
+                                       tp_sharded=True)
         self.post_norms = spec.post_norms  # GLM4: norms of the attention and MLP outputs
         if self.post_norms:
             self.post_self_attn_layernorm = _Weights(tensors, prefix + "post_self_attn_layernorm", ("weight",),
@@ -242,6 +249,20 @@ class _Layer(nn.Module):
         self.groups = spec.num_kv_heads // self.tp.size
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        spec, dtype = self.spec, self.dtype
+
+        def w(weight: torch.Tensor) -> torch.Tensor:
+            return weight.to(dtype)
+
+        eps = spec.rms_norm_eps
+        if isinstance(self.self_attention, TrainerLatentAttention):
+            a = self.self_attention(rms_norm(x, w(self.input_layernorm.weight), eps), cos, sin, dtype)
+        else:
+            a = self._attention(x, cos, sin)
+        return self._mlp(x + (rms_norm(a, w(self.post_self_attn_layernorm.weight), eps) if self.post_norms else a))
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention: the fused QKV column-parallel, ``linear_proj`` row-parallel."""
         spec, tp, dtype = self.spec, self.tp, self.dtype
 
         def w(weight: torch.Tensor) -> torch.Tensor:
@@ -249,7 +270,7 @@ class _Layer(nn.Module):
 
         b, s, _ = x.shape
         d, p, eps = spec.head_dim, spec.heads_per_group, spec.rms_norm_eps
-        att, mlp = self.self_attention, self.mlp
+        att = self.self_attention
         qkv = att.linear_qkv
         norm = qkv.layer_norm_weight if self.fused_attn else self.input_layernorm.weight
         h = tp.copy_to(rms_norm(x, w(norm), eps))
@@ -265,8 +286,14 @@ class _Layer(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = (apply_rope(t, cos, sin, self.spec.rope_interleaved) for t in (q, k))
         out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
-        a = tp.reduce_from(F.linear(out, w(att.linear_proj.weight)))
-        x = x + (rms_norm(a, w(self.post_self_attn_layernorm.weight), eps) if self.post_norms else a)
+        return tp.reduce_from(F.linear(out, w(att.linear_proj.weight)))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        tp, dtype, mlp, eps = self.tp, self.dtype, self.mlp, self.spec.rms_norm_eps
+
+        def w(weight: torch.Tensor) -> torch.Tensor:
+            return weight.to(dtype)
+
         if self.sparse:  # the exchange completes the activation gradient: no TP copy here
             return x + mlp(rms_norm(x, w(self.pre_mlp_layernorm.weight), eps))
         norm = mlp.linear_fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight

@@ -171,8 +171,28 @@ def moe_cases() -> list[Case]:
     ]
 
 
+def mla_cases() -> list[Case]:
+    """Latent attention (tiny-deepseek-v3: 8 heads, q down projection; -q-proj without it;
+    tiny-glm4-moe-lite: GLM's router in float32), experts as above."""
+    ds = dict(model="tiny-deepseek-v3")
+    return [
+        Case(**ds, relation="MLA, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
+             engine_ep=2, note="TP 2 EP 2 -> engine TP 2 EP 2 (the demo)"),
+        Case(**ds, relation="MLA heads over more TP", trainer_tp=2, trainer_pp=2, engine_tps=(8,), engine_ep=8,
+             note="PP 2 TP 2 -> engine TP 8 EP 8 (one head per rank)"),
+        Case(model="tiny-deepseek-v3-q-proj", relation="MLA without q_lora_rank", trainer_tp=1, trainer_dp=2,
+             trainer_ep=2, engine_tps=(4,), engine_ep=2, note="q_proj split by heads; kv_a whole"),
+        Case(model="tiny-glm4-moe-lite", relation="GLM-4.7-Flash shape", trainer_tp=2, trainer_dp=2, trainer_ep=4,
+             trainer_etp=1, engine_tps=(2, 2), engine_ep=2, note="TP 2 EP 4 -> two engines TP 2 EP 2"),
+        Case(**ds, relation="MLA heads not dividing TP", trainer_tp=2, engine_tps=(3,),
+             note="the engine refuses TP 3 for 8 heads"),
+        Case(**ds, relation="MLA into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+             note="vLLM --enable-expert-parallel"),
+    ]
+
+
 def build(cases: list[Case] | None = None) -> list[Entry]:
-    cases = list(grid_cases()) + extra_cases() + moe_cases() if cases is None else cases
+    cases = list(grid_cases()) + extra_cases() + moe_cases() + mla_cases() if cases is None else cases
     return [Entry(c, tuple(check_p2p(c.topology()))) for c in cases]
 
 
@@ -215,7 +235,8 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
     entries = build() if entries is None else entries
     grid = [e for e in entries if not e.case.note]
     extra = [e for e in entries if e.case.note and not PRESETS[e.case.model].is_moe]
-    moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe]
+    moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe and not PRESETS[e.case.model].is_mla]
+    mla = [e for e in entries if e.case.note and PRESETS[e.case.model].is_mla]
     counts = {p: sum(_cell(e, "auto") == p for e in grid) for p in ("p2p", "broadcast", "refused")}
     out = [
         "# Fallback matrix",
@@ -266,6 +287,13 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
         "`--ep-size`; vLLM only EP 1 or `--enable-expert-parallel`, EP = TP).",
         "",
         *_table(moe, with_note=True),
+        "",
+        "## Multi-head latent attention",
+        "",
+        "DeepSeek-V3-shaped models (`tiny-deepseek-v3`, `-q-proj`, `tiny-glm4-moe-lite`): heads split",
+        "over TP on every side, the down projections whole on the engines, experts as above.",
+        "",
+        *_table(mla, with_note=True),
         "",
     ]
     return "\n".join(out)

@@ -10,6 +10,11 @@ same way over (tp, pp, dp, ep, etp) worlds with SequentialMLP experts
 (``expert_names="sequential"``); there the expert rank coordinates and the global experts
 each rank holds (``MoELayer.local_expert_indices``) must match the layout too.
 
+The MLA presets (tiny-deepseek-v3 with a q down projection, -q-proj without, tiny-glm4-moe-lite)
+build the same way with ``MLATransformerConfig`` and three stand-ins (no CUDA device, no
+TELinear, a parameter-free core attention: the local ``DotProductAttention`` refuses MLA's
+``k_channels``); their down projections are column-parallel in the local spec.
+
 The TE spec (``norm_names="fused"``) needs transformer_engine, which is not installed for
 the CPU test run, so only the local spec is checked here.
 """
@@ -48,15 +53,25 @@ def _moe_config(spec: ModelSpec, par: MegatronParallel) -> dict:
     )
 
 
+class _NoCoreAttention:
+    """A parameter-free stand-in for MLA's core attention (names and shapes only)."""
+
+    def __new__(cls, *args, **kwargs):
+        import torch
+
+        return torch.nn.Identity()
+
+
 def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, post_process: bool):
     """A real mcore GPTModel for ``spec`` with the flags a Qwen2/Qwen3/Llama/Qwen3-MoE trainer uses."""
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = getattr(torch, spec.dtype)
-    config = TransformerConfig(
+    config = (MLATransformerConfig if spec.is_mla else TransformerConfig)(
         **architecture(spec),
         **_moe_config(spec, par),
         tensor_model_parallel_size=par.tp,
@@ -73,6 +88,9 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
     if spec.is_moe:
         # This stage's slice of the per-layer dense/MoE local specs (config.moe_layer_freq).
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if spec.is_mla:  # stand-in: the local DotProductAttention refuses MLA's k_channels (no parameters)
+            for layer in layer_spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = _NoCoreAttention
     else:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     scaling = spec.rope_scaling or {}
@@ -81,8 +99,10 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
     # all-reducing it over the embedding group.  On CPU keep it in place; the all-reduce
     # itself still runs over gloo.
     # The sigmoid router allocates its expert_bias buffer on torch.cuda.current_device(): CPU here.
+    # MLA tests isinstance(..., TELinear) with TELinear None when transformer_engine is missing
     with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
-            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+            mock.patch("megatron.core.transformer.multi_latent_attention.HAVE_TE", False):
         return GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -196,6 +216,10 @@ MOE_WORLDS = (
     ("tiny-qwen3-moe", 2, 1, 2, 2, 1),
     ("tiny-glm4-moe", 2, 1, 1, 2, 1),
     ("tiny-glm4-moe", 1, 2, 2, 2, 1),
+    # multi-head latent attention: q down projection or q_proj, EP over TP and over DP, ETP 2
+    ("tiny-deepseek-v3", 2, 1, 1, 2, 1),
+    ("tiny-deepseek-v3-q-proj", 1, 2, 2, 2, 1),
+    ("tiny-glm4-moe-lite", 2, 1, 1, 1, 2),
 )
 
 

@@ -15,7 +15,10 @@ MODELS = {  # HF architecture -> SGLang module
     "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
     "LlamaForCausalLM": "sglang.srt.models.llama",
     "Qwen3MoeForCausalLM": "sglang.srt.models.qwen3_moe",
+    "DeepseekV3ForCausalLM": "sglang.srt.models.deepseek_v2",
 }
+# tensors SGLang derives from loaded ones after loading (MLA: w_kc / w_vc from kv_b_proj), per module
+DERIVED = ("w_kc", "w_vc")
 
 def _specs():
     from shardsync.spec import PRESETS
@@ -23,10 +26,25 @@ def _specs():
     # SGLang's Qwen3-MoE makes every layer sparse and its lm_head its own (it reads neither
     # ``mlp_only_layers`` nor ``tie_word_embeddings``; released Qwen3-MoE checkpoints use neither)
     moe = PRESETS["tiny-qwen3-moe"].replace(mlp_only_layers=(), tie_word_embeddings=False)
-    return {**{m: PRESETS[m] for m in ("tiny-qwen3", "tiny-qwen2", "tiny-llama")}, "tiny-qwen3-moe": moe}
+    return {**{m: PRESETS[m] for m in ("tiny-qwen3", "tiny-qwen2", "tiny-llama")}, "tiny-qwen3-moe": moe,
+            "tiny-deepseek-v3": PRESETS["tiny-deepseek-v3"]}
 
 
-SPECS = _specs()  # q/k norms; bias + tied embeddings; 4 KV heads; experts (triton layout)
+# q/k norms; bias + tied embeddings; 4 KV heads; experts (triton layout); latent attention, shared
+# experts, a sigmoid router and the derived w_kc / w_vc
+SPECS = _specs()
+MLA = tuple(m for m, s in SPECS.items() if s.is_mla)
+
+
+def derived(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors SGLang computed from loaded weights (they are attributes, not parameters)."""
+    out = {}
+    for name, module in model.named_modules():
+        for attr in DERIVED:
+            t = module.__dict__.get(attr)
+            if isinstance(t, torch.Tensor):
+                out[f"{name}.{attr}"] = t
+    return out
 PRELOAD = ["torch", "transformers", "shardsync.receiver", "shardsync.engines.sglang", *MODELS.values()]
 
 
@@ -90,7 +108,8 @@ def sglang_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> tor
 
 
 def hf_config(spec):
-    """The transformers config of a shardsync spec, with its architecture."""
+    """The transformers config of a shardsync spec, with its architecture (a new object each
+    time: SGLang's DeepSeek class rewrites the config's rope type in place)."""
     import transformers
 
     cfg = spec.to_hf_config()

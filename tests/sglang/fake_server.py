@@ -66,8 +66,9 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, spec, dty
             elif op == "compare":  # what SGLang's own loader makes of these full tensors, bit for bit
                 ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt, **stage), arg)
                 _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,), **stage)
-                want = dict(ref.named_parameters())
-                bad = [n for n, p in model.named_parameters() if not torch.equal(p.data, want[n].data)]
+                want = {**dict(ref.named_parameters()), **_models.derived(ref)}
+                got = {**dict(model.named_parameters()), **_models.derived(model)}
+                bad = [n for n in want if n not in got or not torch.equal(got[n].data, want[n].data)]
                 conn.send(("ok", bad))
             elif op == "params":
                 conn.send(("ok", {n: p.data.clone() for n, p in model.named_parameters()}))

@@ -1,5 +1,6 @@
 """shardsync's engine layout is SGLang's: for tiny Qwen3, Qwen2 (bias, tied embeddings),
-Llama and Qwen3-MoE (triton backend) at TP 1, 2 and 4 and at PP 2 (TP 1 and 2), every rank's
+Llama, Qwen3-MoE (triton backend) and DeepSeek-V3 (latent attention, shared experts) at TP 1,
+2 and 4 and at PP 2 (TP 1 and 2), every rank's
 ``named_parameters()``
 has shardsync's names, shapes and dtype, and SGLang's own ``load_weights`` of the full HF
 tensors equals shardsync's ``load_rank`` of them bit for bit (padded vocab rows zero).  At
@@ -25,17 +26,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @pytest.mark.parametrize("model", MODELS)
 def test_sglang_parameters_are_shardsync_engine_layout(model, dtype) -> None:
     spec, dt = SPECS[model], DTYPES[dtype]
-    source = random_source(spec, seed=7)
-    full = {n: source(n).to(dt) for n in logical_tensors(spec)}
+    seeded = random_source(spec, seed=7)
+
+    def source(name: str) -> torch.Tensor:  # the trainer's tensors, in the model dtype
+        return seeded(name).to(dt)
+
+    full = {n: source(n) for n in logical_tensors(spec)}
     for tp, pp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
         lay = engine_layout(spec, EngineParallel(tp=tp, pp=pp, dtype=dtype))
         for i in range(tp * pp):  # stage-major
             m = _models.build(_models.hf_config(spec), i % tp, tp, dt, pp_rank=i // tp, pp_size=pp)
             _models.sglang_load(m, full)
-            assert live_difference(lay.ranks[i], m, dt, "SGLang") is None, (tp, pp, i)
+            assert live_difference(lay.ranks[i], m, "SGLang") is None, (tp, pp, i)
             mine = load_rank(lay, i, source)
             bad = [n for n, p in m.named_parameters() if not torch.equal(p.data.flatten(), mine[n].flatten())]
             assert bad == [], (tp, pp, i, bad[:4])
+            if spec.is_mla:  # SGLang's derived per-rank heads of kv_b_proj exist and have their shape
+                heads = spec.num_heads // tp
+                kc = _models.derived(m)[f"model.layers.{i // tp * spec.num_layers // pp}.self_attn.w_kc"]
+                assert tuple(kc.shape) == (heads, spec.qk_nope_head_dim, spec.kv_lora_rank), (tp, kc.shape)
 
 
 def test_tied_lm_head_is_the_embedding() -> None:
@@ -46,7 +55,8 @@ def test_tied_lm_head_is_the_embedding() -> None:
     assert "lm_head.weight" not in dict(m.named_parameters())
 
 
-@pytest.mark.parametrize("model", MODELS)
+# latent attention needs SGLang's MLA KV pool and backend, not built here: its forward is not compared
+@pytest.mark.parametrize("model", [m for m in MODELS if m not in _models.MLA])
 def test_sglang_forward_matches_transformers_at_tp1(model) -> None:
     spec = SPECS[model]
     source = random_source(spec, seed=11)

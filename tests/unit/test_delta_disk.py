@@ -96,3 +96,19 @@ def test_crash_before_publish_leaves_previous_version_intact(tmp_path) -> None:
     f.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="xxh64"):
         apply_version(tmp_path, 1, 0, fresh[0], topo.engine_layouts[0].ranks[0])
+
+
+def test_xor_into_a_wider_target_is_exact() -> None:
+    """An engine holds a tensor wider than the wire (a float32 router bias under a bfloat16
+    sync): the XOR applies in the wire dtype and widens back exactly."""
+    from shardsync.delta.encode import _INT
+    from shardsync.delta.parts import Part, apply_xor
+
+    old = torch.randn(8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    new = old.clone()
+    new[[1, 5]] += 1.0
+    mask = old.view(_INT[2]) ^ new.view(_INT[2])
+    target = old.float()  # the engine's float32 copy of the bf16 values it was sent
+    part = Part(0, "bias", (0,), "bias", (0,), (8,))
+    apply_xor(part, mask, {"bias": target}, [("bias", (slice(0, 8),), (slice(0, 8),))], torch.bfloat16)
+    assert target.dtype == torch.float32 and torch.equal(target, new.float())

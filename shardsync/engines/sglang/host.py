@@ -93,7 +93,7 @@ class SglangHost:
             raise ValueError("SGLANG_PP_LAYER_PARTITION is set; shardsync plans SGLang's even layer split only")
         _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype), ep=self.ep,
                               pp_rank=self.pp_rank, pp=self.pp)
-        reason = live_difference(rank, self.model, self.dtype, "SGLang")
+        reason = live_difference(rank, self.model, "SGLang")
         if reason is None and self.spec.num_experts and moe_backend() not in MOE_BACKENDS:
             reason = (f"SGLang's MoE runner backend {moe_backend()!r} holds experts in its own layout; shardsync's "
                       f"is that of {MOE_BACKENDS} (--moe-runner-backend triton)")

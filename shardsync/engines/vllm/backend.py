@@ -137,7 +137,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                              "syncs unquantized weights")
         self.spec = spec_from_config(self.model_config.hf_config.to_dict(), name=str(self.model_config.model))
         _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype))
-        self.kind, layout_reason = params.choose(rank, self.model, self.dtype)
+        self.kind, layout_reason = params.choose(rank, self.model)
         if os.environ.get(ENV_LAYOUT) == "whole":
             self.kind, layout_reason = "loader", f"{ENV_LAYOUT}=whole in vLLM's environment"
         log.info("shardsync: vLLM tp%d/%d receives into %s%s", self.tp_rank, self.tp_size, self.kind,

@@ -30,9 +30,9 @@ def at_load_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def choose(rank: RankLayout, model: torch.nn.Module, dtype: torch.dtype) -> tuple[str, str | None]:
+def choose(rank: RankLayout, model: torch.nn.Module) -> tuple[str, str | None]:
     """(``params`` | ``loader``, None) or (``loader``, the reason the layouts differ)."""
-    if live_difference(rank, model, dtype, "vLLM") is None:
+    if live_difference(rank, model, "vLLM") is None:
         return "params", None
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
-    return "loader", layout_difference(rank, at_load_shapes(model), dtypes, dtype, "vLLM")
+    return "loader", layout_difference(rank, at_load_shapes(model), dtypes, "vLLM")

@@ -1,0 +1,148 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash) for both reference models,
+in the plain form: queries through the low-rank ``q_a``/``q_b`` pair (or ``q_proj``), keys and
+values expanded from the shared latent by ``kv_b_proj``, the rope part of every key shared by
+the heads.  Heads split over TP on both sides; the output projection is row-parallel.  The
+engine holds SGLang's parameters (``fused_qkv_a_proj_with_mqa`` = [q_a; kv_a]); the trainer
+Megatron's (TE spec: down projections whole, norms fused into the up projections; local spec:
+down projections column-parallel with gathered output, separate norms)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardsync.models.ops import apply_rope, attention, rms_norm
+from shardsync.models.parallel import Comm
+from shardsync.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from shardsync.models.engine import KVCache
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(spec: ModelSpec) -> float:
+    """1/sqrt(nope + rope), times mscale(factor, mscale_all_dim)^2 under yarn (DeepSeek's rule)."""
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    rs = spec.rope_scaling or {}
+    if rs.get("rope_type") == "yarn" and rs.get("mscale_all_dim"):
+        m = yarn_mscale(rs["factor"], rs["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+def latent_heads(spec: ModelSpec, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    """Attention of a rank's heads: ``q`` [b, s, h(nope + rope)], ``kv`` [b, s, h(nope + v)]
+    (``kv_b_proj`` of the latent), ``k_rope`` [b, s, rope] shared by the heads -> [b, s, h v].
+    Rotary on the rope channels, neighbouring pairs; keys and values cached as ``cache`` holds."""
+    nope, rope, vd = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    b, s = q.shape[0], q.shape[1]
+    h = q.shape[-1] // (nope + rope)
+    q = q.view(b, s, h, nope + rope).transpose(1, 2)
+    k_nope, v = kv.view(b, s, h, nope + vd).transpose(1, 2).split([nope, vd], dim=-1)
+    q = torch.cat((q[..., :nope], apply_rope(q[..., nope:], cos, sin, interleaved=True)), dim=-1)
+    shared = apply_rope(k_rope.reshape(b, 1, s, rope), cos, sin, interleaved=True).expand(b, h, s, rope)
+    k = torch.cat((k_nope, shared), dim=-1)
+    start = 0
+    if cache is not None:
+        start = cache.length
+        cache.keys[layer][:, :, start:start + s] = k
+        cache.values[layer][:, :, start:start + s] = v
+        k, v = cache.keys[layer][:, :, :start + s], cache.values[layer][:, :, :start + s]
+    out = attention(q, k, v, causal_offset=start, scale=softmax_scale(spec))
+    return out.transpose(1, 2).reshape(b, s, h * vd)
+
+
+class LatentAttention(nn.Module):
+    """One engine rank's MLA heads.  ``leaf(name, attrs)`` makes the parameter holders."""
+
+    def __init__(self, spec: ModelSpec, prefix: str, tp_size: int, leaf: Callable[[str, tuple[str, ...]], nn.Module],
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.spec, self.all_reduce = spec, all_reduce
+        if spec.q_lora_rank is not None:
+            self.fused_qkv_a_proj_with_mqa = leaf(prefix + "fused_qkv_a_proj_with_mqa", ("weight",))
+            self.q_a_layernorm = leaf(prefix + "q_a_layernorm", ("weight",))
+            self.q_b_proj = leaf(prefix + "q_b_proj", ("weight",))
+        else:
+            self.q_proj = leaf(prefix + "q_proj", ("weight",))
+            self.kv_a_proj_with_mqa = leaf(prefix + "kv_a_proj_with_mqa", ("weight",))
+        self.kv_a_layernorm = leaf(prefix + "kv_a_layernorm", ("weight",))
+        self.kv_b_proj = leaf(prefix + "kv_b_proj", ("weight",))
+        self.o_proj = leaf(prefix + "o_proj", ("weight",))
+        # what a KV cache holds per layer: every local head's key (nope + rope) and value
+        self.nkv, self.k_dim, self.v_dim = spec.num_heads // tp_size, spec.head_dim, spec.v_head_dim
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                layer: int) -> torch.Tensor:
+        spec, eps = self.spec, self.spec.rms_norm_eps
+        if spec.q_lora_rank is None:
+            q, kva = F.linear(x, self.q_proj.weight), F.linear(x, self.kv_a_proj_with_mqa.weight)
+        else:
+            qa, kva = F.linear(x, self.fused_qkv_a_proj_with_mqa.weight).split(
+                [spec.q_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim], dim=-1)
+            q = F.linear(rms_norm(qa, self.q_a_layernorm.weight, eps), self.q_b_proj.weight)
+        latent, k_rope = kva.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
+        kv = F.linear(rms_norm(latent, self.kv_a_layernorm.weight, eps), self.kv_b_proj.weight)
+        out = latent_heads(spec, q, kv, k_rope, cos, sin, cache, layer)
+        return self.all_reduce(F.linear(out, self.o_proj.weight))
+
+
+class TrainerLatentAttention(nn.Module):
+    """One trainer rank's ``self_attention`` under Megatron's MLA names.  ``weights(name, attrs,
+    tp_sharded)`` takes the parameters; ``fused``: the TE spec's layout, else the local spec's.
+
+    TP: whatever the rank's heads read from replicated activations passes ``copy_to`` (its
+    gradient sums over TP); the local spec's down projections see ``copy_to`` input and gather
+    their output."""
+
+    def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool,
+                 weights: Callable[[str, tuple[str, ...], bool], nn.Module]) -> None:
+        super().__init__()
+        self.spec, self.tp, self.fused = spec, tp, fused
+        p = prefix + "self_attention."
+        ln = ("layer_norm_weight",) if fused else ()
+        if spec.q_lora_rank is not None:
+            self.linear_q_down_proj = weights(p + "linear_q_down_proj", ("weight",), not fused)
+            self.linear_q_up_proj = weights(p + "linear_q_up_proj", (*ln, "weight"), True)
+        else:
+            self.linear_q_proj = weights(p + "linear_q_proj", ("weight",), True)
+        self.linear_kv_down_proj = weights(p + "linear_kv_down_proj", ("weight",), not fused)
+        self.linear_kv_up_proj = weights(p + "linear_kv_up_proj", (*ln, "weight"), True)
+        self.linear_proj = weights(p + "linear_proj", ("weight",), True)
+        if not fused:
+            if spec.q_lora_rank is not None:
+                self.q_layernorm = weights(p + "q_layernorm", ("weight",), False)
+            self.kv_layernorm = weights(p + "kv_layernorm", ("weight",), False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``h``: the normed input (replicated over TP) -> the attention output, reduced."""
+        spec, tp, eps = self.spec, self.tp, self.spec.rms_norm_eps
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype)
+
+        def down(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            out = F.linear(x, w(mod.weight))
+            return out if self.fused else tp.gather_last(out)
+
+        x = h if self.fused else tp.copy_to(h)
+        if spec.q_lora_rank is None:
+            q = F.linear(x if not self.fused else tp.copy_to(h), w(self.linear_q_proj.weight))
+        else:
+            gain = self.linear_q_up_proj.layer_norm_weight if self.fused else self.q_layernorm.weight
+            qa = rms_norm(down(self.linear_q_down_proj, x), w(gain), eps)
+            q = F.linear(tp.copy_to(qa), w(self.linear_q_up_proj.weight))
+        latent, k_rope = down(self.linear_kv_down_proj, x).split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
+        gain = self.linear_kv_up_proj.layer_norm_weight if self.fused else self.kv_layernorm.weight
+        kv = F.linear(tp.copy_to(rms_norm(latent, w(gain), eps)), w(self.linear_kv_up_proj.weight))
+        out = latent_heads(spec, q, kv, tp.copy_to(k_rope), cos, sin)
+        return tp.reduce_from(F.linear(out, w(self.linear_proj.weight)))
