@@ -7,7 +7,9 @@ from the same plan without exchanging any per-bucket metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
+from shardsync.gcpause import gc_paused
 from shardsync.plan.plan import Copy, Plan
 
 
@@ -43,37 +45,41 @@ def split_copy(c: Copy, max_numel: int) -> list[Copy]:
     return parts
 
 
+@gc_paused
 def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
     """Buckets per link in plan order; a copy above the budget is split into row blocks."""
     if budget_bytes < plan.itemsize:
         raise ValueError(f"bucket budget {budget_bytes} B is smaller than one element")
     max_numel = budget_bytes // plan.itemsize
     out: list[Bucket] = []
+    # the open bucket: its copies, their offsets and its size (each copy's numel counted once:
+    # a trillion-parameter plan has over a million copies)
     current: list[Copy] = []
-    link: tuple[int, int] | None = None
+    offsets: list[int] = []
     used = 0
+    link: tuple[int, int] | None = None
     counters: dict[tuple[int, int], int] = {}
 
     def flush() -> None:
-        nonlocal current, used
+        nonlocal current, offsets, used
         if current and link is not None:
-            offs, pos = [], 0
-            for c in current:
-                offs.append(pos)
-                pos += c.numel
             idx = counters.get(link, 0)
             counters[link] = idx + 1
-            out.append(Bucket(link[0], link[1], idx, tuple(current), tuple(offs), pos))
-        current, used = [], 0
+            out.append(Bucket(link[0], link[1], idx, tuple(current), tuple(offsets), used))
+        current, offsets, used = [], [], 0
 
     for c in plan.copies:
         if (c.src, c.dst) != link:
             flush()
             link = (c.src, c.dst)
-        for part in split_copy(c, max_numel):
-            if used + part.numel > max_numel:
+        numel = prod(c.sizes)
+        parts = [(c, numel)] if numel <= max_numel else [
+            (part, prod(part.sizes)) for part in split_copy(c, max_numel)]
+        for part, n in parts:
+            if used + n > max_numel:
                 flush()
             current.append(part)
-            used += part.numel
+            offsets.append(used)
+            used += n
     flush()
     return out

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
+from math import prod
+from operator import itemgetter
 from typing import NamedTuple
 
 import torch
 
 from shardsync.dtypes import torch_dtype
 from shardsync.gcpause import gc_paused
-from shardsync.layout.piece import Box, Layout, box_overlap, volume
+from shardsync.layout.piece import Box, Layout, Piece, box_overlap, volume
 
 
 class PlanError(ValueError):
@@ -27,7 +31,8 @@ class PlanError(ValueError):
 class Copy(NamedTuple):
     """Box ``sizes`` at ``src_offsets`` of (src, src_local) -> ``dst_offsets`` of (dst, dst_local).
 
-    A named tuple, not a dataclass: a 235B plan holds ~10^5 of them and builds in a second."""
+    A named tuple, not a dataclass: a 235B plan holds ~10^5 of them, a 1T one (Kimi-K2 into 16
+    engines) 1.3 x 10^6."""
 
     src: int
     src_local: str
@@ -41,7 +46,15 @@ class Copy(NamedTuple):
 
     @property
     def numel(self) -> int:
-        return volume(self.sizes)
+        return prod(self.sizes)  # ``volume``, in C: plans sum it over a million copies
+
+
+class _Reprs(dict[object, str]):
+    """``repr`` of each key, made on first use."""
+
+    def __missing__(self, key: object) -> str:
+        r = self[key] = repr(key)
+        return r
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -69,9 +82,14 @@ class Plan:
         for lay in (self.src, self.dst):
             for r in lay.ranks:
                 h.update(repr([(t.name, t.shape, t.dtype) for t in r.tensors]).encode())
-        for c in self.copies:
-            h.update(repr((c.src, c.src_local, c.src_offsets, c.dst, c.dst_local,
-                           c.dst_offsets, c.sizes)).encode())
+        # Each copy hashes as repr((src, src_local, src_offsets, dst, dst_local, dst_offsets,
+        # sizes)).  A 1T plan's million copies repeat a few thousand ranks, names and boxes (all
+        # ints and strs), so each field's repr is made once; blocks of copies go to the hash.
+        rep = _Reprs()
+        block = 1 << 16
+        for i in range(0, len(self.copies), block):
+            h.update("".join([f"({rep[s]}, {rep[sl]}, {rep[so]}, {rep[d]}, {rep[dl]}, {rep[do]}, {rep[sz]})"
+                              for s, sl, so, d, dl, do, sz, _, _ in self.copies[i:i + block]]).encode())
         return h.hexdigest()[:16]
 
     @cached_property
@@ -112,27 +130,38 @@ class Plan:
         return (c.sizes == s and not any(c.src_offsets), c.sizes == d and not any(c.dst_offsets))
 
 
+_Holders = list[tuple[int, str, Box]]  # [(rank, local, local offsets)], in rank order
+# The holders' loads out of the per-rank load list (``_loads``); None for a single holder.
+_Loads = Callable[[list[int]], tuple[int, ...]] | None
+# One source box a destination piece reads: (numel, holders, their loads, dst local offsets,
+# logical offsets, sizes).
+_Hit = tuple[int, _Holders, _Loads, Box, Box, Box]
+# One destination piece's (local, logical, hits).
+_Read = tuple[str, str, list[_Hit]]
+
+
 @gc_paused
 def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Plan:
     """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder."""
     if src.spec.name != dst.spec.name or src.logical != dst.logical:
         raise PlanError(f"layouts describe different models: {src.spec.name} vs {dst.spec.name}")
-    # logical -> {(offsets, sizes): holders [(rank, local, local_offsets)]}
-    index: dict[str, dict[tuple[Box, Box], list[tuple[int, str, Box]]]] = defaultdict(dict)
+    # logical -> {(offsets, sizes): holders [(rank, local, local_offsets)]}, holders in rank order
+    index: dict[str, dict[tuple[Box, Box], _Holders]] = defaultdict(dict)
     for rank, rl in enumerate(src.ranks):
         for p in rl.pieces:
             index[p.logical].setdefault((p.offsets, p.sizes), []).append((rank, p.local, p.local_offsets))
-    boxes = {k: list(v.items()) for k, v in index.items()}
+    # logical -> [((offsets, sizes), holders, their loads)]
+    boxes = {k: [(box, holders, _loads(holders)) for box, holders in v.items()] for k, v in index.items()}
 
     load = [0] * src.world_size
     problems: list[str] = []
-    # (logical box, local offsets) -> [(numel, [(rank, local, src offsets)], dst offsets, overlap)]:
-    # identical engines hit the cache, leaving only the holder choice per piece.
-    cache: dict[tuple[str, Box, Box, Box], list] = {}
+    # (logical box, local offsets) -> its hits: identical pieces are intersected once.
+    cache: dict[tuple[str, Box, Box, Box], list[_Hit]] = {}
     disjoint: dict[str, bool] = {}
-    copies: list[Copy] = []
-    for dst_rank, rl in enumerate(dst.ranks):
-        for p in rl.pieces:
+
+    def reads(pieces: tuple[Piece, ...]) -> list[_Read]:
+        out: list[_Read] = []
+        for p in pieces:
             key = (p.logical, p.offsets, p.sizes, p.local_offsets)
             hits = cache.get(key)
             if hits is None:
@@ -141,14 +170,31 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Pl
                     disjoint[p.logical] = _disjoint(mine)
                 hits = cache[key] = _hits(p.logical, p.offsets, p.sizes, p.local_offsets, mine,
                                           disjoint[p.logical], problems)
-            for numel, srcs, dst_off, ov_off, ov_size in hits:
-                if len(srcs) == 1:
-                    rank, local, src_off = srcs[0]
-                else:
-                    rank, local, src_off = min(srcs, key=lambda h: (load[h[0]], h[0]))
+            out.append((p.local, p.logical, hits))
+        return out
+
+    # Identical engines share one pieces tuple (concat_layouts), so a rank's reads are listed once
+    # per distinct tuple, leaving only the holder choice per copy.  ``dst`` keeps every tuple
+    # alive for the whole build, so ids stay unique.
+    rank_reads: dict[int, list[_Read]] = {}
+    # Copies per source rank, each in destination order: their concatenation is the plan sorted
+    # by (src, dst) with destination order kept per link.
+    by_src: list[list[Copy]] = [[] for _ in range(src.world_size)]
+    for dst_rank, rl in enumerate(dst.ranks):
+        mine = rank_reads.get(id(rl.pieces))
+        if mine is None:
+            mine = rank_reads[id(rl.pieces)] = reads(rl.pieces)
+        for local, logical, hits in mine:
+            for numel, srcs, loads_of, dst_off, ov_off, ov_size in hits:
+                if loads_of is None:
+                    i = 0
+                else:  # holders are in rank order: the first least-loaded is the (load, rank) minimum
+                    loads = loads_of(load)
+                    i = loads.index(min(loads))
+                rank, src_local, src_off = srcs[i]
                 load[rank] += numel
-                copies.append(Copy(rank, local, src_off, dst_rank, p.local, dst_off, ov_size,
-                                   p.logical, ov_off))
+                by_src[rank].append(Copy(rank, src_local, src_off, dst_rank, local, dst_off, ov_size,
+                                         logical, ov_off))
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -156,8 +202,8 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Pl
             f"cannot plan {src.describe()} -> {dst.describe()}: destination regions not covered "
             f"exactly once:\n  {shown}{more}"
         )
-    copies.sort(key=lambda c: (c.src, c.dst))  # stable: per link, destination order kept
-    return Plan(src, dst, tuple(copies), wire_dtype or dst.ranks[0].tensors[0].dtype)
+    copies = tuple(chain.from_iterable(by_src))
+    return Plan(src, dst, copies, wire_dtype or dst.ranks[0].tensors[0].dtype)
 
 
 def _disjoint(boxes: list) -> bool:
@@ -165,24 +211,24 @@ def _disjoint(boxes: list) -> bool:
 
 
 def _hits(logical: str, offsets: Box, sizes: Box, local_offsets: Box, boxes: list, disjoint: bool,
-          problems: list[str]) -> list:
-    """The source boxes one destination piece reads, as (numel, holders, dst offsets, box)."""
+          problems: list[str]) -> list[_Hit]:
+    """The source boxes one destination piece reads (see ``_Hit``)."""
     if disjoint:  # a piece inside one of disjoint source boxes (TP shards, a whole tensor) reads it alone
-        for (off, size), holders in boxes:
+        for (off, size), holders, loads_of in boxes:
             if all(o <= q and q + n <= o + m for o, m, q, n in zip(off, size, offsets, sizes, strict=True)):
                 rel = tuple(q - o for q, o in zip(offsets, off, strict=True))
                 srcs = holders if not any(rel) else [
                     (rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True)))
                     for rank, local, loc in holders]
-                return [(volume(sizes), srcs, local_offsets, offsets, sizes)]
+                return [(volume(sizes), srcs, loads_of, local_offsets, offsets, sizes)]
     raw = []
-    for (off, size), holders in boxes:
+    for (off, size), holders, loads_of in boxes:
         ov = box_overlap(off, size, offsets, sizes)
         if ov is not None:
-            raw.append((off, holders, ov))
-    problems.extend(_coverage_problems(logical, offsets, sizes, raw))
-    hits = []
-    for off, holders, (ov_off, ov_size) in raw:
+            raw.append((off, holders, loads_of, ov))
+    problems.extend(_coverage_problems(logical, offsets, sizes, [ov for *_, ov in raw]))
+    hits: list[_Hit] = []
+    for off, holders, loads_of, (ov_off, ov_size) in raw:
         rel = tuple(o - b for o, b in zip(ov_off, off, strict=True))
         if any(rel):
             srcs = [(rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True)))
@@ -190,20 +236,26 @@ def _hits(logical: str, offsets: Box, sizes: Box, local_offsets: Box, boxes: lis
         else:  # the overlap starts where the source box does (replicas, whole pieces)
             srcs = holders
         dst_off = tuple(lo + o - b for lo, o, b in zip(local_offsets, ov_off, offsets, strict=True))
-        hits.append((volume(ov_size), srcs, dst_off, ov_off, ov_size))
+        hits.append((volume(ov_size), srcs, loads_of, dst_off, ov_off, ov_size))
     return hits
 
 
-def _coverage_problems(logical: str, offsets: Box, sizes: Box, hits: list) -> list[str]:
+def _loads(holders: _Holders) -> _Loads:
+    """The holders' entries of a per-rank list in one call, made once per source box: the choice
+    among a box's replicas (64 for a norm under TP8 x DP8) runs per copy, 1.3 M times for Kimi-K2."""
+    return None if len(holders) == 1 else itemgetter(*(rank for rank, _, _ in holders))
+
+
+def _coverage_problems(logical: str, offsets: Box, sizes: Box, overlaps: list[tuple[Box, Box]]) -> list[str]:
     out = []
-    covered = sum(volume(ov[1]) for _, _, ov in hits)
-    for i in range(len(hits)):
-        for j in range(i + 1, len(hits)):
-            both = box_overlap(*hits[i][2], *hits[j][2])
+    covered = sum(volume(ov[1]) for ov in overlaps)
+    for i in range(len(overlaps)):
+        for j in range(i + 1, len(overlaps)):
+            both = box_overlap(*overlaps[i], *overlaps[j])
             if both is not None:
                 out.append(f"doubled: {logical} offsets={both[0]} sizes={both[1]}")
     if covered < volume(sizes):
-        got = sorted((ov[0], ov[1]) for _, _, ov in hits)
+        got = sorted(overlaps)
         out.append(f"missing: {logical} offsets={offsets} sizes={sizes} has only "
                    f"{covered}/{volume(sizes)} elements in the source (source boxes: {got or 'none'})")
     return out
