@@ -60,7 +60,7 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     steps = [r["step"] for r in rows]
     for m in modes:
         a.plot(steps, [r["updates"][m]["phases"]["total"] * 1e3 for r in rows], marker="o", label=m)
@@ -72,6 +72,14 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> None:
     b.set_xlabel("step")
     b.set_ylabel("mean reward")
     b.set_title("GRPO reward (rollouts before the step)")
+    for m in modes:  # the RFC's train_rollout_logprob_abs_diff, right after each update (0 drawn at 1e-12)
+        diffs = [r["updates"][m]["logprob_abs_diff"] for r in rows]
+        c.plot(steps, [max(d, 1e-12) if d is not None else float("nan") for d in diffs], marker="o", label=m)
+    c.set_yscale("log")
+    c.set_xlabel("step")
+    c.set_ylabel("mean |trainer - engine logprob|")
+    c.set_title("train/rollout logprob |diff| after each update")
+    c.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

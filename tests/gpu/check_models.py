@@ -62,6 +62,8 @@ except ImportError:  # the script itself needs no pytest
 
 TINY = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
 MOE = ("tiny-qwen3-moe", "tiny-glm4-moe")
+# latent attention: megatron-core's MLA forward needs transformer_engine's attention (part (b) skips them)
+MLA = ("tiny-deepseek-v3", "tiny-deepseek-v3-q-proj", "tiny-glm4-moe-lite")
 # transformers only: megatron-core 0.16.1 has no post-attention / post-MLP norms (GLM4 dense)
 NOT_MEGATRON = ("tiny-glm4",)
 LARGE = ("Qwen2.5-0.5B", "Qwen3-0.6B")
@@ -239,7 +241,7 @@ def transformers_checks(presets: list[str], device: torch.device, fp32_control: 
         spec = PRESETS[name]
         source = _cached(random_source(spec, SEED))
         ids = _ids(spec, device)
-        for dt in ["bfloat16"] + (["float32"] if fp32_control and name in TINY + MOE + NOT_MEGATRON else []):
+        for dt in ["bfloat16"] + (["float32"] if fp32_control and name in TINY + MOE + NOT_MEGATRON + MLA else []):
             ref = _Reference(spec, source, _dtype(dt), device, ids)
             _run(rows, Row("engine vs transformers", name, dt, "transformers"),
                  functools.partial(_engine_vs, ref))
@@ -507,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu: part (b) needs cuda")
-    ap.add_argument("--presets", nargs="+", default=[*TINY, *NOT_MEGATRON, *MOE, *LARGE], choices=sorted(PRESETS),
+    ap.add_argument("--presets", nargs="+", default=[*TINY, *NOT_MEGATRON, *MOE, *MLA, *LARGE], choices=sorted(PRESETS),
                     metavar="PRESET", help="part (a) presets (default: tiny ones and ~0.5B ones)")
     ap.add_argument("--megatron-presets", nargs="*", default=[*TINY, *MOE], choices=sorted(PRESETS),
                     metavar="PRESET", help="part (b) presets (default: the tiny ones)")
