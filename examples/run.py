@@ -7,7 +7,8 @@
 
 Without CUDA (``--size auto``) every recipe runs the tiny variant of its family on CPU
 (Qwen3 -> tiny-qwen3, Llama -> tiny-llama, Qwen2.5 -> tiny-qwen2, Qwen3-MoE -> tiny-qwen3-moe,
-GLM4-MoE -> tiny-glm4-moe) with a CPU-sized topology.
+GLM4-MoE -> tiny-glm4-moe, DeepSeek-V3 / Kimi-K2 -> tiny-deepseek-v3, GLM-4.7-Flash -> tiny-glm4-moe-lite)
+with a CPU-sized topology.
 Environment knobs: ``SHARDSYNC_BUCKET_MB`` (bucket size, MiB) and ``SHARDSYNC_SKIP_VERIFY=1``
 (skip the bitwise checksum after each update).  See docs/examples.md and docs/ray.md.
 """
@@ -87,6 +88,18 @@ RECIPES = {r.model: r for r in (
            Topo(4, 4, (8, 8), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8, pp_layers=(24, 24, 24, 22)),
            Topo(1, 2, (2,), trainer_dp=2, trainer_ep=2, engine_ep=2)),
     Recipe("GLM-4.5-Air", "tiny-glm4-moe", Topo(4, 2, (8, 8), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8),
+           Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
+    # multi-head latent attention.  DeepSeek-V3: NeMo-RL's PP16 x EP16 -> TP32 x DP8 (64 nodes);
+    # Kimi-K2: the P2P examples' 64-node run (32 trainer + 32 rollout nodes); GLM-4.7-Flash: TP4 EP8 -> TP4 EP4
+    Recipe("DeepSeek-V3", "tiny-deepseek-v3",
+           Topo(1, 16, (32,) * 8, trainer_dp=16, trainer_ep=16, trainer_etp=1, engine_ep=32,
+                pp_layers=(4,) * 15 + (1,)),
+           Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
+    Recipe("Kimi-K2", "tiny-deepseek-v3",
+           Topo(8, 4, (16,) * 16, trainer_dp=8, trainer_ep=32, trainer_etp=1, engine_ep=16, pp_layers=(16, 15, 15, 15)),
+           Topo(1, 2, (2,), trainer_dp=2, trainer_ep=2, engine_ep=2)),
+    Recipe("GLM-4.7-Flash", "tiny-glm4-moe-lite",
+           Topo(4, 1, (4,), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=4),
            Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
 )}
 

@@ -204,9 +204,13 @@ class Receiver:
             program.committed()
 
     def checksums(self) -> dict[BoxKey, int]:
-        """Bitwise checksums of the pieces this rank serves (``runtime.checksum``)."""
-        return piece_checksums(self.rank_layout, self._addressed(self.destination.served()), self.layout.logical,
-                               self.dtype)
+        """Bitwise checksums of the pieces this rank serves (``runtime.checksum``).  The served
+        mapping is one dict whose parameters a staged commit rebinds to other storages: its
+        addressed views are made now, never cached (a cached 2-D view of a 3-D expert stack
+        would read the storage served before the last swap)."""
+        meta = self._meta
+        served = {n: addressed(t, meta[n]) if n in meta else t for n, t in self.destination.served().items()}
+        return piece_checksums(self.rank_layout, served, self.layout.logical, self.dtype)
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""

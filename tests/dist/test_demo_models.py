@@ -1,6 +1,7 @@
 """``shardsync demo`` on the newer families (mixture of experts, GLM4 dense, latent attention).
-Mixture of experts: GRPO with the trainer's experts spread over its DP ranks (EP 2) into an engine holding them EP 2 inside its TP group, synced by p2p
-and by broadcast, every update checked bitwise and by the engine re-scoring the batch."""
+Mixture of experts: GRPO with the trainer's experts spread over its DP ranks (EP 2) into an
+engine holding them EP 2 inside its TP group, synced by p2p and by broadcast, every update
+checked bitwise and by the engine re-scoring the batch."""
 
 from __future__ import annotations
 
@@ -68,3 +69,17 @@ def test_deepseek_demo_p2p_and_broadcast_bitwise(tmp_path) -> None:
             u = row["updates"][mode]
             assert u["path"] == mode and u["checksum_ok"] is True and u["logprob_abs_diff"] < 1e-4
     assert rows[0]["updates"]["p2p"]["busiest_link_bytes"] < rows[0]["updates"]["broadcast"]["busiest_link_bytes"]
+
+
+def test_staged_moe_updates_back_to_back_verify_what_is_served(tmp_path) -> None:
+    """p2p only, into a staged engine (two storage sets swapped at every commit): the engine's
+    checksums of its 3-D expert stacks read the storages it serves after each swap (they once
+    read the previous set on every second update and reported a mismatch)."""
+    cmd = [sys.executable, "-m", "shardsync.cli", "demo", "--model", "tiny-qwen3-moe", "--trainer-tp", "2",
+           "--trainer-ep", "2", "--trainer-etp", "1", "--engine-tp", "2", "--engine-ep", "2", "--steps", "3",
+           "--mode", "p2p", "--staging", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads((tmp_path / "steps.json").read_text())["steps"]
+    assert [row["updates"]["p2p"]["checksum_ok"] for row in rows] == [True, True, True], \
+        [row["updates"]["p2p"]["mismatch"] for row in rows]

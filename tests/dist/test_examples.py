@@ -49,6 +49,11 @@ def test_list():
     for model, tiny in (("Qwen3-30B-A3B", "tiny-qwen3-moe"), ("Qwen3-235B-A22B", "tiny-qwen3-moe"),
                         ("GLM-4.5-Air", "tiny-glm4-moe")):
         assert rows[model]["tiny"] == tiny and rows[model]["gpu_trainer_ep"] == rows[model]["gpu_engine_ep"] == 8
+    # latent attention: the published topologies, each with its tiny variant on CPU
+    for model, tiny in (("DeepSeek-V3", "tiny-deepseek-v3"), ("Kimi-K2", "tiny-deepseek-v3"),
+                        ("GLM-4.7-Flash", "tiny-glm4-moe-lite")):
+        assert rows[model]["tiny"] == tiny and rows[model]["cpu_engine_ep"] == 2
+    assert rows["DeepSeek-V3"]["nodes"] == rows["Kimi-K2"]["nodes"] == 64
 
 
 def test_prepare_random_tiny(tiny_ckpt):
