@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardsync.family import ARCHITECTURES, FAMILIES, Family
+from shardsync.family.table import dims
 
 ROUTERS = ("softmax", "sigmoid")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -130,8 +131,7 @@ class ModelSpec:
 
     @property
     def rotary_dim(self) -> int:
-        """Channels the rotary embedding turns (latent attention: the rope part of a head)."""
-        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
+        return dims(self)[self.family_table.attention.rotary]  # the attention block names it
 
     @property
     def architecture(self) -> str:
@@ -140,7 +140,7 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         """Multi-head latent attention (the family's attention block is MLA)."""
-        return self.family_table.mla
+        return self.family_table.attention.kind == "mla"
 
     @property
     def is_moe(self) -> bool:

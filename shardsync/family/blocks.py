@@ -62,6 +62,7 @@ GQA = Block(
         T("self_attn.o_proj.weight", "H", "q"),
         T("post_self_attn_layernorm.weight", "H", when=post_norms),
     ),
+    kind="gqa",
     megatron=(
         Row("{attn_norm}", Whole("input_layernorm.weight")),
         Row("self_attention.linear_qkv.weight", QkvGroups("weight")),
@@ -110,6 +111,8 @@ MLA = Block(
         T(_A + "kv_b_proj.weight", "kvb", "kl"),
         T(_A + "o_proj.weight", "H", "hv"),
     ),
+    kind="mla",
+    rotary="rope",
     megatron=(
         Row("input_layernorm.weight", Whole()),
         Row("self_attention.linear_q_down_proj.weight", Whole(_A + "q_a_proj.weight"), when=q_lora, variant="fused"),

@@ -37,8 +37,8 @@ def _write_lite(spec: ModelSpec) -> dict[str, Any]:
     return {**_write(spec), "mlp_layer_types": ["dense"] * k + ["sparse"] * (spec.num_layers - k)}
 
 
-DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", MLA, gated_mlp(), MOE, rope_interleaved=True, mla=True,
+DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", MLA, gated_mlp(), MOE, rope_interleaved=True,
                      read=_read, write=_write, check=_check)
 GLM4_MOE_LITE = Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", MLA, gated_mlp(), moe(router_dtype="float32"),
                        rope_interleaved=True,
-                       mla=True, read=_read, write=_write_lite, check=_check)
+                       read=_read, write=_write_lite, check=_check)

@@ -32,7 +32,9 @@ def dims(spec: ModelSpec) -> dict[str, int]:
             # latent attention: q down rank, kv latent rank, kv down rows (latent + rope),
             # q up rows (heads x (nope + rope)), kv up rows (heads x (nope + v)), attention output
             "ql": spec.q_lora_rank or 0, "kl": spec.kv_lora_rank, "kva": spec.kv_lora_rank + spec.qk_rope_head_dim,
-            "qh": h * d, "kvb": h * (spec.qk_nope_head_dim + spec.v_head_dim), "hv": h * spec.v_head_dim}
+            "qh": h * d, "kvb": h * (spec.qk_nope_head_dim + spec.v_head_dim), "hv": h * spec.v_head_dim,
+            # rotary widths: a share of the head (partial rotary), or MLA's rope part
+            "rot": int(d * spec.partial_rotary_factor), "rope": spec.qk_rope_head_dim}
 
 
 # -- logical tensors ---------------------------------------------------------------------------
@@ -164,6 +166,8 @@ class Block:
     logical: tuple[T | PerExpert, ...]
     megatron: tuple[Row, ...]
     engine: tuple[Row, ...]
+    kind: str = ""  # attention blocks: the module the reference models build for it (``gqa``, ``mla``)
+    rotary: str = "rot"  # attention blocks: the ``dims`` symbol of the channels rotary turns
 
 
 # -- a family ----------------------------------------------------------------------------------
@@ -186,7 +190,6 @@ class Family:
     fused_gate_up: bool = False  # gate and up as one checkpoint tensor
     rope_interleaved: bool = False  # rotary on neighbouring channel pairs
     lm_head_every_stage: bool = False  # SGLang 0.5.23 builds an untied lm_head on every PP stage
-    mla: bool = False  # multi-head latent attention (the spec's MLA fields shape it)
     read: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     write: Callable[[ModelSpec], dict[str, Any]] | None = None
     check: Callable[[ModelSpec], str | None] | None = None  # a family rule a spec breaks, or None

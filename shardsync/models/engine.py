@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -202,6 +202,17 @@ class _Experts(nn.Module):
         return self.tp.all_reduce(out).view_as(x)
 
 
+def _latent(spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP, device: torch.device) -> LatentAttention:
+    return LatentAttention(spec, prefix, tp.size, lambda name, attrs: _Leaf(rl, name, attrs, device), tp.all_reduce)
+
+
+# the family's attention block (``Block.kind``) -> the module that computes it on one TP rank
+ATTENTION: dict[str, Callable[[ModelSpec, RankLayout, str, _TP, torch.device], _Attention | LatentAttention]] = {
+    "gqa": _Attention,
+    "mla": _latent,
+}
+
+
 class _Layer(nn.Module):
     def __init__(self, spec: ModelSpec, rl: RankLayout, layer: int, tp: _TP, ep: int,
                  device: torch.device) -> None:
@@ -209,9 +220,7 @@ class _Layer(nn.Module):
         p = f"model.layers.{layer}."
         self.eps, self.index = spec.rms_norm_eps, layer
         self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
-        self.self_attn: _Attention | LatentAttention = (
-            LatentAttention(spec, p + "self_attn.", tp.size, lambda name, attrs: _Leaf(rl, name, attrs, device),
-                            tp.all_reduce) if spec.is_mla else _Attention(spec, rl, p + "self_attn.", tp, device))
+        self.self_attn = ATTENTION[spec.family_table.attention.kind](spec, rl, p + "self_attn.", tp, device)
         if spec.post_norms:  # GLM4
             self.post_self_attn_layernorm = _Leaf(rl, p + "post_self_attn_layernorm", ("weight",), device)
         self.post_attention_layernorm = _Leaf(rl, p + "post_attention_layernorm", ("weight",), device)

@@ -124,6 +124,9 @@ class _Weights(nn.Module):
             self.register_parameter(attr, param)
 
 
+_Make = Callable[[str, tuple[str, ...], bool], nn.Module]  # (name, attrs, TP-sharded) -> the parameters
+
+
 def _reduce_grads(comm: Comm, grads: list[torch.Tensor], divisor: int) -> None:
     """Sum ``grads`` over ``comm`` (one flat all-reduce) and divide them by ``divisor``."""
     flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
@@ -196,6 +199,58 @@ class _Experts(nn.Module):
         return out.view_as(h)
 
 
+class _GqaAttention(nn.Module):
+    """Grouped-query attention under Megatron's names: the fused QKV column-parallel (its input
+    norm fused in as ``layer_norm_weight`` under the TE spec), ``linear_proj`` row-parallel."""
+
+    def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make) -> None:
+        super().__init__()
+        self.spec, self.tp, self.fused = spec, tp, fused
+        p = prefix + "self_attention."
+        norm = ("layer_norm_weight",) if fused else ()
+        self.linear_qkv = weights(p + "linear_qkv", (*norm, "weight", *(("bias",) if spec.qkv_bias else ())), True)
+        if spec.qk_norm:
+            self.q_layernorm = weights(p + "q_layernorm", ("weight",), False)
+            self.k_layernorm = weights(p + "k_layernorm", ("weight",), False)
+        self.linear_proj = weights(p + "linear_proj", ("weight",), True)
+        self.groups = spec.num_kv_heads // tp.size
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x``: the layer input under the TE spec (the norm is fused here), else already normed."""
+        spec, tp, qkv = self.spec, self.tp, self.linear_qkv
+
+        def w(weight: torch.Tensor) -> torch.Tensor:
+            return weight.to(dtype)
+
+        b, s, _ = x.shape
+        d, p, eps = spec.head_dim, spec.heads_per_group, spec.rms_norm_eps
+        h = tp.copy_to(rms_norm(x, w(qkv.layer_norm_weight), eps) if self.fused else x)
+        fused = F.linear(h, w(qkv.weight), w(qkv.bias) if spec.qkv_bias else None)
+        # Local rows are whole query groups: [q heads of group, k, v] per group (LAYOUTS §4.2).
+        q, k, v = fused.view(b, s, self.groups, p + 2, d).split([p, 1, 1], dim=3)
+        q = q.reshape(b, s, self.groups * p, d)
+        k, v = k.reshape(b, s, self.groups, d), v.reshape(b, s, self.groups, d)
+        if spec.qk_norm:
+            # Replicated gains applied to this rank's heads only: their grads sum over TP.
+            q = rms_norm(q, w(tp.copy_to(self.q_layernorm.weight)), eps)
+            k = rms_norm(k, w(tp.copy_to(self.k_layernorm.weight)), eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = (apply_rope(t, cos, sin, spec.rope_interleaved) for t in (q, k))
+        out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
+        return tp.reduce_from(F.linear(out, w(self.linear_proj.weight)))
+
+
+@dataclass(frozen=True)
+class _AttentionKind:
+    build: Callable[[ModelSpec, str, Comm, bool, _Make], nn.Module]
+    fuses_input_norm: bool  # under the TE spec the layer's input norm lives in the first linear
+
+
+# the family's attention block (``Block.kind``) -> its module under Megatron's names
+ATTENTION = {"gqa": _AttentionKind(_GqaAttention, fuses_input_norm=True),
+             "mla": _AttentionKind(TrainerLatentAttention, fuses_input_norm=False)}  # MLA: never fused
+
+
 class _Layer(nn.Module):
     """One decoder layer under Megatron's names; both norm spellings (fused / separate)."""
 
@@ -207,27 +262,14 @@ class _Layer(nn.Module):
         self.sparse = spec.sparse_layer(layer)
         self.fused = model.par.norm_names == "fused" and not self.sparse
         self.fused_attn = model.par.norm_names == "fused"
-        norm = ("layer_norm_weight",) if self.fused_attn else ()
-        bias = ("bias",) if spec.qkv_bias else ()
-        if not self.fused_attn or spec.is_mla:  # MLA's input norm is its own module in both specs
+        kind = ATTENTION[spec.family_table.attention.kind]
+        self.norm_in_attention = self.fused_attn and kind.fuses_input_norm  # the TE spec's fused norm
+        if not self.norm_in_attention:
             self.input_layernorm = _Weights(tensors, prefix + "input_layernorm", ("weight",),
                                             tp_sharded=False)
-        self.self_attention: nn.Module
-        if spec.is_mla:
-            self.self_attention = TrainerLatentAttention(
-                spec, prefix, self.tp, self.fused_attn,
-                lambda name, attrs, sharded: _Weights(tensors, name, attrs, tp_sharded=sharded))
-        else:
-            self.self_attention = nn.Module()
-            att = self.self_attention
-            att.linear_qkv = _Weights(tensors, prefix + "self_attention.linear_qkv",
-                                      (*norm, "weight", *bias), tp_sharded=True)
-            if spec.qk_norm:
-                for name in ("q_layernorm", "k_layernorm"):
-                    setattr(att, name, _Weights(tensors, f"{prefix}self_attention.{name}",
-                                                ("weight",), tp_sharded=False))
-            att.linear_proj = _Weights(tensors, prefix + "self_attention.linear_proj", ("weight",),
-                                       tp_sharded=True)
+        self.self_attention = kind.build(spec, prefix, self.tp, self.fused_attn,
+                                         lambda name, attrs, sharded: _Weights(tensors, name, attrs,
+                                                                               tp_sharded=sharded))
         self.post_norms = spec.post_norms  # GLM4: norms of the attention and MLP outputs
         if self.post_norms:
             self.post_self_attn_layernorm = _Weights(tensors, prefix + "post_self_attn_layernorm", ("weight",),
@@ -246,7 +288,6 @@ class _Layer(nn.Module):
                                            tp_sharded=True)
         if self.post_norms:
             self.post_mlp_layernorm = _Weights(tensors, prefix + "post_mlp_layernorm", ("weight",), tp_sharded=False)
-        self.groups = spec.num_kv_heads // self.tp.size
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         spec, dtype = self.spec, self.dtype
@@ -255,38 +296,9 @@ class _Layer(nn.Module):
             return weight.to(dtype)
 
         eps = spec.rms_norm_eps
-        if isinstance(self.self_attention, TrainerLatentAttention):
-            a = self.self_attention(rms_norm(x, w(self.input_layernorm.weight), eps), cos, sin, dtype)
-        else:
-            a = self._attention(x, cos, sin)
+        h = x if self.norm_in_attention else rms_norm(x, w(self.input_layernorm.weight), eps)
+        a = self.self_attention(h, cos, sin, dtype)
         return self._mlp(x + (rms_norm(a, w(self.post_self_attn_layernorm.weight), eps) if self.post_norms else a))
-
-    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Grouped-query attention: the fused QKV column-parallel, ``linear_proj`` row-parallel."""
-        spec, tp, dtype = self.spec, self.tp, self.dtype
-
-        def w(weight: torch.Tensor) -> torch.Tensor:
-            return weight.to(dtype)
-
-        b, s, _ = x.shape
-        d, p, eps = spec.head_dim, spec.heads_per_group, spec.rms_norm_eps
-        att = self.self_attention
-        qkv = att.linear_qkv
-        norm = qkv.layer_norm_weight if self.fused_attn else self.input_layernorm.weight
-        h = tp.copy_to(rms_norm(x, w(norm), eps))
-        fused = F.linear(h, w(qkv.weight), w(qkv.bias) if spec.qkv_bias else None)
-        # Local rows are whole query groups: [q heads of group, k, v] per group (LAYOUTS §4.2).
-        q, k, v = fused.view(b, s, self.groups, p + 2, d).split([p, 1, 1], dim=3)
-        q = q.reshape(b, s, self.groups * p, d)
-        k, v = k.reshape(b, s, self.groups, d), v.reshape(b, s, self.groups, d)
-        if spec.qk_norm:
-            # Replicated gains applied to this rank's heads only: their grads sum over TP.
-            q = rms_norm(q, w(tp.copy_to(att.q_layernorm.weight)), eps)
-            k = rms_norm(k, w(tp.copy_to(att.k_layernorm.weight)), eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = (apply_rope(t, cos, sin, self.spec.rope_interleaved) for t in (q, k))
-        out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
-        return tp.reduce_from(F.linear(out, w(att.linear_proj.weight)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         tp, dtype, mlp, eps = self.tp, self.dtype, self.mlp, self.spec.rms_norm_eps
