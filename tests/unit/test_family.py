@@ -9,7 +9,7 @@ import pytest
 
 from shardsync.family import ARCHITECTURES, FAMILIES
 from shardsync.family.blocks import GQA, MOE, gated_mlp
-from shardsync.family.table import Block, ExpertMlps, Family, Row, Whole
+from shardsync.family.table import Block, ExpertMlps, Family, Row
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.plan.plan import build_plan
@@ -79,4 +79,3 @@ def test_a_layout_refuses_a_kind_it_has_no_rule_for(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ValueError, match="the engine layout has no rule for ExpertMlps"):
         engine_layout(spec, EngineParallel(tp=1))
     assert megatron_layout(spec, MegatronParallel(tp=1)).ranks  # the Megatron rows are fine
-    assert Whole().source is None
