@@ -43,7 +43,7 @@ def _vllm_vocab(topo: Topology) -> bool:
 
 PRECONDITIONS: tuple[Precondition, ...] = (
     Precondition("model_family", f"model family is one of {sorted(FAMILIES)} (MoE: {list(MOE_FAMILIES)})",
-                 lambda t: t.spec.family in FAMILIES),
+                 lambda t: FAMILIES.get(t.spec.family) is not None),  # the registry knows it
     Precondition("engine_layout_known", f"engine kind is one of {list(ENGINE_KINDS)}",
                  lambda t: t.engine_kind in ENGINE_KINDS),
     Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1), except those "
