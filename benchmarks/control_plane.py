@@ -19,7 +19,7 @@ from shardsync.control.client import wait_healthy
 from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import load_spec
+from shardsync.presets import load_spec
 from shardsync.store.rendezvous import free_port
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology

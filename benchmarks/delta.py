@@ -41,7 +41,7 @@ from shardsync.delta.parts import Part, apply_values
 from shardsync.layout import MegatronParallel
 from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss
 from shardsync.models.weights import random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 
 sys.path.insert(0, os.path.dirname(__file__))
 

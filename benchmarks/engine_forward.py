@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from shardsync.launch.procs import run_ranks
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.presets import PRESETS
+from shardsync.spec import ModelSpec
 from shardsync.store import free_port
 
 SEED = 0

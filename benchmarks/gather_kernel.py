@@ -23,7 +23,7 @@ from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank
 from shardsync.plan.local import allocate
 from shardsync.plan.runs import coalesce, compile_runs
-from shardsync.spec import load_spec
+from shardsync.presets import load_spec
 from shardsync.topology import Topology
 from shardsync.transport.copies import SIDE_STREAMS, Copies
 from shardsync.transport.gather import Gather, Tuning, capture

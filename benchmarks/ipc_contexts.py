@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shardsync.layout import EngineParallel, engine_layout
-from shardsync.spec import load_spec
+from shardsync.presets import load_spec
 from shardsync.transport import events
 from shardsync.transport.gather import Gather
 from shardsync.transport.handles import export_tensors, open_set

@@ -47,7 +47,7 @@ def _staging_bytes(kind: str, args: argparse.Namespace) -> int:
         return {"in-place": 0, "staged": -1}[kind]
     from shardsync.layout import EngineParallel, engine_layout
     from shardsync.plan.plan import dtype_itemsize
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
 
     spec = load_spec(args.model, dtype=args.dtype)
     lay = engine_layout(spec, EngineParallel(tp=args.engine_tp, dtype=spec.dtype))
@@ -58,7 +58,7 @@ def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespac
     from shardsync.config import ColocatedConfig, ControlConfig, SyncConfig, TransportConfig
     from shardsync.layout import MegatronParallel
     from shardsync.models.weights import load_rank
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
     from shardsync.sync import WeightSync
     from shardsync.topology import Topology
 

@@ -37,8 +37,8 @@ from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import addressed
 from shardsync.models.weights import load_rank
 from shardsync.plan.local import region
+from shardsync.presets import load_spec
 from shardsync.runtime.checksum import piece_checksums
-from shardsync.spec import load_spec
 from shardsync.store.rendezvous import free_port
 from shardsync.topology import Topology
 

@@ -12,7 +12,7 @@ import time
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.plan import make_buckets
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 
 CASES = [

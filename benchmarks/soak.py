@@ -180,7 +180,7 @@ def _trainer(rank: int, world: int, port: int, url: str, token: str, ipc: bool, 
     from shardsync.layout import MegatronParallel
     from shardsync.mode import Mode
     from shardsync.models.weights import load_rank, random_source
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
     from shardsync.sync import WeightSync
     from shardsync.topology import Topology
 

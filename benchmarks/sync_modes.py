@@ -53,7 +53,7 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], args: argparse.N
     from shardsync.layout import Fsdp2Parallel, MegatronParallel
     from shardsync.models.weights import load_rank, random_source
     from shardsync.placement import rank_device
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
     from shardsync.sync import WeightSync
     from shardsync.topology import Topology
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardsync.demo.run import DemoConfig, start_engines
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.store.rendezvous import free_port as _free_port
 
 MODES = ("p2p", "broadcast")
@@ -77,7 +77,7 @@ def _trainer(rank: int, port: int, urls: list[str], case: Case, model: str,
     from shardsync.config import SyncConfig, TransportConfig
     from shardsync.layout import MegatronParallel
     from shardsync.models.weights import load_rank, random_source
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
     from shardsync.sync import WeightSync
     from shardsync.topology import Topology
 

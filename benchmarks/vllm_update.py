@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, port: int, url: str, tp: int, args, out) -> Non
     from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportConfig
     from shardsync.layout import MegatronParallel
     from shardsync.models.weights import load_rank, random_source, sparse_change
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
     from shardsync.sync import WeightSync
     from shardsync.topology import Topology
 
@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--out", default="docs/results/vllm_update_cpu.json")
     args = ap.parse_args()
 
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
 
     spec = load_spec(args.model, dtype="float32")
     tps = [int(t) for t in str(args.engine_tp).split(",")]

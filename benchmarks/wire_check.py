@@ -28,8 +28,8 @@ def _rank(rank: int, world: int, port: int, model: str, args, out) -> None:
     from shardsync.mode import Mode
     from shardsync.models.weights import load_rank, random_source
     from shardsync.paths import Endpoint, UpdateArgs, compile_path
+    from shardsync.presets import load_spec
     from shardsync.runtime.schedule import subgroups
-    from shardsync.spec import load_spec
     from shardsync.store.rendezvous import Rendezvous, open_store
     from shardsync.topology import Topology
     from shardsync.transport import SyncGroup

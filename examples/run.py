@@ -138,7 +138,7 @@ def _skip_verify() -> bool:
 # -- list ------------------------------------------------------------------------------------
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from shardsync.spec import PRESETS
+    from shardsync.presets import PRESETS
 
     rows = [{"model": r.model, "params_b": round(PRESETS[r.model].num_parameters() / 1e9, 2),
              "nodes": r.nodes, "gpus": r.gpu.devices, **{f"gpu_{k}": v for k, v in asdict(r.gpu).items()},
@@ -235,7 +235,7 @@ def megatron_layout_json(spec, topo: Topo, source: str) -> dict:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from shardsync.layout import logical_tensors
     from shardsync.models.weights import checkpoint_source, random_source
-    from shardsync.spec import PRESETS, load_spec
+    from shardsync.presets import PRESETS, load_spec
 
     recipe = _recipe(args.model)
     tiny = _tiny(args.size)
@@ -312,7 +312,7 @@ def _config(args: argparse.Namespace, recipe: Recipe, tiny: bool):
 
 
 def _check_checkpoint(args: argparse.Namespace, launcher: str, topo: Topo) -> None:
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
 
     try:
         spec = load_spec(args.checkpoint)

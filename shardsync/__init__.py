@@ -21,7 +21,7 @@ _NAMES = {
     # both
     "Mode": "shardsync.mode", "Stats": "shardsync.runtime.stats",
     # metadata: models, layouts, plans
-    "PRESETS": "shardsync.spec", "ModelSpec": "shardsync.spec", "load_spec": "shardsync.spec",
+    "PRESETS": "shardsync.presets", "ModelSpec": "shardsync.spec", "load_spec": "shardsync.presets",
     "EngineParallel": "shardsync.layout", "MegatronParallel": "shardsync.layout", "Fsdp2Parallel": "shardsync.layout",
     "fsdp2_parallel": "shardsync.fsdp2", "local_shards": "shardsync.fsdp2",
     "engine_layout": "shardsync.layout", "full_layout": "shardsync.layout", "megatron_layout": "shardsync.layout",

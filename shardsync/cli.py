@@ -14,7 +14,7 @@ import sys
 import time
 
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
-from shardsync.spec import load_spec
+from shardsync.presets import load_spec
 from shardsync.topology import Topology
 
 

@@ -12,8 +12,8 @@ from functools import cache
 from shardsync.bench.topology import BenchLayout
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.plan import make_buckets
+from shardsync.presets import load_spec
 from shardsync.runtime.schedule import broadcast_buckets
-from shardsync.spec import load_spec
 from shardsync.topology import Topology
 
 TRANSPORTS = ("broadcast", "p2p")

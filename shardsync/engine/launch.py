@@ -103,7 +103,7 @@ def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, comma
     from shardsync.engine.worker import EngineWorker
     from shardsync.models.engine import EngineModel
     from shardsync.models.weights import checkpoint_source, random_source
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
 
     _die_with_parent()
     torch.set_num_threads(cfg.threads)

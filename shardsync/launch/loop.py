@@ -64,7 +64,7 @@ def initial_weights(cfg: DemoConfig):
     """Initial trainer weights: the checkpoint when ``cfg.model`` is a directory, else the
     preset's random weights (the same ones an engine started with that seed holds)."""
     from shardsync.models.weights import checkpoint_source, random_source
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
 
     spec = load_spec(cfg.model)
     if Path(cfg.model).is_dir():

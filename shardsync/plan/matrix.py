@@ -23,7 +23,8 @@ from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.mode import Mode
 from shardsync.plan.choose import choose
 from shardsync.plan.preconditions import PRECONDITIONS, Verdict, check_p2p
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.presets import PRESETS
+from shardsync.spec import ModelSpec
 from shardsync.topology import ENGINE_KINDS, Topology
 from shardsync.vocab import Request
 

@@ -31,7 +31,7 @@ def shard_bytes(model: str, tp: int, dtype: str | None = None) -> int:
     """Bytes of TP rank 0's shard of the reference engine (a staging window is a share of it)."""
     from shardsync.layout import EngineParallel, engine_layout
     from shardsync.plan.plan import dtype_itemsize
-    from shardsync.spec import load_spec
+    from shardsync.presets import load_spec
 
     spec = load_spec(model, dtype=dtype)
     lay = engine_layout(spec, EngineParallel(tp=tp, dtype=spec.dtype))

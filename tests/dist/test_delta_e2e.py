@@ -15,7 +15,7 @@ import torch.distributed as dist
 from shardsync.layout import MegatronParallel
 from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
 from shardsync.models.weights import random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.config import DeltaConfig, SyncConfig, TransportConfig
 from shardsync.sync import WeightSync
 from tests.dist._engine import shard_bytes, start_engine, stop_engine

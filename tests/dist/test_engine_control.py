@@ -13,7 +13,7 @@ import torch
 from shardsync.config import ControlConfig, SyncConfig, TransportConfig
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine

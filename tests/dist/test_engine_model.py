@@ -17,7 +17,8 @@ import torch.distributed as dist
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.models.engine import EngineModel, sample_token
 from shardsync.models.weights import checkpoint_source, random_source
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.spec import ModelSpec
+from shardsync.presets import PRESETS
 from tests.dist._world import free_port, run_world
 
 SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-glm4")

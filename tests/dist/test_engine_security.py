@@ -20,7 +20,7 @@ from shardsync.config import ControlConfig, SyncConfig, TransportConfig
 from shardsync.control.client import SyncError
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine

@@ -15,7 +15,7 @@ import torch
 
 from shardsync.layout import MegatronParallel, logical_tensors, megatron_layout
 from shardsync.models.weights import checkpoint_source, random_source
-from shardsync.spec import PRESETS, load_spec
+from shardsync.presets import PRESETS, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

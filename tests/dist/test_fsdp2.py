@@ -16,7 +16,8 @@ from shardsync.config import DeltaConfig, SyncConfig, TransportConfig
 from shardsync.fsdp2 import fsdp2_parallel, local_shards
 from shardsync.layout import Fsdp2Parallel, fsdp2_layout
 from shardsync.models.weights import random_source
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.spec import ModelSpec
+from shardsync.presets import PRESETS
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, run_world
 

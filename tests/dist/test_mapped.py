@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
 from shardsync.mode import Mode
 from shardsync.paths.p2p import ColocatedProgram

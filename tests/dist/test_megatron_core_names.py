@@ -29,7 +29,8 @@ from unittest import mock
 import pytest
 
 from shardsync.layout import MegatronParallel, megatron_layout
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.spec import ModelSpec
+from shardsync.presets import PRESETS
 from tests.dist._world import free_port, run_world
 from tests.megatron_recipe import architecture, moe_architecture
 

@@ -17,7 +17,8 @@ from shardsync.layout import MegatronParallel
 from shardsync.models.engine import EngineModel
 from shardsync.models.trainer import TrainerModel, megatron_groups
 from shardsync.models.weights import random_source
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.spec import ModelSpec
+from shardsync.presets import PRESETS
 from tests.dist._compare import rel, to_hf
 from tests.dist._world import free_port, run_world
 from tests.dist.test_moe_models import (

@@ -14,7 +14,7 @@ from shardsync.models.weights import load_rank, random_source
 from shardsync.paths import Endpoint, UpdateArgs, compile_path
 from shardsync.receiver import Loader, Params, Receiver, connect_request
 from shardsync.runtime.schedule import subgroups
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from shardsync.store.rendezvous import Rendezvous

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardsync.config import SyncConfig, TransportConfig
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync
 from tests.dist._engine import shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.config import SyncConfig, TransportConfig
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology

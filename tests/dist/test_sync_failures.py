@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import PRESETS, load_spec
+from shardsync.presets import PRESETS, load_spec
 from shardsync.config import SyncConfig, TransportConfig
 from shardsync.control.wire import Go
 from shardsync.store.keys import Keys

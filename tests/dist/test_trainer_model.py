@@ -22,7 +22,8 @@ from shardsync.layout import Layout, MegatronParallel, megatron_layout
 from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import region
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.spec import ModelSpec
+from shardsync.presets import PRESETS
 from tests.dist._compare import rel, to_hf, tp1_reference
 from tests.dist._world import free_port, run_world
 

@@ -12,7 +12,7 @@ from shardsync.mode import Mode
 from shardsync.paths import Colocated, Endpoint, UpdateArgs, compile_path
 from shardsync.vocab import Ipc
 from shardsync.runtime.schedule import subgroups
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from shardsync.store.rendezvous import Rendezvous

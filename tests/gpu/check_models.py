@@ -51,7 +51,8 @@ from shardsync.layout import MegatronParallel  # noqa: E402
 from shardsync.models.engine import EngineModel  # noqa: E402
 from shardsync.models.trainer import TrainerModel  # noqa: E402
 from shardsync.models.weights import TensorSource, random_source  # noqa: E402
-from shardsync.spec import PRESETS, ModelSpec  # noqa: E402
+from shardsync.presets import PRESETS
+from shardsync.spec import ModelSpec  # noqa: E402
 from shardsync.store import free_port
 from tests.megatron_recipe import architecture, moe_architecture
 

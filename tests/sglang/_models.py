@@ -21,7 +21,7 @@ MODELS = {  # HF architecture -> SGLang module
 DERIVED = ("w_kc", "w_vc")
 
 def _specs():
-    from shardsync.spec import PRESETS
+    from shardsync.presets import PRESETS
 
     # SGLang's Qwen3-MoE makes every layer sparse and its lm_head its own (it reads neither
     # ``mlp_only_layers`` nor ``tie_word_embeddings``; released Qwen3-MoE checkpoints use neither)

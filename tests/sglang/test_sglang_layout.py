@@ -14,8 +14,8 @@ import torch
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.models.weights import load_rank, random_source
+from shardsync.presets import PRESETS
 from shardsync.receiver.match import live_difference
-from shardsync.spec import PRESETS
 from tests.sglang import _models
 
 SPECS, MODELS = _models.SPECS, tuple(_models.SPECS)

@@ -13,7 +13,7 @@ from shardsync.delta.encode import bits
 from shardsync.delta.transfer import Snapshot
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 
 

@@ -287,7 +287,7 @@ def test_the_scheduler_over_a_real_worker_generates_what_the_model_generates(tok
     from shardsync.engine.worker import EngineWorker
     from shardsync.models.engine import EngineModel
     from shardsync.models.weights import random_source
-    from shardsync.spec import PRESETS
+    from shardsync.presets import PRESETS
 
     spec = PRESETS["tiny-qwen3"]
     model = EngineModel.from_source(spec, random_source(spec, 3))

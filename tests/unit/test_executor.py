@@ -11,9 +11,9 @@ import torch
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import execute_local
+from shardsync.presets import PRESETS
 from shardsync.runtime.executor import BufferPool, CorruptBucket, digest, execute
 from shardsync.runtime.schedule import p2p_steps
-from shardsync.spec import PRESETS
 from shardsync.topology import Topology
 from tests.unit.test_paths import Loopback
 

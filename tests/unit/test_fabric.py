@@ -11,7 +11,7 @@ import pytest
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.plan.fabric import FABRICS, fabric, lower_bounds
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 
 TOPO = Topology(PRESETS["tiny-qwen3-moe"], MegatronParallel(tp=1, dp=4, ep=4), (EngineParallel(tp=2),) * 2)

@@ -13,7 +13,8 @@ from shardsync.family.table import Block, ExpertMlps, Family, Row
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.plan.plan import build_plan
-from shardsync.spec import PRESETS, spec_from_config
+from shardsync.presets import PRESETS
+from shardsync.spec import spec_from_config
 
 TINY = {s.family: s for s in PRESETS.values() if s.name.startswith("tiny-")}
 

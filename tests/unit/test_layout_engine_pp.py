@@ -9,7 +9,7 @@ import pytest
 
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout
 from shardsync.plan import build_plan
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 
 

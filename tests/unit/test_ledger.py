@@ -12,10 +12,10 @@ from pydantic import ValidationError
 from shardsync.control.wire import Done
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.mode import Mode
+from shardsync.presets import PRESETS
 from shardsync.runtime.ledger import REDUCED, Cost, RankReport, Reduce, Served, UpdateResult
 from shardsync.runtime.record import make_record
 from shardsync.runtime.stats import Stats, StepTiming
-from shardsync.spec import PRESETS
 from shardsync.topology import Topology
 from shardsync.vocab import Staging
 

@@ -10,7 +10,7 @@ import pytest
 from shardsync.paths import choose_full
 from shardsync.plan.matrix import MODES, build, decide, render_markdown
 from shardsync.plan.preconditions import PRECONDITIONS
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "fallback_matrix.md"
 # Cannot fail on a topology that exists: ModelSpec refuses other families, and the planner

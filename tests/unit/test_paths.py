@@ -14,9 +14,9 @@ from shardsync.mode import FULL, Mode
 from shardsync.models.weights import load_rank, random_source
 from shardsync.paths import PATHS, choose_full, connection_modes
 from shardsync.plan.local import execute_local
+from shardsync.presets import PRESETS
 from shardsync.runtime.executor import BufferPool, Pooled, execute
 from shardsync.runtime.schedule import broadcast_steps, p2p_steps
-from shardsync.spec import PRESETS
 from shardsync.topology import Topology
 
 TOPOLOGIES = {

@@ -18,7 +18,8 @@ from shardsync.layout import (
     megatron_layout,
 )
 from shardsync.plan import PlanError, build_plan
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.presets import PRESETS
+from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
 
 LAYER = re.compile(r"layers\.(\d+)\.")

@@ -21,7 +21,7 @@ from shardsync.layout import (
     fsdp2_layout,
 )
 from shardsync.plan import build_plan, execute_local
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 from tests.unit.reference_rules import engine_shards, synthetic_full
 from tests.unit.test_plan_properties import assert_shards_equal, specs

@@ -32,7 +32,8 @@ from shardsync.layout import (
     megatron_layout,
 )
 from shardsync.plan import build_plan, execute_local
-from shardsync.spec import PRESETS, ModelSpec
+from shardsync.presets import PRESETS
+from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
 from tests.unit.reference_rules import (
     CORRECTION_BIAS,

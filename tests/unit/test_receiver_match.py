@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from shardsync.layout import EngineParallel, engine_layout
+from shardsync.presets import PRESETS
 from shardsync.receiver.match import layout_difference
-from shardsync.spec import PRESETS
 
 
 def _rank(tp: int = 2, r: int = 1):

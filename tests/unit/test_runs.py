@@ -10,7 +10,7 @@ from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import allocate, execute_local
 from shardsync.plan.runs import coalesce, compile_runs
-from shardsync.spec import PRESETS, load_spec
+from shardsync.presets import PRESETS, load_spec
 from shardsync.topology import Topology
 from shardsync.transport.copies import Copies
 

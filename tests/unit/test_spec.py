@@ -1,6 +1,6 @@
 """Presets against figures published for the real models."""
 
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 
 
 def test_qwen3_4b_parameter_count_matches_the_published_model() -> None:

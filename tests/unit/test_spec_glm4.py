@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from shardsync.layout.logical import logical_tensors
-from shardsync.spec import PRESETS, spec_from_config
+from shardsync.presets import PRESETS
+from shardsync.spec import spec_from_config
 
 
 def test_glm4_9b_has_the_published_size() -> None:

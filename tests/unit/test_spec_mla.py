@@ -13,7 +13,8 @@ import torch
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.plan.plan import build_plan
-from shardsync.spec import PRESETS, spec_from_config
+from shardsync.presets import PRESETS
+from shardsync.spec import spec_from_config
 
 TINY = ("tiny-deepseek-v3", "tiny-deepseek-v3-q-proj", "tiny-glm4-moe-lite")
 

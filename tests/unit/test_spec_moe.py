@@ -11,7 +11,8 @@ import torch
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.layout.logical import logical_tensors
-from shardsync.spec import PRESETS, spec_from_config
+from shardsync.presets import PRESETS
+from shardsync.spec import spec_from_config
 from shardsync.topology import Topology
 
 

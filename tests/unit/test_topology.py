@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardsync.layout import EngineParallel, MegatronParallel
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.topology import Topology
 
 

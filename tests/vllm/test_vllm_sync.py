@@ -24,7 +24,7 @@ from shardsync.fsdp2 import fsdp2_parallel, local_shards
 from shardsync.layout import MegatronParallel
 from shardsync.models.checkpoint import write_checkpoint
 from shardsync.models.weights import load_rank
-from shardsync.spec import PRESETS
+from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync
 from tests.dist._world import free_port, join_trainer, run_world
 from tests.vllm._check import compare, hf_reference, version_source, vllm_generate
