@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -36,6 +37,9 @@ CASES = [
 
 
 def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParallel, ...]) -> dict:
+    # Start from a collected heap: the previous run's million copies otherwise promote through
+    # the collector's generations and a full pass (~1 s for a 1T plan) lands in a random phase.
+    gc.collect()
     t0 = time.perf_counter()
     topo = Topology(PRESETS[model], trainer, engines)
     _ = (topo.trainer_layout, topo.engines_layout)  # build both layouts inside the timer

@@ -4,6 +4,7 @@ and take whole tensors by broadcast once if an engine says the plan is not its l
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,6 +24,8 @@ from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import Topology
 from shardsync.vocab import Reason, Refused
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Connection:
@@ -39,10 +42,13 @@ class Connection:
 def agree(ranks: TrainerRanks, client: EngineClient | None, cfg: SyncConfig, spec: ModelSpec,
           parallel: MegatronParallel, decision: Decision, rdv: Rendezvous, keys: Keys) -> Connection:
     """Choose the full path and offer the plan (rank 0 sends it through ``client``, every rank
-    learns the answer).  A layout refusal falls back to whole tensors by broadcast, once, unless
-    the config asked for p2p or colocated IPC; any other refusal ends the connect."""
+    learns the answer).  A layout refusal that names the layout variants the engine's
+    parameters are (SGLang's fused shared expert) is planned again for them, once; another
+    falls back to whole tensors by broadcast, once, unless the config asked for p2p or
+    colocated IPC; any other refusal ends the connect."""
     refused: str | None = None
-    for whole in (False, True):
+    whole, replanned = False, False
+    while True:
         topo = topology_of(decision, spec, parallel, relay=cfg.relay, whole=whole)
         mode, reason = (Mode.BROADCAST, refused) if whole else choose_full(topo, cfg.mode)
         if cfg.ipc and mode is not Mode.P2P:
@@ -52,11 +58,29 @@ def agree(ranks: TrainerRanks, client: EngineClient | None, cfg: SyncConfig, spe
         offered = ranks.share(ranks.lead(partial(_offer, client, cfg, conn, rdv, len(decision.tps)), Note), Note)
         if not offered.error:
             return conn
-        if whole or offered.reason is not Reason.LAYOUT_MISMATCH or cfg.mode == "p2p" or cfg.ipc:
+        if whole or offered.reason is not Reason.LAYOUT_MISMATCH:
             raise SyncError(f"engines refused the connect: {offered.error}")
+        if offered.variants and not replanned:
+            decision, replanned = _with_variants(decision, offered.variants), True
+            if ranks.rank == 0:
+                log.info("shardsync: engines hold layout variants %s (engine index -> variants); planned again",
+                         offered.variants)
+            continue
+        if cfg.mode == "p2p" or cfg.ipc:
+            raise SyncError(f"engines refused the connect: {offered.error}")
+        whole = True
         # the decision is the typed reason; the log line shows the engine's own words after it
         refused = f"{LAYOUT_MISMATCH}: {offered.error.partition(LAYOUT_MISMATCH + ': ')[2][:300] or offered.error}"
-    raise AssertionError("unreachable: the whole-tensor offer returns or raises")
+
+
+def _with_variants(decision: Decision, variants: dict[int, list[str]]) -> Decision:
+    """The decision with the layout variants engines said their parameters are."""
+    mine = list(decision.variants or [[] for _ in decision.tps])
+    for i, v in variants.items():
+        if not 0 <= i < len(mine):
+            raise SyncError(f"an engine answered for engine {i} of {len(mine)}")
+        mine[i] = v
+    return decision.model_copy(update={"variants": mine})
 
 
 def _offer(client: EngineClient | None, cfg: SyncConfig, conn: Connection, rdv: Rendezvous, engines: int) -> Note:
@@ -72,5 +96,5 @@ def _offer(client: EngineClient | None, cfg: SyncConfig, conn: Connection, rdv: 
                                         delta=cfg.delta.transport if cfg.delta else None)
                         for i in range(engines)])
     except Refused as e:
-        return Note(error=f"{type(e).__name__}: {e}", reason=e.reason)
+        return Note(error=f"{type(e).__name__}: {e}", reason=e.reason, variants=e.variants)
     return Note()

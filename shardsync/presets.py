@@ -101,11 +101,12 @@ _PRESET_LIST = [
     _preset("GLM-4.7-Flash", "glm4_moe_lite", 2048, 47, 20, 20, 256, 10240, 154880, False, rms_norm_eps=1e-5,
             max_position_embeddings=202752, **_mla(768, 512, 192, 64, 256, nextn=1),
             **_sigmoid_moe(64, 4, 1536, shared=1, dense=1, scale=1.8)),
-    # tiny (CPU): yarn rope, expert groups, one dense layer; a q_proj variant (no q_lora_rank); GLM's wider
-    # nope and v heads than rope
+    # tiny (CPU): yarn rope, expert groups, one dense layer, an MTP layer; a q_proj variant (no q_lora_rank);
+    # GLM's wider nope and v heads than rope
     _preset("tiny-deepseek-v3", "deepseek_v3", 256, 4, 8, 8, 48, 512, 1100, False, max_position_embeddings=2048,
             dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
-            **_mla(64, 32, 32, 16, 32), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5)),
+            **_mla(64, 32, 32, 16, 32, nextn=1),
+            **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5)),
     _preset("tiny-deepseek-v3-q-proj", "deepseek_v3", 256, 4, 8, 8, 48, 512, 1100, False, max_position_embeddings=2048,
             dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
             **_mla(None, 32, 32, 16, 32), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5)),

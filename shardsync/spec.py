@@ -154,11 +154,12 @@ class ModelSpec:
         return self.num_heads // self.num_kv_heads
 
     def num_parameters(self) -> int:
-        """Logical (HF) parameter count; the tied embedding counts once."""
-        from shardsync.layout.logical import logical_tensors
+        """Logical (HF) parameter count of the model, its MTP layers not counted; the tied
+        embedding counts once."""
+        from shardsync.layout.logical import model_tensors
 
         total = 0
-        for shape in logical_tensors(self).values():
+        for shape in model_tensors(self).values():
             n = 1
             for s in shape:
                 n *= s

@@ -169,7 +169,10 @@ class WeightSync:
         topo = conn.topo
         self.plan_s = time.perf_counter() - t0
         if self.config.delta is not None and self._snapshot is None:
-            self._snapshot = Snapshot(self.params, torch_dtype(topo.wire_dtype), pin=self.config.delta.pin_memory)
+            raw = {p.local: torch_dtype(topo.raw_dtypes[p.logical])
+                   for p in topo.trainer_layout.ranks[self.rank].pieces if p.logical in topo.raw_dtypes}
+            self._snapshot = Snapshot(self.params, torch_dtype(topo.wire_dtype), pin=self.config.delta.pin_memory,
+                                      raw=raw)
         if self.rank == 0:
             with ThreadPoolExecutor(1) as pool:
                 joined = pool.submit(self._lead.join)
@@ -185,6 +188,9 @@ class WeightSync:
                 log.info("[rank 0] mode=auto falls back to broadcast: %s", conn.fallback_reason)
             log.info("[rank 0] connected %d engine(s) TP %s, mode=%s, plan+connect %.3fs",
                      len(self.urls), decision.tps, conn.mode, time.perf_counter() - t0)
+            if conn.topo.unsent_bytes:
+                log.info("[rank 0] %.2f MiB of the trainer's tensors are held by no engine and stay (MTP layers: "
+                         "engines' serving models hold none)", conn.topo.unsent_bytes / 2**20)
 
     def _join(self, conn: Connection, rdv: Rendezvous, store) -> None:
         """Build the sync group with the engines, then compile every path of the connection
@@ -332,13 +338,15 @@ class WeightSync:
         engine dtype); an empty list means every engine holds exactly the trainer's weights."""
         conn, group = self._live()
         lay = conn.topo.trainer_layout
-        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, torch_dtype(conn.topo.wire_dtype))
+        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, torch_dtype(conn.topo.wire_dtype),
+                               conn.topo.raw_dtypes)
         self._calls += 1
         sums = RankSums.of(mine)
         parts = self.ranks.gather(group.store, conn.keys.check(self._calls, "sums"), sums, RankSums)
 
         def judge() -> Verdict:
-            expected = combine(p.keyed() for p in parts)
+            held = conn.topo.engine_held  # the MTP layers no engine holds stay out of the comparison
+            expected = {k: v for k, v in combine(p.keyed() for p in parts).items() if k in held}
             bad = []
             for url, res in zip(self.urls, self._lead.checksums(), strict=True):
                 got = {k: (None if v is None else int(v)) for k, v in res.checksums.items()}

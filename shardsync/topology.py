@@ -7,6 +7,7 @@ same numbers and so derive the same plans (compared by fingerprint at connect ti
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -23,7 +24,9 @@ from shardsync.layout import (
 )
 from shardsync.layout.fsdp2 import Fsdp2Parallel, fsdp2_layout
 from shardsync.layout.logical import is_expert
+from shardsync.layout.raw import raw_dtypes
 from shardsync.plan import Plan, build_plan
+from shardsync.plan.plan import dtype_itemsize
 from shardsync.spec import ModelSpec
 
 ENGINE_KINDS = ("reference", "sglang", "vllm")
@@ -63,6 +66,31 @@ class Topology:
         return tuple(unique[e] for e in self.engines)
 
     @cached_property
+    def raw_dtypes(self) -> dict[str, str]:
+        """Logical tensors the trainer and every engine hold wider than the wire: they move
+        (and are checked) as their own bits (``layout/raw.py``).  FSDP2 trainers and
+        whole-tensor engines hold every tensor in one dtype: none."""
+        t = self.trainer
+        if not isinstance(t, MegatronParallel) or any(e.whole for e in self.engines):
+            return {}
+        per_engine = [raw_dtypes(self.spec, frozenset({t.norm_names}), v, self.wire_dtype)
+                      for v in dict.fromkeys(e.variants for e in self.engines)]
+        return {n: d for n, d in per_engine[0].items() if all(other.get(n) == d for other in per_engine[1:])}
+
+    @cached_property
+    def engine_held(self) -> frozenset[str]:
+        """The logical tensors some engine holds (what a sync moves and a verify compares)."""
+        return frozenset(p.logical for lay in self.engine_layouts for r in lay.ranks for p in r.pieces)
+
+    @cached_property
+    def unsent_bytes(self) -> int:
+        """Wire bytes of the logical tensors the trainer holds and no engine does (the MTP
+        layers: engines' serving models hold none); they stay on the trainer."""
+        mine = {p.logical for r in self.trainer_layout.ranks for p in r.pieces} - self.engine_held
+        logical = self.trainer_layout.logical
+        return sum(math.prod(logical[n]) for n in mine) * dtype_itemsize(self.wire_dtype)
+
+    @cached_property
     def engines_layout(self) -> Layout:
         """All engine ranks as one destination; engine i's ranks follow engine i-1's."""
         return concat_layouts("engine", self.engine_layouts)
@@ -87,15 +115,15 @@ class Topology:
         """
         if self.relay:
             first = concat_layouts("engine", self.engine_layouts[:1])
-            return build_plan(self.trainer_layout, first, wire_dtype=self.wire_dtype)
-        return build_plan(self.trainer_layout, self.engines_layout, wire_dtype=self.wire_dtype)
+            return build_plan(self.trainer_layout, first, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
+        return build_plan(self.trainer_layout, self.engines_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
 
     @cached_property
     def relay_plans(self) -> tuple[Plan, ...]:
         """Engine i -> engine i+1, for a relayed p2p update (empty without ``relay``)."""
         if not self.relay:
             return ()
-        return tuple(build_plan(a, b, wire_dtype=self.wire_dtype)
+        return tuple(build_plan(a, b, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
                      for a, b in zip(self.engine_layouts, self.engine_layouts[1:], strict=False))
 
     def fingerprint(self, mode: str) -> str:
@@ -129,15 +157,15 @@ class Topology:
 
         ranks = tuple(kept(i, rl) for i, rl in enumerate(lay.ranks))
         restricted = Layout(lay.kind, self.spec, lay.logical, ranks, lay.params)
-        return build_plan(restricted, self.source_layout, wire_dtype=self.wire_dtype)
+        return build_plan(restricted, self.source_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
 
     @cached_property
     def broadcast_plan(self) -> Plan:
         """Broadcast step 2: each stage source -> whole tensors on every engine rank."""
         receivers = full_layout(self.spec, replicas=self.num_engine_ranks, dtype=self.wire_dtype)
-        return build_plan(self.source_layout, receivers, wire_dtype=self.wire_dtype)
+        return build_plan(self.source_layout, receivers, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
 
     def narrow_plan(self, engine: int) -> Plan:
         """Broadcast step 3 (rank-local): whole tensors -> engine ``engine``'s shards."""
         return build_plan(full_layout(self.spec, dtype=self.wire_dtype), self.engine_layouts[engine],
-                          wire_dtype=self.wire_dtype)
+                          wire_dtype=self.wire_dtype, raw=self.raw_dtypes)

@@ -117,11 +117,13 @@ class Reason(Word):
 
 class Refused(RuntimeError):
     """An engine refused a call before touching its weights; the connection stays usable.
-    ``reason`` is the kind a caller acts on (None: only the text says why)."""
+    ``reason`` is the kind a caller acts on (None: only the text says why); ``variants``: for
+    a layout refusal, engine index -> the layout variants its parameters are."""
 
-    def __init__(self, message: str, reason: Reason | None = None) -> None:
+    def __init__(self, message: str, reason: Reason | None = None,
+                 variants: dict[int, list[str]] | None = None) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.variants = reason, variants
 
 
 class Phase(Word):

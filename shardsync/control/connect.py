@@ -53,6 +53,7 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
     kind, pp, quantization = facts.pop()
     return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos],
                     pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(), port=port,
+                    variants=[i.variants for i in infos] if any(i.variants for i in infos) else [],
                     name=f"shardsync-{uuid.uuid4().hex[:8]}",
                     facts={"kind": kind, "pp": pp, "quantization": quantization})
 
@@ -70,9 +71,10 @@ def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel |
     shard whole tensors)."""
     n = len(decision.tps)
     eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
+    variants = [[]] * n if whole or not decision.variants else decision.variants
     dtype = decision.dtype
     return Topology(spec.replace(dtype=dtype), trainer,
-                    tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole)
-                          for t, ep, pp in zip(decision.tps, eps, pps, strict=True)),
+                    tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole, variants=frozenset(v))
+                          for t, ep, pp, v in zip(decision.tps, eps, pps, variants, strict=True)),
                     engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
                     quantization=decision.facts["quantization"], relay=relay)

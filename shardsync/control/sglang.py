@@ -27,7 +27,7 @@ from pydantic import Field
 
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import HostedEngines, weight_version
-from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, VersionResponse
+from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, Variants, VersionResponse
 from shardsync.store import auth
 from shardsync.store.sealed import get
 from shardsync.vocab import Reason, Refused
@@ -67,6 +67,7 @@ class Checked(Msg):
 
     error: str | None = Field(default=None, max_length=4096)
     reason: Reason | None = None
+    variants: Variants | None = None  # a layout refusal: the variants this rank's parameters are
 
 
 class _Bytes:
@@ -189,6 +190,8 @@ class SglangEngines(HostedEngines):
         name = self.requests[0].rendezvous.name
         self._session(self._call, SglangCall(op="check", name=name, attempt=self.attempt, connect={}))
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        refused: Refused | None = None
+        variants: dict[int, list[str]] = {}  # every engine's, so that one new plan fits them all
         for i, r in self.ranks():
             try:
                 store, keys = self._bound()
@@ -198,9 +201,14 @@ class SglangEngines(HostedEngines):
                                 f"(SGLang started with --custom-weight-loader {ENTRY} and the same "
                                 "$SHARDSYNC_TOKEN? its log says why)") from None
             if answer.reason is not None:
-                raise Refused(f"{self.urls[i]}: {answer.error}", answer.reason)
-            if answer.error:
+                refused = refused or Refused(f"{self.urls[i]}: {answer.error}", answer.reason)
+                if answer.variants is not None:
+                    variants[i] = answer.variants
+            elif answer.error:
                 raise SyncError(f"{self.urls[i]}: {answer.error}")
+        if refused is not None:
+            refused.variants = variants or None
+            raise refused
 
     def join(self) -> None:
         """Every rank joins the sync group (the call returns once the group is whole)."""

@@ -57,6 +57,10 @@ class RendezvousMsg(Msg):
     timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
 
 
+# an engine's layout variant words (``layout.engine.ENGINE_VARIANTS``), bounded here, checked there
+Variants = Annotated[list[Annotated[str, Field(max_length=32, pattern=r"^[a-z0-9_]+$")]], Field(max_length=8)]
+
+
 class ConnectRequest(Msg):
     """Plan exchange: the engine rebuilds the topology and must find the same fingerprints."""
 
@@ -70,6 +74,7 @@ class ConnectRequest(Msg):
     engine_ep: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)
     # per engine; [] = 1
     engine_pp: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list, max_length=MAX_ENGINES)
+    engine_variants: list[Variants] = Field(default_factory=list, max_length=MAX_ENGINES)  # per engine; [] = none
     fingerprints: dict[str, Annotated[str, Field(max_length=64)]] = Field(max_length=4)
     bucket_bytes: int = Field(ge=1024, le=2**34)
     credits: int = Field(2, ge=1, le=64)
@@ -128,6 +133,7 @@ class InfoResponse(BaseModel):
     kind: str = "reference"
     pp: int = 1
     quantization: str | None = None
+    variants: Variants = Field(default_factory=list)  # how its layout departs from the default
 
 
 class ChecksumResponse(BaseModel):
@@ -144,6 +150,7 @@ class Decision(Msg):
     tps: list[int] = Field(default_factory=list)
     eps: list[int] = Field(default_factory=list)
     pps: list[int] = Field(default_factory=list)  # engines that host pipeline stages (SGLang); [] = 1
+    variants: list[Variants] = Field(default_factory=list)  # each engine's layout variants; [] = none
     dtype: str = ""
     port: int = 0
     name: str = ""
@@ -171,6 +178,7 @@ class Note(Msg):
 
     error: str | None = None
     reason: Reason | None = None
+    variants: dict[int, Variants] | None = None  # a layout refusal: engine index -> the variants it holds
 
 
 class Accepted(Msg):

@@ -104,7 +104,7 @@ class DiskPublisher:
             for p in parts:
                 if p.owner != self.me:
                     continue
-                new = self.snapshot.params[p.local][p.region()].detach().to("cpu", self.snapshot.dtype)
+                new = self.snapshot.params[p.local][p.region()].detach().to("cpu", p.dtype(self.snapshot.dtype))
                 blobs.append(xor_encode(new, self.snapshot.values[p.local][p.region()]))
                 stats.elements += p.numel
             stats.encodings["xor+zstd"] += len(blobs)
@@ -131,8 +131,9 @@ class DiskPublisher:
         tensors = {f"p{i}": torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
                    else torch.empty(0, dtype=torch.uint8) for i, b in enumerate(blobs)}
         path = tmp / f"stage{stage}.safetensors"
+        raw = {p.logical: p.raw for p in parts if p.raw is not None}  # parts in their own dtype
         save_file(tensors, str(path), metadata={"parts": json.dumps(meta), "dtype": self.topo.wire_dtype,
-                                                "encoding": "xor", "compression": "zstd"})
+                                                "raw": json.dumps(raw), "encoding": "xor", "compression": "zstd"})
         _fsync(path)
 
     def publish(self, version: int, base_version: int,
@@ -195,8 +196,12 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
     for stage_file in manifest["stages"]:
         with safe_open(str(version_dir(root, version) / stage_file), "pt") as f:
             meta = json.loads(f.metadata()["parts"])
+            raw = json.loads(f.metadata().get("raw", "{}"))
             for i, (logical, offsets, sizes, digest) in enumerate(meta):
-                part = Part(-1, "", (), logical, tuple(offsets), tuple(sizes))
+                own = raw.get(logical)
+                if own is not None:
+                    torch_dtype(own)  # a dtype name of the closed set, or a ValueError naming it
+                part = Part(-1, "", (), logical, tuple(offsets), tuple(sizes), own)
                 if part not in targets:
                     targets[part] = targets_for(part, rank)
                 where = targets[part]
@@ -206,7 +211,7 @@ def apply_version(root: str | Path, version: int, current: int, tensors: Mapping
                 if xxhash.xxh64_hexdigest(blob) != digest:
                     raise ValueError(f"{stage_file} part {i} ({logical}) fails its xxh64 checksum")
                 stats.bytes_received += len(blob)
-                mask = xor_decode(blob, part.numel, dtype)
+                mask = xor_decode(blob, part.numel, part.dtype(dtype))
                 stats.changed += int((mask != 0).sum())
                 apply_xor(part, mask, tensors, where, dtype)
     stats.unpack_s = time.perf_counter() - t0

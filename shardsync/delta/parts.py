@@ -13,22 +13,30 @@ from dataclasses import dataclass
 
 import torch
 
+from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import Box, RankLayout, box_overlap
 from shardsync.plan.plan import Copy, Plan
 
 
 @dataclass(frozen=True, slots=True)
 class Part:
+    """``raw``: the dtype the part's values move in when it is not the wire's (``layout/raw.py``)."""
+
     owner: int
     local: str
     local_offsets: Box
     logical: str
     offsets: Box
     sizes: Box
+    raw: str | None = None
 
     @staticmethod
-    def of(c: Copy) -> Part:
-        return Part(c.src, c.src_local, c.src_offsets, c.logical, c.logical_offsets, c.sizes)
+    def of(c: Copy, raw: Mapping[str, str]) -> Part:
+        return Part(c.src, c.src_local, c.src_offsets, c.logical, c.logical_offsets, c.sizes, raw.get(c.logical))
+
+    def dtype(self, wire: torch.dtype) -> torch.dtype:
+        """What its values are diffed, encoded and applied in."""
+        return wire if self.raw is None else torch_dtype(self.raw)
 
     def region(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.local_offsets, self.sizes, strict=True))
@@ -43,7 +51,7 @@ class Part:
 
 def p2p_parts(plan: Plan, src: int, dst: int) -> list[Part]:
     """The parts of one link, in plan order."""
-    return [Part.of(c) for c in plan.copies if c.src == src and c.dst == dst]
+    return [Part.of(c, plan.raw) for c in plan.copies if c.src == src and c.dst == dst]
 
 
 def stage_parts(gather: Plan, stage_ranks: list[int]) -> list[Part]:
@@ -51,7 +59,7 @@ def stage_parts(gather: Plan, stage_ranks: list[int]) -> list[Part]:
     by_owner: dict[int, list[Part]] = {r: [] for r in stage_ranks}
     for c in gather.copies:
         if c.src in by_owner:
-            by_owner[c.src].append(Part.of(c))
+            by_owner[c.src].append(Part.of(c, gather.raw))
     return [p for r in stage_ranks for p in by_owner[r]]
 
 
@@ -136,13 +144,15 @@ def _unravel(positions: torch.Tensor, sizes: Box) -> list[torch.Tensor]:
 def apply_xor(part: Part, mask_bits: torch.Tensor, tensors: Mapping[str, torch.Tensor],
               targets: list[Target], wire: torch.dtype) -> None:
     """XOR a part's dense bit mask into every target (exactly once, on the right base).  The
-    mask is in the ``wire`` dtype's bits; a target held wider (an engine's float32 router
-    bias under a bfloat16 sync) is XORed in the wire dtype and widened back, exactly."""
+    mask is in the bits of the part's dtype (``Part.dtype``); a target held wider than that
+    (an engine's float32 router weight under a bfloat16 sync) is XORed in it and widened back,
+    exactly."""
     from shardsync.delta.encode import _INT
 
+    dtype = part.dtype(wire)
     box = mask_bits.view(part.sizes)
     for name, region, sub in targets:
         t = tensors[name]
         view = t[region]
-        mixed = view.to(wire).contiguous().view(_INT[box.element_size()]) ^ box[sub]
-        view.copy_(mixed.view(wire))
+        mixed = view.to(dtype).contiguous().view(_INT[box.element_size()]) ^ box[sub]
+        view.copy_(mixed.view(dtype))

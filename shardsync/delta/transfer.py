@@ -33,9 +33,12 @@ class Snapshot:
     Memory: one copy of the rank's local tensors at the wire dtype (pinned if asked).
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype, *, pin: bool = False) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype, *, pin: bool = False,
+                 raw: Mapping[str, torch.dtype] | None = None) -> None:
+        """``raw``: local tensors whose values move as their own bits (kept in their dtype)."""
         self.params, self.dtype = params, dtype
-        self.values = {n: torch.empty(p.shape, dtype=dtype, device="cpu", pin_memory=pin)
+        raw = raw or {}
+        self.values = {n: torch.empty(p.shape, dtype=raw.get(n, dtype), device="cpu", pin_memory=pin)
                        for n, p in params.items()}
         self.valid = False
 
@@ -52,7 +55,7 @@ class Snapshot:
         t0 = time.perf_counter()
         out = []
         for part in parts:
-            new = self.params[part.local][part.region()].detach().to("cpu", self.dtype)
+            new = self.params[part.local][part.region()].detach().to("cpu", part.dtype(self.dtype))
             blob = encode(new, self.values[part.local][part.region()])
             stats.encodings[encoding_of(blob)] += 1
             stats.elements += part.numel
@@ -63,9 +66,9 @@ class Snapshot:
 
 def _split(payload: torch.Tensor, parts: list[Part], dtype: torch.dtype) -> list[torch.Tensor]:
     """Cut a concatenation of encoded parts back into parts (each is self-delimiting)."""
-    item = torch.empty((), dtype=dtype).element_size()
     out, pos = [], 0
-    for _ in parts:
+    for part in parts:
+        item = part.dtype(dtype).itemsize
         enc, count = payload[pos:pos + HEADER].clone().view(torch.int64).tolist()
         per = {0: item, 1: 4 + item, 2: 2 + item}[enc]
         n = HEADER + count * per
@@ -80,7 +83,7 @@ def _apply(parts: list[Part], blobs: list[torch.Tensor], tensors: Mapping[str, t
            targets: Mapping[Part, list], dtype: torch.dtype, stats: Stats) -> None:
     t0 = time.perf_counter()
     for part, blob in zip(parts, blobs, strict=True):
-        pos, vals = decode(blob, part.numel, dtype)
+        pos, vals = decode(blob, part.numel, part.dtype(dtype))
         stats.changed += part.numel if pos is None else pos.numel()
         apply_values(part, pos, vals, tensors, targets[part])
     stats.unpack_s += time.perf_counter() - t0

@@ -13,6 +13,7 @@ from shardsync.family.table import (
     ExpertMlps,
     ExpertStacks,
     Fused,
+    MtpHead,
     Part,
     PerExpert,
     QkvGroups,
@@ -94,6 +95,7 @@ def no_q_lora(spec: ModelSpec) -> bool:
 
 
 _A = "self_attn."
+_QKV_A = (_A + "q_a_proj.weight", _A + "kv_a_proj_with_mqa.weight")
 # Multi-head latent attention.  Every head-major tensor (q_b / q_proj, kv_b: per head
 # [nope; rope] / [k_nope; v]) splits over TP by heads; the down projections and their norms
 # are whole on every rank, except in megatron-core's local spec, whose down projections are
@@ -133,8 +135,8 @@ MLA = Block(
     ),
     engine=(
         Row("input_layernorm.weight", Whole()),
-        Row(_A + "fused_qkv_a_proj_with_mqa.weight", Concat((_A + "q_a_proj.weight", _A + "kv_a_proj_with_mqa.weight")),
-            when=q_lora),
+        Row(_A + "fused_qkv_a_proj_with_mqa.weight", Concat(_QKV_A), when=q_lora, unless="vllm"),
+        Row(_A + "fused_qkv_a_proj.weight", Concat(_QKV_A), when=q_lora, variant="vllm"),
         Row(_A + "q_a_layernorm.weight", Whole(), when=q_lora),
         Row(_A + "q_b_proj.weight", Split(), when=q_lora),
         Row(_A + "q_proj.weight", Split(), when=no_q_lora),
@@ -175,11 +177,15 @@ def gated_mlp(*, fused_checkpoint: bool = False) -> Block:
 _EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
 _SHARED = "mlp.shared_experts."
 _SHARED_GATE_UP = Fused((Part(_SHARED + "gate_proj.weight"), Part(_SHARED + "up_proj.weight")))
+_SHARED_MLP = (_SHARED + "gate_proj.weight", _SHARED + "up_proj.weight", _SHARED + "down_proj.weight")
+
 
 def moe(*, router_dtype: str | None = None) -> Block:
     """The mixture-of-experts MLP.  Engines hold a sigmoid router's score-correction bias in
     float32 (SGLang and vLLM alike) and, for some families, the router weight too
-    (``router_dtype``); Megatron holds both in the model dtype here."""
+    (``router_dtype``); megatron-core keeps the bias (``expert_bias``, a buffer) in float32 and
+    the router weight in the model dtype.  Held float32 on both sides, the bias moves as its
+    own bits under a bfloat16 sync (``layout/raw.py``)."""
     return Block(
         logical=(
             T("post_attention_layernorm.weight", "H"),
@@ -195,7 +201,8 @@ def moe(*, router_dtype: str | None = None) -> Block:
             Row("pre_mlp_layernorm.weight", Whole("post_attention_layernorm.weight")),
             Row("mlp.router.weight", Whole("mlp.gate.weight")),
             # moe_router_enable_expert_bias: a buffer, updated by load balancing
-            Row("mlp.router.expert_bias", Whole("mlp.gate.e_score_correction_bias"), when=expert_bias),
+            Row("mlp.router.expert_bias", Whole("mlp.gate.e_score_correction_bias"), when=expert_bias,
+                dtype="float32"),
             Row("mlp.experts", ExpertMlps(*_EXPERT)),
             Row(_SHARED + "linear_fc1.weight", _SHARED_GATE_UP, when=shared_experts),
             Row(_SHARED + "linear_fc2.weight", Split(_SHARED + "down_proj.weight", dim=1), when=shared_experts),
@@ -204,11 +211,31 @@ def moe(*, router_dtype: str | None = None) -> Block:
             Row("post_attention_layernorm.weight", Whole()),
             Row("mlp.gate.weight", Whole(), dtype=router_dtype),
             Row("mlp.gate.e_score_correction_bias", Whole(), when=expert_bias, dtype="float32"),
-            Row("mlp.experts", ExpertStacks(*_EXPERT)),
-            Row(_SHARED + "gate_up_proj.weight", _SHARED_GATE_UP, when=shared_experts),
-            Row(_SHARED + "down_proj.weight", Split(dim=1), when=shared_experts),
+            Row("mlp.experts", ExpertStacks(*_EXPERT, shared=_SHARED_MLP), unless="vllm"),
+            Row("mlp.experts.routed_experts", ExpertStacks(*_EXPERT, shared=_SHARED_MLP), variant="vllm"),
+            Row(_SHARED + "gate_up_proj.weight", _SHARED_GATE_UP, when=shared_experts, unless="shared_fused"),
+            Row(_SHARED + "down_proj.weight", Split(dim=1), when=shared_experts, unless="shared_fused"),
         ),
     )
 
 
 MOE = moe()
+
+
+# A DeepSeek-style MTP layer's head: input = eh_proj(cat(enorm(embedding), hnorm(hidden))), the
+# decoder layer, then shared_head.norm before the shared output layer.  Megatron: ``mtp.layers.{k}.``
+# with the layer under ``transformer_layer.`` and the output norm ``final_layernorm``; the
+# checkpoint's ``embed_tokens`` / ``shared_head.head`` copies are the main model's (shared, not
+# logical tensors of their own).
+MTP = MtpHead(
+    before=Block(
+        logical=(T("enorm.weight", "H"), T("hnorm.weight", "H"), T("eh_proj.weight", "H", "2H")),
+        megatron=(Row("enorm.weight", Whole()), Row("hnorm.weight", Whole()), Row("eh_proj.weight", Split())),
+        engine=(),
+    ),
+    after=Block(
+        logical=(T("shared_head.norm.weight", "H"),),
+        megatron=(Row("final_layernorm.weight", Whole("shared_head.norm.weight")),),
+        engine=(),
+    ),
+)

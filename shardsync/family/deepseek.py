@@ -1,13 +1,13 @@
 """DeepSeek-V3 (also Kimi-K2, the same architecture) and GLM-4.7-Flash (GLM4-MoE-Lite):
 multi-head latent attention, the first k layers dense, then sigmoid-routed experts with a
-score-correction bias, expert groups and one shared expert.  The checkpoint's MTP layer
-(``num_nextn_predict_layers``) is counted, not yet synced."""
+score-correction bias, expert groups and one shared expert; the checkpoint's MTP layers
+(``num_nextn_predict_layers``) after the decoder."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from shardsync.family.blocks import MLA, MOE, gated_mlp, moe
+from shardsync.family.blocks import MLA, MOE, MTP, gated_mlp, moe
 from shardsync.family.fields import first_k_dense, latent_dims, read_mla, read_sigmoid_moe, write_mla, write_sigmoid_moe
 from shardsync.family.table import Family
 
@@ -37,8 +37,8 @@ def _write_lite(spec: ModelSpec) -> dict[str, Any]:
     return {**_write(spec), "mlp_layer_types": ["dense"] * k + ["sparse"] * (spec.num_layers - k)}
 
 
-DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", MLA, gated_mlp(), MOE, rope_interleaved=True,
+DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", MLA, gated_mlp(), MOE, mtp=MTP, rope_interleaved=True,
                      read=_read, write=_write, check=_check)
 GLM4_MOE_LITE = Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", MLA, gated_mlp(), moe(router_dtype="float32"),
-                       rope_interleaved=True,
+                       mtp=MTP, rope_interleaved=True,
                        read=_read, write=_write_lite, check=_check)

@@ -26,7 +26,7 @@ def always(spec: ModelSpec) -> bool:
 def dims(spec: ModelSpec) -> dict[str, int]:
     """The symbols logical shapes are written in."""
     d, h = spec.head_dim, spec.num_heads
-    return {"H": spec.hidden_size, "d": d, "q": h * d, "kv": spec.num_kv_heads * d,
+    return {"H": spec.hidden_size, "2H": 2 * spec.hidden_size, "d": d, "q": h * d, "kv": spec.num_kv_heads * d,
             "F": spec.intermediate_size, "2F": 2 * spec.intermediate_size, "E": spec.num_experts,
             "Fe": spec.moe_intermediate_size, "Fs": spec.shared_expert_intermediate_size,
             # latent attention: q down rank, kv latent rank, kv down rows (latent + rope),
@@ -134,11 +134,14 @@ class ExpertMlps:
 @dataclass(frozen=True)
 class ExpertStacks:
     """An engine's FusedMoE: this rank's experts stacked, ``w13 [E_loc, 2I/moe_tp, H]`` =
-    per expert [gate slice; up slice], ``w2 [E_loc, H, I/moe_tp]``."""
+    per expert [gate slice; up slice], ``w2 [E_loc, H, I/moe_tp]``.  ``shared``: the shared
+    expert's (gate, up, down), stacked as expert ``E`` where the engine fuses it
+    (variant ``shared_fused``)."""
 
     gate: str
     up: str
     down: str
+    shared: tuple[str, str, str] | None = None
 
 
 Kind = Whole | Split | Fused | Concat | QkvGroups | QkvHeads | ExpertMlps | ExpertStacks
@@ -148,14 +151,20 @@ Kind = Whole | Split | Fused | Concat | QkvGroups | QkvHeads | ExpertMlps | Expe
 class Row:
     """One local tensor of a layout (or a set of them, for expert kinds): its name after the
     layer prefix, how it is cut, when it exists, its dtype when not the model's, and the
-    layout variant it belongs to (None: every variant; Megatron: ``fused`` is the TE layer
-    spec, ``separate`` the local spec)."""
+    layout variants it exists in: only where ``variant`` is one of the layout's variant words,
+    never where ``unless`` is (Megatron: ``fused`` is the TE layer spec, ``separate`` the
+    local spec; engines: ``ENGINE_VARIANTS`` in ``layout/engine.py``)."""
 
     name: str
     kind: Kind
     when: Predicate = always
     dtype: str | None = None
     variant: str | None = None
+    unless: str | None = None
+
+    def exists(self, spec: ModelSpec, variants: frozenset[str]) -> bool:
+        return (self.when(spec) and (self.variant is None or self.variant in variants)
+                and (self.unless is None or self.unless not in variants))
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,17 @@ class Block:
     engine: tuple[Row, ...]
     kind: str = ""  # attention blocks: the module the reference models build for it (``gqa``, ``mla``)
     rotary: str = "rot"  # attention blocks: the ``dims`` symbol of the channels rotary turns
+
+
+@dataclass(frozen=True)
+class MtpHead:
+    """A multi-token-prediction layer's own tensors around its decoder layer (the checkpoint's
+    ``model.layers.{L+k}``): ``before`` the layer (two input norms and the projection of their
+    concatenation) and ``after`` it (the output norm).  Engines' serving models hold none of
+    them (their draft models do): their rows are empty."""
+
+    before: Block
+    after: Block
 
 
 # -- a family ----------------------------------------------------------------------------------
@@ -184,6 +204,7 @@ class Family:
     attention: Block
     mlp: Block  # dense layers
     moe: Block | None = None  # sparse layers (mixture of experts)
+    mtp: MtpHead | None = None  # the checkpoint's MTP layers (``num_nextn_predict_layers``)
     qkv_bias: bool = False
     qk_norm: bool = False
     post_norms: bool = False  # a norm after attention and after the MLP (GLM4)
@@ -200,6 +221,6 @@ class Family:
         return self.moe is not None
 
     def blocks(self, spec: ModelSpec, layer: int) -> tuple[Block, Block]:
-        """The attention block and the MLP block of ``layer``."""
+        """The attention block and the MLP block of ``layer`` (an MTP layer's decoder layer too)."""
         sparse = self.moe is not None and spec.sparse_layer(layer)
         return self.attention, (self.moe if sparse and self.moe is not None else self.mlp)

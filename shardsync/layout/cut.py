@@ -37,7 +37,7 @@ class Cut:
     rank: int
     logical: dict[str, Box]
     names: dict[str, str] = field(default_factory=dict)
-    variant: str | None = None  # rows of another variant are not this layout's
+    variants: frozenset[str] = frozenset()  # the layout's variant words (``Row.exists``)
 
     @property
     def hf(self) -> str:
@@ -58,7 +58,7 @@ def cut_rows(rows: Iterable[Row], c: Cut, own: Own) -> list[tuple[Local, str | N
     """Every row that exists for the spec as (local tensor, its dtype when not the model's)."""
     out: list[tuple[Local, str | None]] = []
     for row in rows:
-        if not row.when(c.spec) or (row.variant is not None and row.variant != c.variant):
+        if not row.exists(c.spec, c.variants):
             continue
         name = c.local + row.name.format(**c.names)
         kind = row.kind

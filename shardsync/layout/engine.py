@@ -39,6 +39,7 @@ class EngineParallel:
     # every rank holds every logical tensor whole and the engine's own loader shards it: for
     # engines whose parameters are not shardsync's engine layout (the always-working layout)
     whole: bool = False
+    variants: frozenset[str] = frozenset()  # how this engine's layout departs from the default (ENGINE_VARIANTS)
 
     def padded_vocab(self, vocab: int) -> int:
         pad = self.vocab_pad
@@ -74,6 +75,23 @@ class EngineParallel:
         return rank * n, n
 
 
+# The variant words of an engine layout: what each changes against the default (SGLang's
+# names, shared experts apart), and when an engine holds it.
+ENGINE_VARIANTS: dict[str, str] = {
+    "shared_fused": "the shared expert is expert E of the w13/w2 stacks (SGLang's shared-expert fusion, on by "
+                    "default at EP 1 on CUDA sm80+; --disable-shared-experts-fusion turns it off)",
+    "vllm": "vLLM's names (latent attention: fused_qkv_a_proj for SGLang's fused_qkv_a_proj_with_mqa; experts "
+            "under mlp.experts.routed_experts)",
+}
+
+
+def variant_choices(spec: ModelSpec, par: EngineParallel) -> tuple[frozenset[str], ...]:
+    """The variant sets an engine like ``par`` may hold ``spec`` in, ``par``'s own first: what a
+    host tries its parameters against when they are not the planned layout."""
+    fusable = spec.shared_expert_intermediate_size == spec.moe_intermediate_size > 0 and par.ep == 1
+    return (par.variants, par.variants ^ {"shared_fused"}) if fusable else (par.variants,)
+
+
 def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
     t, ng = par.tp, spec.num_kv_heads
     dense_layers = any(not spec.sparse_layer(n) for n in range(spec.num_layers))
@@ -103,6 +121,15 @@ def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
         ]
     else:
         rules.append((par.ep == 1, f"ep={par.ep} applies to mixture-of-experts models only; {spec.name} is dense"))
+    unknown = sorted(par.variants - set(ENGINE_VARIANTS))
+    rules.append((not unknown, f"unknown layout variants {unknown}; known: {sorted(ENGINE_VARIANTS)}"))
+    if "shared_fused" in par.variants:
+        rules += [
+            (spec.shared_expert_intermediate_size == spec.moe_intermediate_size > 0,
+             "shared_fused needs one shared expert of the routed experts' size"),
+            (par.ep == 1, f"shared_fused at ep={par.ep}: SGLang fuses the shared expert at EP 1 only (per-rank "
+                          "shared slots under DeepEP are not a layout shardsync plans)"),
+        ]
     for ok, why in rules:
         if not ok:
             raise ValueError(f"engine layout of {spec.name} impossible: {why}")
@@ -125,10 +152,14 @@ def _own(par: EngineParallel):
         if isinstance(kind, ExpertStacks):
             n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.moe_tp
             first, lo = (r // par.moe_tp) * n, (r % par.moe_tp) * f
-            experts = range(first, first + n)
+            projs = (kind.gate, kind.up, kind.down)
+            mlps = [tuple(c.hf + p.format(e=e) for p in projs) for e in range(first, first + n)]
+            if kind.shared is not None and "shared_fused" in c.variants:  # expert E: the shared one
+                mlps.append(tuple(c.hf + p for p in kind.shared))
+            n = len(mlps)
             w13, w2 = name + ".w13_weight", name + ".w2_weight"
-            segs = [Segment(c.hf + proj.format(e=e), lo, f) for e in experts for proj in (kind.gate, kind.up)]
-            down = [Piece(c.hf + kind.down.format(e=e), (0, lo), (H, f), w2, (k * H, 0)) for k, e in enumerate(experts)]
+            segs = [Segment(proj, lo, f) for mlp in mlps for proj in mlp[:2]]
+            down = [Piece(mlp[2], (0, lo), (H, f), w2, (k * H, 0)) for k, mlp in enumerate(mlps)]
             return [Local(w13, (n * 2 * f, H), stacked(w13, segs, c.logical, 0), (n, 2 * f, H)),
                     Local(w2, (n * H, f), down, (n, H, f))]
         raise ValueError(f"{spec.name}: the engine layout has no rule for {type(kind).__name__} ({row.name})")
@@ -161,7 +192,7 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, stage: int, r: int,
         vocab("model.embed_tokens.weight")
     own = _own(par)
     for layer in par.stage_layers(spec.num_layers, stage):
-        c = Cut(spec, layer, f"model.layers.{layer}.", t, r, logical)
+        c = Cut(spec, layer, f"model.layers.{layer}.", t, r, logical, variants=par.variants)
         for block in spec.family_table.blocks(spec, layer):
             for made, row_dtype in cut_rows(block.engine, c, own):
                 tensors.append(made.meta(row_dtype or dtype))
@@ -188,5 +219,6 @@ def engine_layout(spec: ModelSpec, par: EngineParallel) -> Layout:
     ranks = tuple(_engine_rank(spec, par, s, r, logical, dtype) for s in range(par.pp) for r in range(par.tp))
     stages = tuple(len(par.stage_layers(spec.num_layers, s)) for s in range(par.pp))
     params: tuple[tuple[str, object], ...] = ((("tp", par.tp),) + ((("ep", par.ep),) if spec.is_moe else ())
-                                              + ((("pp", stages),) if par.pp > 1 else ()))
+                                              + ((("pp", stages),) if par.pp > 1 else ())
+                                              + ((("variants", tuple(sorted(par.variants))),) if par.variants else ()))
     return Layout("engine", spec, logical, ranks, params)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardsync.gcpause import gc_paused
-from shardsync.layout.logical import logical_tensors
+from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.layout.piece import Layout, RankLayout, Segment, TensorMeta, stacked
 from shardsync.spec import ModelSpec
 
@@ -64,14 +64,15 @@ def check_fsdp2(spec: ModelSpec, par: Fsdp2Parallel) -> None:
 
 @gc_paused
 def fsdp2_layout(spec: ModelSpec, par: Fsdp2Parallel) -> Layout:
-    """Every rank's local shards (HF names, full trailing dims) of every logical tensor."""
+    """Every rank's local shards (HF names, full trailing dims) of every tensor of the
+    transformers model (which holds no MTP layer)."""
     check_fsdp2(spec, par)
     logical = logical_tensors(spec)
     dtype = par.dtype or spec.dtype
     per_shard = []
     for s in range(par.shard):
         tensors, pieces = [], []
-        for name, shape in logical.items():
+        for name, shape in model_tensors(spec).items():
             lo, n = par.rows(shape[0], s)
             tensors.append(TensorMeta(name, (n, *shape[1:]), dtype))
             if n:

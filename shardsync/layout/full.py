@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardsync.gcpause import gc_paused
-from shardsync.layout.logical import logical_tensors
+from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.layout.piece import Layout, RankLayout, TensorMeta, whole
 from shardsync.spec import ModelSpec
 
@@ -26,9 +26,10 @@ def full_rank(label: str, names: Sequence[str], logical: dict[str, tuple[int, ..
 @gc_paused
 def full_layout(spec: ModelSpec, *, replicas: int = 1, dtype: str | None = None,
                 names: Sequence[str] | None = None) -> Layout:
-    """``replicas`` ranks, each holding every logical tensor (or ``names``) whole."""
+    """``replicas`` ranks, each holding every tensor of the model (or ``names``) whole: an
+    engine's loader takes no MTP layer into its serving model."""
     logical = logical_tensors(spec)
-    names = list(logical) if names is None else list(names)
+    names = list(model_tensors(spec)) if names is None else list(names)
     one = full_rank("full0", names, logical, dtype or spec.dtype)  # replicas share its tuples
     ranks = tuple(RankLayout(f"full{i}", one.tensors, one.pieces) for i in range(replicas))
     return Layout("full", spec, logical, ranks, (("replicas", replicas),))

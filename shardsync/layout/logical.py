@@ -3,7 +3,7 @@ off the family's tables."""
 
 from __future__ import annotations
 
-from shardsync.family.table import PerExpert, dims
+from shardsync.family.table import Block, PerExpert, dims
 from shardsync.spec import ModelSpec
 
 
@@ -12,11 +12,30 @@ def is_expert(logical: str) -> bool:
     return ".mlp.experts." in logical
 
 
+def is_mtp(spec: ModelSpec, logical: str) -> bool:
+    """Whether a logical tensor is one of the checkpoint's MTP layers' (``model.layers.{L+k}``)."""
+    head, _, rest = logical.partition("model.layers.")
+    return not head and int(rest.partition(".")[0]) >= spec.num_layers
+
+
+def mtp_layers(spec: ModelSpec) -> range:
+    """Global indices of the checkpoint's MTP layers (after the decoder's; none without a head)."""
+    n = spec.num_nextn_predict_layers if spec.family_table.mtp is not None else 0
+    return range(spec.num_layers, spec.num_layers + n)
+
+
+def layer_blocks(spec: ModelSpec, layer: int) -> tuple[Block, ...]:
+    """The blocks of layer ``layer``: its attention and MLP; an MTP layer's head around them."""
+    blocks = spec.family_table.blocks(spec, layer)
+    head = spec.family_table.mtp
+    return (head.before, *blocks, head.after) if layer >= spec.num_layers and head is not None else blocks
+
+
 def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
-    """HF tensors of decoder layer ``layer`` (global index), in checkpoint order."""
+    """HF tensors of layer ``layer`` (global index; an MTP layer's too), in checkpoint order."""
     sym, p = dims(spec), f"model.layers.{layer}."
     out: dict[str, tuple[int, ...]] = {}
-    for block in spec.family_table.blocks(spec, layer):
+    for block in layer_blocks(spec, layer):
         for t in block.logical:
             if isinstance(t, PerExpert):
                 for e in range(spec.num_experts):
@@ -28,7 +47,17 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
 
 
 def logical_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every logical tensor of the model; a tied ``lm_head`` is not a tensor of its own."""
+    """Every logical tensor of the checkpoint: the model's, then its MTP layers' (a tied
+    ``lm_head`` is not a tensor of its own)."""
+    out = model_tensors(spec)
+    for layer in mtp_layers(spec):
+        out.update(layer_tensors(spec, layer))
+    return out
+
+
+def model_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The logical tensors of the model itself, no MTP layer: what transformers' class and an
+    engine's serving model hold."""
     V, H = spec.vocab_size, spec.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
     for layer in range(spec.num_layers):

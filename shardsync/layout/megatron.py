@@ -11,12 +11,13 @@ like a dense MLP; the router is replicated.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shardsync.family.table import ExpertMlps, QkvGroups, Row
 from shardsync.gcpause import gc_paused
 from shardsync.layout.cut import Cut, Local, cut_rows
-from shardsync.layout.logical import logical_tensors
+from shardsync.layout.logical import logical_tensors, mtp_layers
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
@@ -132,6 +133,9 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
         raise ValueError(f"Megatron layout of {spec.name} impossible: tp, pp, dp, ep and etp must be >= 1")
     rules = [
         (min(par.tp, par.pp, par.dp) >= 1, "tp, pp and dp must be >= 1"),
+        (not (mtp_layers(spec) and spec.tie_word_embeddings and par.pp > 1),
+         "MTP layers with tied embeddings under PP > 1 are not modelled (megatron-core's last stage then "
+         "shares one embedding copy between the output layer and MTP)"),
         (spec.num_heads % t == 0, f"num_heads={spec.num_heads} not divisible by tp={t}"),
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
         ((spec.num_heads + 2 * ng) * spec.head_dim % t == 0,
@@ -225,13 +229,13 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
 
     stages = par.stage_layers(spec.num_layers)
     first, last = stage == 0, stage == par.pp - 1
-    if first:
+    if first or (last and mtp_layers(spec)):  # MTP embeds on the last stage: its own copy there (PP > 1)
         vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight")
     attn_norm, mlp_norm = LAYER_NORM_NAMES[par.norm_names]
+    names, variants = {"attn_norm": attn_norm, "mlp_norm": mlp_norm}, frozenset({par.norm_names})
     own = _own(par, *expert_rank)
     for local, layer in enumerate(stages[stage]):
-        c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, {"attn_norm": attn_norm, "mlp_norm": mlp_norm},
-                variant=par.norm_names)
+        c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, names, variants=variants)
         for block in spec.family_table.blocks(spec, layer):
             for made, row_dtype in cut_rows(block.megatron, c, own):
                 tensors.append(made.meta(row_dtype or dtype))
@@ -239,6 +243,16 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
     if last:
         add("decoder.final_layernorm.weight", (H,),
             [whole("decoder.final_layernorm.weight", "model.norm.weight", logical)])
+        head = spec.family_table.mtp
+        for k, layer in enumerate(mtp_layers(spec)):  # megatron-core builds MTP on the last stage
+            assert head is not None, "MTP layers exist only with a family's MTP head"
+            outer = Cut(spec, layer, f"mtp.layers.{k}.", t, r, logical, variants=variants)
+            inner = dataclasses.replace(outer, local=f"mtp.layers.{k}.transformer_layer.", names=names)
+            for block, c in ((head.before, outer), *((b, inner) for b in spec.family_table.blocks(spec, layer)),
+                             (head.after, outer)):
+                for made, row_dtype in cut_rows(block.megatron, c, own):
+                    tensors.append(made.meta(row_dtype or dtype))
+                    pieces.extend(made.pieces)
         if not spec.tie_word_embeddings:
             vocab_shard("output_layer.weight", "lm_head.weight")
         elif par.pp > 1:

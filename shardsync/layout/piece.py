@@ -154,23 +154,23 @@ def stacked(
     """Pieces of a local tensor that is ``window`` of the concatenation of ``segments``.
 
     Fused tensors (QKV, gate/up) and TP shards of them are both this: a run of logical
-    row ranges stacked along ``dim``, of which a rank keeps one contiguous window.
+    row ranges stacked along ``dim`` (counted from 0), of which a rank keeps one contiguous window.
     """
-    total = sum(s.length for s in segments)
-    lo, hi = window if window is not None else (0, total)
+    lo, hi = window if window is not None else (0, sum(s.length for s in segments))
+    # Layouts call this per fused tensor of every rank (10^5 segments for a 1T model): the box
+    # tuples are built by slicing, without a list per box or a call per bound.
     pieces, pos = [], 0
     for seg in segments:
-        a, b = max(lo, pos), min(hi, pos + seg.length)
+        end = pos + seg.length
+        a = lo if lo > pos else pos
+        b = hi if hi < end else end
         if a < b:
             shape = logical[seg.logical]
-            offsets = [0] * len(shape)
-            sizes = list(shape)
-            offsets[dim] = seg.start + (a - pos)
-            sizes[dim] = b - a
-            loc = [0] * len(shape)
-            loc[dim] = a - lo
-            pieces.append(Piece(seg.logical, tuple(offsets), tuple(sizes), local, tuple(loc)))
-        pos += seg.length
+            zeros = (0,) * len(shape)
+            pieces.append(Piece(seg.logical, zeros[:dim] + (seg.start + a - pos,) + zeros[dim + 1:],
+                                shape[:dim] + (b - a,) + shape[dim + 1:], local,
+                                zeros[:dim] + (a - lo,) + zeros[dim + 1:]))
+        pos = end
     return pieces
 
 

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
+from shardsync.layout.logical import mtp_layers
 from shardsync.models.latent import TrainerLatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.parallel import (
@@ -315,6 +316,20 @@ class _Layer(nn.Module):
         return x + (rms_norm(m, w(self.post_mlp_layernorm.weight), eps) if self.post_norms else m)
 
 
+class _MtpLayer(nn.Module):
+    """One of the checkpoint's MTP layers under megatron-core's names (``mtp.layers.{k}``): held
+    and synced with the model, frozen (the RL loss has no MTP term), never run here."""
+
+    def __init__(self, model: TrainerModel, tensors: dict[str, torch.Tensor], prefix: str, layer: int) -> None:
+        super().__init__()
+        for norm in ("enorm", "hnorm"):
+            setattr(self, norm, _Weights(tensors, prefix + norm, ("weight",), tp_sharded=False))
+        self.eh_proj = _Weights(tensors, prefix + "eh_proj", ("weight",), tp_sharded=True)
+        self.transformer_layer = _Layer(model, tensors, prefix + "transformer_layer.", layer)
+        self.final_layernorm = _Weights(tensors, prefix + "final_layernorm", ("weight",), tp_sharded=False)
+        self.requires_grad_(False)
+
+
 class TrainerModel(nn.Module):
     """One rank of a Megatron-layout trainer: its parameters, forward, backward and AdamW.
 
@@ -367,7 +382,7 @@ class TrainerModel(nn.Module):
             tensors = load_rank(self.layout, rank, source, device=self.device)
         else:
             tensors = {t.name: torch.zeros(t.shape, device=self.device) for t in self.rank_layout.tensors}
-        if self.first:
+        if self.first or (self.last and mtp_layers(spec)):  # MTP embeds on the last stage (its own copy)
             self.embedding = nn.Module()
             self.embedding.word_embeddings = _Weights(
                 tensors, "embedding.word_embeddings", ("weight",), tp_sharded=True)
@@ -378,14 +393,19 @@ class TrainerModel(nn.Module):
         if self.last:
             self.decoder.final_layernorm = _Weights(
                 tensors, "decoder.final_layernorm", ("weight",), tp_sharded=False)
+            if mtp_layers(spec):
+                self.mtp = nn.Module()
+                self.mtp.layers = nn.ModuleList(_MtpLayer(self, tensors, f"mtp.layers.{k}.", layer)
+                                                for k, layer in enumerate(mtp_layers(spec)))
             if "output_layer.weight" in tensors:
                 self.output_layer = _Weights(tensors, "output_layer", ("weight",), tp_sharded=True)
         assert not tensors, f"layout tensors not placed in the module: {sorted(tensors)}"
         names = [n for n, _ in self.named_parameters()]
         assert names == [t.name for t in self.rank_layout.tensors], names
 
-        decay = [p for p in self.parameters() if p.dim() > 1]
-        no_decay = [p for p in self.parameters() if p.dim() <= 1]
+        trained = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in trained if p.dim() > 1]
+        no_decay = [p for p in trained if p.dim() <= 1]
         cfg = self.optim_config
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay},
@@ -417,8 +437,11 @@ class TrainerModel(nn.Module):
 
     @property
     def tied_copy(self) -> bool:
-        """Whether this rank holds one of the two copies of a tied embedding (PP > 1)."""
-        return self.spec.tie_word_embeddings and self.par.pp > 1 and (self.first or self.last)
+        """Whether this rank holds one of the two copies of the embedding that megatron-core
+        keeps equal over the first and last stage (PP > 1): a tied output layer's, or the one
+        the MTP layers embed with."""
+        copies = self.spec.tie_word_embeddings or bool(mtp_layers(self.spec))
+        return copies and self.par.pp > 1 and (self.first or self.last)
 
     def _output_weight(self) -> torch.Tensor:
         if hasattr(self, "output_layer"):
@@ -575,8 +598,13 @@ class TrainerModel(nn.Module):
             mine.copy_(first + last)
         self._grads_synced = True
 
+    @property
+    def _copy_name(self) -> str:
+        """The last stage's copy of the embedding (the first stage's is the embedding)."""
+        return "output_layer.weight" if self.spec.tie_word_embeddings else "embedding.word_embeddings.weight"
+
     def _tied_param(self) -> nn.Parameter:
-        return self.embedding.word_embeddings.weight if self.first else self.output_layer.weight
+        return self.embedding.word_embeddings.weight if self.first else self.get_parameter(self._copy_name)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients (each logical element once), the same on every rank.
@@ -587,7 +615,7 @@ class TrainerModel(nn.Module):
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         experts = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.named_parameters():
-            if p.grad is None or (self.tied_copy and self.last and name == "output_layer.weight"):
+            if p.grad is None or (self.tied_copy and self.last and name == self._copy_name):
                 continue
             sq = p.grad.double().pow(2).sum()
             if getattr(p, "expert", False):

@@ -86,7 +86,7 @@ def checkpoint_source(path: str | Path) -> TensorSource:
 def load_rank(layout: Layout, rank: int, source: TensorSource, *,
               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Rank ``rank``'s local tensors (layout dtype), padding zero, filled from ``source``."""
-    plan = build_plan(full_layout(layout.spec, dtype="float32"), layout)
+    plan = build_plan(full_layout(layout.spec, dtype="float32", names=list(layout.logical)), layout)
     out = {
         t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device)
         for t in layout.ranks[rank].tensors

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from math import prod
@@ -22,6 +22,7 @@ import torch
 from shardsync.dtypes import torch_dtype
 from shardsync.gcpause import gc_paused
 from shardsync.layout.piece import Box, Layout, Piece, box_overlap, volume
+from shardsync.layout.raw import width
 
 
 class PlanError(ValueError):
@@ -63,22 +64,30 @@ def dtype_itemsize(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Copies from ``src`` ranks to ``dst`` ranks; bytes count at the wire dtype."""
+    """Copies from ``src`` ranks to ``dst`` ranks; bytes count at the wire dtype, except for
+    the logical tensors that move as their own bits (``raw``: name -> dtype, ``layout/raw.py``)."""
 
     src: Layout
     dst: Layout
     copies: tuple[Copy, ...]
     wire_dtype: str
+    raw: Mapping[str, str] = field(default_factory=dict)
 
     @cached_property
     def itemsize(self) -> int:
         return dtype_itemsize(self.wire_dtype)
+
+    def width(self, logical: str) -> int:
+        """Wire elements one element of ``logical`` takes (``raw.width``)."""
+        return width(self.raw.get(logical), self.wire_dtype)
 
     @cached_property
     def fingerprint(self) -> str:
         """Stable across processes and runs: both sides compare it before a byte moves."""
         h = hashlib.sha256()
         h.update(repr((self.src.describe(), self.dst.describe(), self.wire_dtype)).encode())
+        if self.raw:
+            h.update(repr(sorted(self.raw.items())).encode())
         for lay in (self.src, self.dst):
             for r in lay.ranks:
                 h.update(repr([(t.name, t.shape, t.dtype) for t in r.tensors]).encode())
@@ -96,7 +105,7 @@ class Plan:
     def link_bytes(self) -> dict[tuple[int, int], int]:
         out: dict[tuple[int, int], int] = defaultdict(int)
         for c in self.copies:
-            out[(c.src, c.dst)] += c.numel * self.itemsize
+            out[(c.src, c.dst)] += c.numel * self.itemsize * (self.width(c.logical) if self.raw else 1)
         return dict(sorted(out.items()))
 
     @property
@@ -131,48 +140,27 @@ class Plan:
 
 
 _Holders = list[tuple[int, str, Box]]  # [(rank, local, local offsets)], in rank order
-# The holders' loads out of the per-rank load list (``_loads``); None for a single holder.
+# The holders' loads out of the per-rank load list (``_loads``); None for one or two holders.
 _Loads = Callable[[list[int]], tuple[int, ...]] | None
 # One source box a destination piece reads: (numel, holders, their loads, dst local offsets,
 # logical offsets, sizes).
 _Hit = tuple[int, _Holders, _Loads, Box, Box, Box]
-# One destination piece's (local, logical, hits).
-_Read = tuple[str, str, list[_Hit]]
+# One copy a destination rank receives, its holder still to choose: (numel, holders, first and
+# second holder's rank (-1: one holder), the holders' loads (more than two), dst local, dst local
+# offsets, sizes, logical, logical offsets).
+_Read = tuple[int, _Holders, int, int, _Loads, str, Box, Box, str, Box]
+_new_copy = tuple.__new__  # a Copy from one tuple, without NamedTuple's Python-level __new__
 
 
 @gc_paused
-def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Plan:
-    """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder."""
+def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
+               raw: Mapping[str, str] | None = None) -> Plan:
+    """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder.
+    ``raw``: the logical tensors that move as their own bits (``layout/raw.py``)."""
     if src.spec.name != dst.spec.name or src.logical != dst.logical:
         raise PlanError(f"layouts describe different models: {src.spec.name} vs {dst.spec.name}")
-    # logical -> {(offsets, sizes): holders [(rank, local, local_offsets)]}, holders in rank order
-    index: dict[str, dict[tuple[Box, Box], _Holders]] = defaultdict(dict)
-    for rank, rl in enumerate(src.ranks):
-        for p in rl.pieces:
-            index[p.logical].setdefault((p.offsets, p.sizes), []).append((rank, p.local, p.local_offsets))
-    # logical -> [((offsets, sizes), holders, their loads)]
-    boxes = {k: [(box, holders, _loads(holders)) for box, holders in v.items()] for k, v in index.items()}
-
-    load = [0] * src.world_size
     problems: list[str] = []
-    # (logical box, local offsets) -> its hits: identical pieces are intersected once.
-    cache: dict[tuple[str, Box, Box, Box], list[_Hit]] = {}
-    disjoint: dict[str, bool] = {}
-
-    def reads(pieces: tuple[Piece, ...]) -> list[_Read]:
-        out: list[_Read] = []
-        for p in pieces:
-            key = (p.logical, p.offsets, p.sizes, p.local_offsets)
-            hits = cache.get(key)
-            if hits is None:
-                mine = boxes.get(p.logical, [])
-                if p.logical not in disjoint:
-                    disjoint[p.logical] = _disjoint(mine)
-                hits = cache[key] = _hits(p.logical, p.offsets, p.sizes, p.local_offsets, mine,
-                                          disjoint[p.logical], problems)
-            out.append((p.local, p.logical, hits))
-        return out
-
+    reads = _Reader(src, problems)
     # Identical engines share one pieces tuple (concat_layouts), so a rank's reads are listed once
     # per distinct tuple, leaving only the holder choice per copy.  ``dst`` keeps every tuple
     # alive for the whole build, so ids stay unique.
@@ -180,21 +168,12 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Pl
     # Copies per source rank, each in destination order: their concatenation is the plan sorted
     # by (src, dst) with destination order kept per link.
     by_src: list[list[Copy]] = [[] for _ in range(src.world_size)]
+    load = [0] * src.world_size
     for dst_rank, rl in enumerate(dst.ranks):
         mine = rank_reads.get(id(rl.pieces))
         if mine is None:
             mine = rank_reads[id(rl.pieces)] = reads(rl.pieces)
-        for local, logical, hits in mine:
-            for numel, srcs, loads_of, dst_off, ov_off, ov_size in hits:
-                if loads_of is None:
-                    i = 0
-                else:  # holders are in rank order: the first least-loaded is the (load, rank) minimum
-                    loads = loads_of(load)
-                    i = loads.index(min(loads))
-                rank, src_local, src_off = srcs[i]
-                load[rank] += numel
-                by_src[rank].append(Copy(rank, src_local, src_off, dst_rank, local, dst_off, ov_size,
-                                         logical, ov_off))
+        _assign(dst_rank, mine, load, by_src)
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -203,7 +182,62 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None) -> Pl
             f"exactly once:\n  {shown}{more}"
         )
     copies = tuple(chain.from_iterable(by_src))
-    return Plan(src, dst, copies, wire_dtype or dst.ranks[0].tensors[0].dtype)
+    return Plan(src, dst, copies, wire_dtype or dst.ranks[0].tensors[0].dtype, dict(raw or {}))
+
+
+def _assign(dst_rank: int, reads: list[_Read], load: list[int], by_src: list[list[Copy]]) -> None:
+    """Give each of one destination rank's copies to its first least-loaded holder.
+
+    The hot loop of a plan (once per copy: 1.3 M times for Kimi-K2), so a source box of two
+    holders (an expert under expert-DP 2) compares their loads inline instead of through a
+    tuple of loads."""
+    for numel, srcs, first, second, loads_of, local, dst_off, ov_size, logical, ov_off in reads:
+        if second < 0:
+            rank, src_local, src_off = srcs[0]
+        elif loads_of is None:
+            rank, src_local, src_off = srcs[1 if load[second] < load[first] else 0]
+        else:  # holders are in rank order: the first least-loaded is the (load, rank) minimum
+            loads = loads_of(load)
+            rank, src_local, src_off = srcs[loads.index(min(loads))]
+        load[rank] += numel
+        by_src[rank].append(_new_copy(Copy, (rank, src_local, src_off, dst_rank, local, dst_off, ov_size,
+                                             logical, ov_off)))
+
+
+class _Reader:
+    """The copies a destination rank's pieces read, holders unchosen (see ``_Read``)."""
+
+    def __init__(self, src: Layout, problems: list[str]) -> None:
+        # logical -> {(offsets, sizes): holders [(rank, local, local_offsets)]}, holders in rank order
+        index: dict[str, dict[tuple[Box, Box], _Holders]] = defaultdict(dict)
+        for rank, rl in enumerate(src.ranks):
+            for p in rl.pieces:
+                index[p.logical].setdefault((p.offsets, p.sizes), []).append((rank, p.local, p.local_offsets))
+        # logical -> [((offsets, sizes), holders, their loads)]
+        self.boxes = {k: [(box, holders, _loads(holders)) for box, holders in v.items()] for k, v in index.items()}
+        self.problems = problems
+        # (logical box, local offsets) -> its hits: identical pieces are intersected once.
+        self.cache: dict[tuple[str, Box, Box, Box], list[_Hit]] = {}
+        self.disjoint: dict[str, bool] = {}
+
+    def __call__(self, pieces: tuple[Piece, ...]) -> list[_Read]:
+        out: list[_Read] = []
+        for p in pieces:
+            for numel, srcs, loads_of, dst_off, ov_off, ov_size in self.hits(p):
+                first, second = (srcs[0][0], srcs[1][0]) if len(srcs) > 1 else (srcs[0][0], -1)
+                out.append((numel, srcs, first, second, loads_of, p.local, dst_off, ov_size, p.logical, ov_off))
+        return out
+
+    def hits(self, p: Piece) -> list[_Hit]:
+        key = (p.logical, p.offsets, p.sizes, p.local_offsets)
+        hits = self.cache.get(key)
+        if hits is None:
+            mine = self.boxes.get(p.logical, [])
+            if p.logical not in self.disjoint:
+                self.disjoint[p.logical] = _disjoint(mine)
+            hits = self.cache[key] = _hits(p.logical, p.offsets, p.sizes, p.local_offsets, mine,
+                                           self.disjoint[p.logical], self.problems)
+        return hits
 
 
 def _disjoint(boxes: list) -> bool:
@@ -242,8 +276,9 @@ def _hits(logical: str, offsets: Box, sizes: Box, local_offsets: Box, boxes: lis
 
 def _loads(holders: _Holders) -> _Loads:
     """The holders' entries of a per-rank list in one call, made once per source box: the choice
-    among a box's replicas (64 for a norm under TP8 x DP8) runs per copy, 1.3 M times for Kimi-K2."""
-    return None if len(holders) == 1 else itemgetter(*(rank for rank, _, _ in holders))
+    among a box's replicas (64 for a norm under TP8 x DP8) runs per copy, 1.3 M times for Kimi-K2.
+    One or two holders need none (``_assign`` compares two loads inline)."""
+    return None if len(holders) <= 2 else itemgetter(*(rank for rank, _, _ in holders))
 
 
 def _coverage_problems(logical: str, offsets: Box, sizes: Box, overlaps: list[tuple[Box, Box]]) -> list[str]:

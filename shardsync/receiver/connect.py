@@ -47,6 +47,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
         "whole": [e.whole for e in topo.engines] if any(e.whole for e in topo.engines) else [],
         "engine_ep": [e.ep for e in topo.engines] if any(e.ep > 1 for e in topo.engines) else [],
         "engine_pp": [e.pp for e in topo.engines] if any(e.pp > 1 for e in topo.engines) else [],
+        "engine_variants": [sorted(e.variants) for e in topo.engines] if any(e.variants for e in topo.engines) else [],
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc,
         "control": control, "verify": verify, "delta": delta, "rendezvous": dataclasses.asdict(rdv),
     })
@@ -70,8 +71,11 @@ def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
     pps = req.engine_pp or [1] * len(req.engines)
     if len(pps) != len(req.engines):
         raise ValueError(f"engine_pp names {len(pps)} engines, engines {len(req.engines)}")
-    engines = tuple(EngineParallel(tp=tp, ep=ep, pp=pp, dtype=dtype, whole=w)
-                    for tp, ep, pp, w in zip(req.engines, eps, pps, whole, strict=True))
+    variants = req.engine_variants or [[]] * len(req.engines)
+    if len(variants) != len(req.engines):
+        raise ValueError(f"engine_variants names {len(variants)} engines, engines {len(req.engines)}")
+    engines = tuple(EngineParallel(tp=tp, ep=ep, pp=pp, dtype=dtype, whole=w, variants=frozenset(v))
+                    for tp, ep, pp, w, v in zip(req.engines, eps, pps, whole, variants, strict=True))
     return Topology(spec, trainer, engines, relay=req.relay)
 
 
@@ -81,10 +85,12 @@ PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engi
 
 
 def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1,
-                  pp: int = 1, *, staging: str | None = None) -> dict[str, str]:
+                  pp: int = 1, *, staging: str | None = None,
+                  variants: frozenset[str] = frozenset()) -> dict[str, str]:
     """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
     differs when trainer and engine disagree (nothing is joined or changed).  ``staging``:
-    where this engine receives, unless it stages whole shards (what a push needs)."""
+    where this engine receives, unless it stages whole shards (what a push needs); ``variants``:
+    this engine's layout variants, which the plan must have been made for."""
     if req.protocol != PROTOCOL_VERSION:
         raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
     if req.ipc is Ipc.PUSH and staging is not None:
@@ -112,6 +118,10 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
     if declared_pp != pp:
         raise Conflict(f"engine {req.engine_index} declared with pipeline parallel {declared_pp}, this engine runs "
                        f"PP {pp}")
+    declared_variants = topo.engines[req.engine_index].variants
+    if declared_variants != variants and not topo.engines[req.engine_index].whole:
+        raise Conflict(f"engine {req.engine_index} planned with layout variants {sorted(declared_variants)}, "
+                       f"this engine holds {sorted(variants)}")
     if not req.fingerprints:
         raise Invalid("a connect names at least one plan fingerprint (broadcast)")
     mine = {}

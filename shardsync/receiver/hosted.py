@@ -67,7 +67,7 @@ class Call(Msg):
 def hosted_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, *, whole: bool, in_place: bool,
                     params: Callable[[], Mapping[str, torch.Tensor]], load: Callable[[Iterator[Slice]], None],
                     dtype: torch.dtype, device: torch.device | str, secret: str | None, ep: int = 1,
-                    pp_rank: int = 0, pp: int = 1) -> Receiver:
+                    pp_rank: int = 0, pp: int = 1, variants: frozenset[str] = frozenset()) -> Receiver:
     """One rank's receiver inside a hosting engine (vLLM, SGLang): shards land in place in the
     engine's parameters (``params()``) when they are shardsync's engine layout (``in_place``)
     and the trainer plans shards; whole tensors, or parameters the engine repacks, go through
@@ -76,10 +76,10 @@ def hosted_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, *, whole: bool,
         dest: Destination = Params(params())
     else:
         layout, rank = engine_rank(spec, tp_rank, tp_size, dtype_name=dtype_name(dtype), whole=whole, ep=ep,
-                                   pp_rank=pp_rank, pp=pp)
+                                   pp_rank=pp_rank, pp=pp, variants=variants)
         dest = Loader(rank, layout.logical, load, dtype=dtype, device=device)
     return Receiver(spec, tp_rank, tp_size, dest, dtype=dtype, device=device, secret=secret, whole=whole, ep=ep,
-                    pp_rank=pp_rank, pp=pp)
+                    pp_rank=pp_rank, pp=pp, variants=variants)
 
 
 class HostedRank:
@@ -87,13 +87,16 @@ class HostedRank:
 
     ``receiver_for(whole)`` builds (once) this rank's receiver for engine-layout shards
     (False) or whole tensors (True); ``layout_reason`` says why shards cannot land here
-    (None when they can); ``engine`` names the engine in every message a user reads.
+    (None when they can); ``variants``: the engine layout variants its parameters are;
+    ``engine`` names the engine in every message a user reads.
     """
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, receiver_for: Callable[[bool], Receiver], *,
                  secret: str | None, mac_key: str, engine: str, layout_reason: str | None = None,
-                 dtype_name: str, ep: int = 1, pp_rank: int = 0, pp: int = 1) -> None:
+                 dtype_name: str, ep: int = 1, pp_rank: int = 0, pp: int = 1,
+                 variants: frozenset[str] = frozenset()) -> None:
         self.spec, self.tp_rank, self.tp_size, self.ep, self.pp = spec, tp_rank, tp_size, ep, pp
+        self.variants = variants
         self.index = pp_rank * tp_size + tp_rank  # this rank among the engine's (its store keys)
         self._receiver_for, self.secret, self.mac_key, self.engine = receiver_for, secret, mac_key, engine
         self.layout_reason, self.dtype_name = layout_reason, dtype_name
@@ -122,9 +125,14 @@ class HostedRank:
         whole = bool(req.whole) and req.engine_index < len(req.whole) and req.whole[req.engine_index]
         if self.layout_reason and not whole:
             raise Refused(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: {self.layout_reason}", Reason.LAYOUT_MISMATCH)
+        planned = req.engine_variants[req.engine_index] if req.engine_index < len(req.engine_variants) else []
+        if set(planned) != self.variants and not whole:  # the trainer can plan again for this engine's variants
+            raise Refused(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: planned with layout variants "
+                          f"{sorted(planned)}, its parameters are {sorted(self.variants)}", Reason.LAYOUT_MISMATCH,
+                          {req.engine_index: sorted(self.variants)})
         rx = self._receiver_for(whole)
         return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp,
-                                      staging=rx.unpushable)
+                                      staging=rx.unpushable, variants=frozenset() if whole else self.variants)
 
     def join(self, connect: dict, mac: str | None, *, session_open: bool = False) -> None:
         """Check, then join the sync group (bounded); tells the trainer whether an update

@@ -38,11 +38,12 @@ log = logging.getLogger(__name__)
 
 
 def engine_rank(spec: ModelSpec, tp_rank: int, tp_size: int, *, dtype_name: str, whole: bool = False, ep: int = 1,
-                pp_rank: int = 0, pp: int = 1) -> tuple[Layout, RankLayout]:
+                pp_rank: int = 0, pp: int = 1, variants: frozenset[str] = frozenset()) -> tuple[Layout, RankLayout]:
     """The engine layout of ``spec`` in ``dtype_name`` and the pieces rank ``(pp_rank, tp_rank)``
     holds (stage-major): what a receiver writes, and what a host checks its parameters against."""
     layout = engine_layout(spec.replace(dtype=dtype_name),
-                           EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=dtype_name, whole=whole))
+                           EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=dtype_name, whole=whole,
+                                          variants=frozenset() if whole else variants))
     return layout, layout.ranks[pp_rank * tp_size + tp_rank]
 
 
@@ -52,7 +53,8 @@ class Receiver:
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu", secret: str | None = None,
-                 whole: bool = False, ep: int = 1, pp_rank: int = 0, pp: int = 1) -> None:
+                 whole: bool = False, ep: int = 1, pp_rank: int = 0, pp: int = 1,
+                 variants: frozenset[str] = frozenset()) -> None:
         self.spec, self.tp_rank, self.tp_size, self.whole, self.ep = spec, tp_rank, tp_size, whole, ep
         self.pp_rank, self.pp = pp_rank, pp
         self.index = pp_rank * tp_size + tp_rank  # this rank among the engine's (stage-major)
@@ -61,11 +63,12 @@ class Receiver:
         self.dtype, self.device = dtype, torch.device(device)
         self.dtype_name = dtype_name(dtype)
         self.layout, self.rank_layout = engine_rank(spec, tp_rank, tp_size, dtype_name=self.dtype_name, whole=whole,
-                                                    ep=ep, pp_rank=pp_rank, pp=pp)
+                                                    ep=ep, pp_rank=pp_rank, pp=pp, variants=variants)
         self._meta = {t.name: t for t in self.rank_layout.tensors}
         self._views: dict[int, tuple[object, Mapping[str, torch.Tensor]]] = {}  # id(mapping) -> views
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
+        self.raw: dict[str, str] = {}
         self._disk = DiskApply(self.rank_layout)
         self.sync_rank: int | None = None
 
@@ -97,6 +100,7 @@ class Receiver:
         returns this rank's sync rank.  A join that fails leaves the current connection as
         it was and releases what it built."""
         topo = topology_from_connect(req, self.dtype_name)
+        self.raw = topo.raw_dtypes  # the tensors that move (and are checked) as their own bits
         if topo.engines[req.engine_index].whole != self.whole:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
                              f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")
@@ -210,7 +214,7 @@ class Receiver:
         would read the storage served before the last swap)."""
         meta = self._meta
         served = {n: addressed(t, meta[n]) if n in meta else t for n, t in self.destination.served().items()}
-        return piece_checksums(self.rank_layout, served, self.layout.logical, self.dtype)
+        return piece_checksums(self.rank_layout, served, self.layout.logical, self.dtype, self.raw)
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import RankLayout
 
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF),
@@ -55,13 +56,17 @@ def box_checksum(values: torch.Tensor, offsets: tuple[int, ...], logical_shape: 
 
 
 def piece_checksums(rank: RankLayout, tensors: Mapping[str, torch.Tensor],
-                    logical: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> dict[BoxKey, int]:
-    """Checksums of every piece a rank holds, keyed by its logical box."""
+                    logical: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+                    raw: Mapping[str, str] | None = None) -> dict[BoxKey, int]:
+    """Checksums of every piece a rank holds, keyed by its logical box: in ``dtype``, the
+    logical tensors that move as their own bits (``raw``) in theirs."""
     out: dict[BoxKey, int] = {}
+    raw = raw or {}
     for p in rank.pieces:
         region = tuple(slice(o, o + s) for o, s in zip(p.local_offsets, p.sizes, strict=True))
+        own = raw.get(p.logical)
         out[(p.logical, p.offsets, p.sizes)] = box_checksum(
-            tensors[p.local][region], p.offsets, logical[p.logical], dtype)
+            tensors[p.local][region], p.offsets, logical[p.logical], dtype if own is None else torch_dtype(own))
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from shardsync.dtypes import torch_dtype
 from shardsync.runtime.stats import Stats, StepTiming
 from shardsync.runtime.steps import Binding, Step
 
@@ -79,8 +80,18 @@ class BufferPool:
         self._free.append(buf)
 
 
+def _span(buf: torch.Tensor, offset: int, shape: tuple[int, ...], raw: str | None) -> torch.Tensor:
+    """``shape`` elements of the buffer from ``offset``: in the buffer's dtype, or the bits of
+    ``raw`` (as many buffer elements as its bytes take)."""
+    if raw is None:
+        return buf[offset:offset + _numel(shape)].view(shape)
+    dtype = torch_dtype(raw)
+    width = dtype.itemsize // buf.element_size()
+    return buf[offset:offset + _numel(shape) * width].view(dtype).view(shape)
+
+
 def _buf_view(buf: torch.Tensor, b: Binding) -> torch.Tensor:
-    return buf[b.offset:b.offset + b.numel].view(b.box)[b.sub]
+    return _span(buf, b.offset, b.box, b.raw)[b.sub]
 
 
 def _resolve(b: Binding, local: Mapping[str, torch.Tensor], main: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -88,7 +99,7 @@ def _resolve(b: Binding, local: Mapping[str, torch.Tensor], main: Mapping[str, t
 
 
 def _main_views(step: Step, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {key: buf[off:off + _numel(shape)].view(shape) for key, off, shape in step.main_views}
+    return {key: _span(buf, off, shape, raw) for key, off, shape, raw in step.main_views}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -127,7 +138,7 @@ def _zero_copy(bindings: tuple[Binding, ...], local: Mapping[str, torch.Tensor],
         return None
     b = bindings[0]
     t = local[b.key]
-    if t.dtype != dtype or not t.is_contiguous() or t.numel() != numel:
+    if b.raw is not None or t.dtype != dtype or not t.is_contiguous() or t.numel() != numel:
         return None
     if any(r.start != 0 or r.stop != s for r, s in zip(b.region, t.shape, strict=True)):
         return None

@@ -39,6 +39,7 @@ class UpdateRecord:
     error: str | None = None
     delta: dict[str, Any] | None = None
     source: str = "device"  # where the trainer's weights were read from: device | host | host-pinned
+    unsent_bytes: int = 0  # the trainer's tensors no engine holds (MTP layers), at the wire dtype: not moved
 
     @property
     def total_s(self) -> float:
@@ -61,7 +62,10 @@ class UpdateRecord:
         return (f"weight update v{self.version} mode={self.mode}{why} ok={self.ok} "
                 f"bytes={total / 2**20:.2f}MiB busiest_link={self.busiest_link_bytes / 2**20:.2f}MiB "
                 f"buckets={self.buckets} total={self.total_s * 1e3:.1f}ms ({phases}) {gbps:.3f}GB/s"
-                f"{self._serving()}")
+                f"{self._serving()}{self._unsent()}")
+
+    def _unsent(self) -> str:
+        return f" unsent={self.unsent_bytes / 2**20:.2f}MiB (no engine holds them)" if self.unsent_bytes else ""
 
     def _serving(self) -> str:
         """Where the engines stopped generating: `` engine_pause=..ms (staged ..)``."""
@@ -102,6 +106,7 @@ class _Common(TypedDict):
     bytes_sent: int
     engines: list[UpdateResult]
     phases: dict[str, float]
+    unsent_bytes: int
 
 
 def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None,
@@ -114,7 +119,8 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
     phases = {"plan": times["plan"], "pack": stats.pack_s, "transfer": stats.transfer_s, "unpack": unpack,
               **{k: v for k, v in times.items() if k != "plan"}}
     common = _Common(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
-                     bytes_sent=stats.bytes_sent, engines=list(engines), phases=phases)
+                     bytes_sent=stats.bytes_sent, engines=list(engines), phases=phases,
+                     unsent_bytes=topo.unsent_bytes)
     if mode.is_delta:
         delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),
                  "engine_changed": sum(e.changed for e in engines),

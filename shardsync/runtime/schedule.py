@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardsync.layout.piece import box_overlap
+from shardsync.layout.raw import width
 from shardsync.plan.bucket import Bucket, make_buckets
 from shardsync.plan.plan import Copy, Plan
 from shardsync.runtime.steps import Binding, Step, SubRecv, full_region
@@ -62,7 +63,7 @@ def merge_bindings(bindings: list[Binding]) -> tuple[Binding, ...]:
     out: list[Binding] = []
     for b in bindings:
         p = out[-1] if out else None
-        if (p is not None and p.key == b.key and p.space == b.space
+        if (p is not None and p.key == b.key and p.space == b.space and p.raw is None and b.raw is None
                 and p.sub == full_region(p.box) and b.sub == full_region(b.box)
                 and p.region[1:] == b.region[1:] and p.region[0].stop == b.region[0].start
                 and p.offset + p.numel == b.offset and p.box[1:] == b.box[1:]):
@@ -100,13 +101,16 @@ def _link_steps(plan: Plan, me: int, budget_bytes: int, src_rank, dst_rank, labe
     for b in buckets:
         src, dst = src_rank(b.src), dst_rank(b.dst)
         link = f"{plan.src.ranks[b.src].label}->{plan.dst.ranks[b.dst].label}"
+        raw = plan.raw
         if me == src:
             pack = merge_bindings([Binding(c.src_local, _region(c.src_offsets, c.sizes), off, c.sizes,
-                                           full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True)])
+                                           full_region(c.sizes), raw=raw.get(c.logical))
+                                   for c, off in zip(b.copies, b.offsets, strict=True)])
             steps.append(Step(f"{label}{b.index}", b.numel, ("send", dst), pack=pack, link=link))
         elif me == dst:
             drain = merge_bindings([Binding(c.dst_local, _region(c.dst_offsets, c.sizes), off, c.sizes,
-                                            full_region(c.sizes)) for c, off in zip(b.copies, b.offsets, strict=True)])
+                                            full_region(c.sizes), raw=raw.get(c.logical))
+                                    for c, off in zip(b.copies, b.offsets, strict=True)])
             steps.append(Step(f"{label}{b.index}", b.numel, ("recv", src), drain=drain, link=link))
     return steps
 
@@ -157,7 +161,9 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> t
     for b in broadcast_buckets(topo, budget_bytes)[stage]:
         parts = _gather_parts(gather, b)
         label = f"bcast{stage}.{b.index}"
-        keys = tuple((f"c{i}", off, c.sizes) for i, (c, off) in enumerate(zip(b.copies, b.offsets, strict=True)))
+        raw = topo.broadcast_plan.raw
+        keys = tuple((f"c{i}", off, c.sizes, raw.get(c.logical))
+                     for i, (c, off) in enumerate(zip(b.copies, b.offsets, strict=True)))
         # Gather sends from the stage's other TP ranks, one message per peer, in peer order.
         peers = sorted({p[0] for p in parts if p[0] != source})
         fills = []
@@ -166,10 +172,14 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> t
             send, recv, pos = [], [], 0
             for _, g, i, ov_off, ov_size in mine:
                 src_off = tuple(so + d for so, d in zip(g.src_offsets, _rel(ov_off, g.logical_offsets), strict=True))
-                send.append(Binding(g.src_local, _region(src_off, ov_size), pos, ov_size, full_region(ov_size)))
+                own = raw.get(g.logical)
+                w = width(own, topo.wire_dtype)
+                pos = -(-pos // w) * w  # a raw span starts on a whole element of its dtype
+                send.append(Binding(g.src_local, _region(src_off, ov_size), pos, ov_size, full_region(ov_size),
+                                    raw=own))
                 recv.append(Binding(f"c{i}", _region(_rel(ov_off, b.copies[i].logical_offsets), ov_size),
-                                    pos, ov_size, full_region(ov_size), space="main"))
-                pos += _prod(ov_size)
+                                    pos, ov_size, full_region(ov_size), space="main", raw=own))
+                pos += _prod(ov_size) * w
             if me == peer:
                 steps.append(Step(f"gather{stage}.{b.index}", pos, ("send", source), pack=tuple(send),
                                   link=f"tp->source{stage}"))
@@ -180,7 +190,7 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> t
                 src_off = tuple(so + d for so, d in zip(g.src_offsets, _rel(ov_off, g.logical_offsets), strict=True))
                 bc = b.copies[i]
                 pack.append(Binding(g.src_local, _region(src_off, ov_size), b.offsets[i], bc.sizes,
-                                    _region(_rel(ov_off, bc.logical_offsets), ov_size)))
+                                    _region(_rel(ov_off, bc.logical_offsets), ov_size), raw=raw.get(bc.logical)))
             steps.append(Step(label, b.numel, ("bcast", group, 0, True), pack=tuple(pack),
                               fill=tuple(fills), main_views=keys, link=f"source{stage}->all"))
         elif narrow is not None:
@@ -192,7 +202,7 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> t
                         continue
                     dst_off = tuple(d + x for d, x in zip(n.dst_offsets, _rel(ov[0], n.src_offsets), strict=True))
                     drain.append(Binding(n.dst_local, _region(dst_off, ov[1]), off, bc.sizes,
-                                         _region(_rel(ov[0], bc.logical_offsets), ov[1])))
+                                         _region(_rel(ov[0], bc.logical_offsets), ov[1]), raw=raw.get(bc.logical)))
             steps.append(Step(label, b.numel, ("bcast", group, 0, False), drain=tuple(drain),
                               link=f"source{stage}->all"))
     return tuple(steps)  # cached (lru_cache): shared, never mutated

@@ -22,7 +22,9 @@ class Binding:
     """``tensors[key][region]`` <-> ``buffer[offset : offset+prod(box)].view(box)[sub]``.
 
     ``space`` says where ``key`` lives: ``"local"`` (the rank's parameters) or ``"main"``
-    (views into the buffer of the step being filled, for gathers).
+    (views into the buffer of the step being filled, for gathers).  ``raw``: the dtype whose
+    bits the buffer carries for this binding (a tensor both ends hold wider than the wire,
+    moved without rounding: the buffer span is its bytes); None: cast to the wire dtype.
     """
 
     key: str
@@ -31,6 +33,7 @@ class Binding:
     box: tuple[int, ...]
     sub: Region
     space: str = "local"
+    raw: str | None = None
 
     @property
     def numel(self) -> int:
@@ -54,8 +57,8 @@ class Step:
     """One buffer lifetime.
 
     ``comm``: ("send", peer), ("recv", peer), ("bcast", group, root, i_am_root) or () for a
-    rank-local copy.  ``main_views`` name (key, offset, shape) views of the step's own
-    buffer that ``fill`` sub-messages unpack into.
+    rank-local copy.  ``main_views`` name (key, offset, shape, raw dtype) views of the step's
+    own buffer that ``fill`` sub-messages unpack into.
     """
 
     label: str
@@ -64,6 +67,6 @@ class Step:
     pack: tuple[Binding, ...] = ()
     fill: tuple[SubRecv, ...] = ()
     drain: tuple[Binding, ...] = ()
-    main_views: tuple[tuple[str, int, tuple[int, ...]], ...] = field(default=())
+    main_views: tuple[tuple[str, int, tuple[int, ...], str | None], ...] = field(default=())  # + raw dtype
     link: str = ""
     fence: bool = False  # complete every earlier step first (a relay reads what was received)

@@ -6,9 +6,13 @@ checked bitwise and by the engine re-scoring the batch."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+from shardsync.layout.logical import logical_tensors, model_tensors
+from shardsync.presets import PRESETS
 
 
 def _demo(out: Path, model: str, *args: str, modes: tuple[str, ...] = ("p2p", "broadcast")) -> tuple[str, list]:
@@ -52,6 +56,11 @@ def test_deepseek_demo_p2p_and_broadcast_bitwise(tmp_path) -> None:
     assert "trainer TP2 PP1 DP1 EP2 ETP1 -> engines TP [2] EP2" in out
     assert "bitwise checksum after every sync: ok" in out
     assert _p2p_lighter(rows)
+    # its MTP layer stays on the trainer (the engine's serving model holds none): every record counts it
+    spec = PRESETS["tiny-deepseek-v3"]
+    mtp = sum(math.prod(s) for n, s in logical_tensors(spec).items() if n not in model_tensors(spec)) * 4
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert mtp > 0 and records and {r["unsent_bytes"] for r in records} == {mtp}
 
 
 def test_staged_moe_updates_back_to_back_verify_what_is_served(tmp_path) -> None:

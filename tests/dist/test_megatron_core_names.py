@@ -10,8 +10,9 @@ same way over (tp, pp, dp, ep, etp) worlds with SequentialMLP experts
 (``expert_names="sequential"``); there the expert rank coordinates and the global experts
 each rank holds (``MoELayer.local_expert_indices``) must match the layout too.
 
-The MLA presets (tiny-deepseek-v3 with a q down projection, -q-proj without, tiny-glm4-moe-lite)
-build the same way with ``MLATransformerConfig`` and three stand-ins (no CUDA device, no
+The MLA presets (tiny-deepseek-v3 with a q down projection and an MTP layer, -q-proj without,
+tiny-glm4-moe-lite) build the same way with ``MLATransformerConfig`` (and megatron-core's MTP
+block: ``mtp.layers.{k}`` on the last stage) and three stand-ins (no CUDA device, no
 TELinear, a parameter-free core attention: the local ``DotProductAttention`` refuses MLA's
 ``k_channels``); their down projections are column-parallel in the local spec.
 
@@ -29,6 +30,7 @@ from unittest import mock
 import pytest
 
 from shardsync.layout import MegatronParallel, megatron_layout
+from shardsync.layout.logical import mtp_layers
 from shardsync.spec import ModelSpec
 from shardsync.presets import PRESETS
 from tests.dist._world import free_port, run_world
@@ -67,7 +69,11 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
     """A real mcore GPTModel for ``spec`` with the flags a Qwen2/Qwen3/Llama/Qwen3-MoE trainer uses."""
     import torch
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -77,6 +83,7 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
         **_moe_config(spec, par),
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
+        mtp_num_layers=spec.num_nextn_predict_layers or None,
         # pp > 1 refuses a config without pipeline_dtype.
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -112,6 +119,9 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            # the MTP layers: the decoder's last layer spec behind megatron-core's MTP head (last stage)
+            mtp_block_spec=get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+            if spec.num_nextn_predict_layers and post_process else None,
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta),
             rotary_percent=spec.partial_rotary_factor,
@@ -219,6 +229,7 @@ MOE_WORLDS = (
     ("tiny-glm4-moe", 1, 2, 2, 2, 1),
     # multi-head latent attention: q down projection or q_proj, EP over TP and over DP, ETP 2
     ("tiny-deepseek-v3", 2, 1, 1, 2, 1),
+    ("tiny-deepseek-v3", 1, 2, 1, 1, 1),  # its MTP layer on the last stage
     ("tiny-deepseek-v3-q-proj", 1, 2, 2, 2, 1),
     ("tiny-glm4-moe-lite", 2, 1, 1, 1, 2),
 )
@@ -317,6 +328,8 @@ def test_moe_layout_matches_megatron_core(preset: str, tp: int, pp: int, dp: int
             problems.append(f"{label}: {order}")
         stage = par.stage_layers(spec.num_layers)[par.coords(rank)[0]]
         sparse = [f"decoder.layers.{local}.mlp" for local, layer in enumerate(stage) if spec.sparse_layer(layer)]
+        if par.coords(rank)[0] == par.pp - 1:  # the MTP layers' experts, on the last stage
+            sparse += [f"mtp.layers.{k}.transformer_layer.mlp" for k in range(len(mtp_layers(spec)))]
         ep_rank = par.expert_coords(rank)[2]
         want = {n: [ep_rank * n_local + j for j in range(n_local)] for n in sparse}
         if got["experts"] != want:

@@ -140,3 +140,21 @@ def test_cached_decode_equals_recomputing(name: str) -> None:
         with torch.no_grad():
             assert int(engine(torch.tensor([seq]))[0, -1].argmax()) == t
         seq.append(t)
+
+
+def test_trainer_holds_the_mtp_layer_frozen() -> None:
+    """The MTP layer travels with the model (its megatron-core names, filled from the
+    checkpoint) but the RL loss does not train it: an optimizer step leaves it unchanged."""
+    spec = PRESETS["tiny-deepseek-v3"]
+    model = TrainerModel(spec, MegatronParallel(norm_names="separate"), source=random_source(spec, SEED))
+    mtp = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("mtp.layers.0.")}
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.eh_proj.weight", "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.mlp.router.expert_bias"} <= set(mtp)
+    assert torch.equal(mtp["mtp.layers.0.eh_proj.weight"], random_source(spec, SEED)("model.layers.4.eh_proj.weight"))
+    ids, loss_fn = _batch(_inputs(spec), 0, 1)
+    model.forward_backward(ids, loss_fn)
+    model.optimizer_step()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], t) for n, t in mtp.items())
+    assert not torch.equal(after["decoder.layers.1.mlp.router.weight"], random_source(spec, SEED)(
+        "model.layers.1.mlp.gate.weight"))  # the model itself trained

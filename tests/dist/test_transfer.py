@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.mode import Mode
@@ -59,9 +60,17 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
         stats = programs[mode].run(local, UpdateArgs(version=step))
         if rank >= T:
             e = rank - T
-            expect = load_rank(topo.engine_layouts[engine], e - topo.engine_rank_offset(engine), src)
+            wire = torch_dtype(topo.wire_dtype)
+
+            direct = case.get("ipc") == "map" and mode == "p2p"  # the engine reads the trainer's tensors: no wire
+
+            def sent(name: str, src=src) -> torch.Tensor:  # what the wire carries: raw tensors exactly
+                return src(name) if direct or name in topo.raw_dtypes else src(name).to(wire).float()
+
+            expect = load_rank(topo.engine_layouts[engine], e - topo.engine_rank_offset(engine), sent)
             bad = [k for k in expect if not torch.equal(expect[k].to(local[k].dtype), local[k])]
             results[mode + str(step)] = bad
+            results["raw"] = sorted(topo.raw_dtypes)
         results[f"barriers{step}"] = group.barrier_calls
         results[f"sent{step}"] = stats.bytes_sent
         results[f"sent_mode{step}"] = mode
@@ -90,6 +99,10 @@ CASES = {
     "tp2-tp2": dict(model="tiny-qwen3", trainer=dict(tp=2), engines=[2], modes=["p2p", "broadcast", "p2p"]),
     "tp2pp2-tp4-bf16": dict(model="tiny-qwen2", trainer=dict(tp=2, pp=2), engines=[4], wire="bfloat16",
                             modes=["broadcast", "p2p"]),
+    # a sigmoid router's expert bias, float32 on both sides of a bfloat16 sync: moved as its own
+    # bits (values below bfloat16's precision would round otherwise); experts over EP
+    "glm4moe-tp2ep2-tp2-bf16": dict(model="tiny-glm4-moe", trainer=dict(tp=2, ep=2, etp=1), engines=[2],
+                                    wire="bfloat16", modes=["p2p", "broadcast"]),
     "tp1pp3-uneven-2engines": dict(model="tiny-llama", trainer=dict(tp=1, pp=3, pp_layers=(2, 1, 1)),
                                    engines=[2, 1], modes=["p2p", "broadcast"], credits=1),
 }
@@ -97,11 +110,11 @@ CASES = {
 
 # p2p read in place (CPU shared memory stands in for CUDA IPC): every case relay aside
 MAPPED = ["tp2-tp1", "tp2-tp4-kvrep", "tp4-tp2", "tp1pp2", "dp2-2engines", "tp2pp2-tp4-bf16",
-          "tp1pp3-uneven-2engines"]
+          "tp1pp3-uneven-2engines", "glm4moe-tp2ep2-tp2-bf16"]
 
 
 # every message followed by its digest (gathers, broadcasts, relays and p2p alike)
-VERIFIED = ["tp2-tp4-kvrep", "relay-3engines", "tp2pp2-tp4-bf16"]
+VERIFIED = ["tp2-tp4-kvrep", "relay-3engines", "tp2pp2-tp4-bf16", "glm4moe-tp2ep2-tp2-bf16"]
 
 
 @pytest.mark.parametrize("name,ipc,verify", [(n, None, False) for n in CASES] + [(n, "map", False) for n in MAPPED]
@@ -115,6 +128,8 @@ def test_transfer_bitwise(name: str, ipc: str | None, verify: bool) -> None:
         for key, bad in res.items():
             if key.startswith(("p2p", "broadcast")):
                 assert bad == [], f"{name} rank {rank} {key}: tensors differ: {bad[:5]}"
+    if name == "glm4moe-tp2ep2-tp2-bf16":  # the bias of every sparse layer moved raw
+        assert results[t]["raw"] == [f"model.layers.{n}.mlp.gate.e_score_correction_bias" for n in (1, 2, 3)]
     # p2p needs no gather: every rank's extra memory stays within credits x bucket
     budget = case.get("credits", 2) * case.get("bucket", 64 * 1024)
     for rank, res in results.items():

@@ -61,42 +61,49 @@ class StandInGroup(SimpleNamespace):
 
 
 def publish_rank(tp_rank: int, tp_size: int, dtype: str, loaders: tuple[str, ...] = (), pp_rank: int = 0,
-                 pp_size: int = 1):
+                 pp_size: int = 1, ep_size: int = 1):
     """Publish this process's SGLang context as TP rank ``tp_rank`` of ``tp_size`` in stage
-    ``pp_rank`` of ``pp_size`` (last publish wins); returns the ``ServerArgs``."""
+    ``pp_rank`` of ``pp_size``, experts over ``ep_size`` (last publish wins); returns the ``ServerArgs``."""
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     reset_context()
-    args = ServerArgs(model_path="dummy", tp_size=tp_size, pp_size=pp_size, device="cpu", dtype=dtype,
-                      custom_weight_loader=list(loaders) or None)
+    args = ServerArgs(model_path="dummy", tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, device="cpu",
+                      dtype=dtype, custom_weight_loader=list(loaders) or None)
     publish(args, role="test", ranks=SpawnRanks(world_rank=pp_rank * tp_size + tp_rank))
-    tp, one = StandInGroup(tp_rank, tp_size), StandInGroup(0, 1)
+    tp, moe_tp = StandInGroup(tp_rank, tp_size), tp_size // ep_size
     # as SGLang's initialize_model_parallel aliases them when the widths match
-    get_parallel().override_permanently(tp_group=tp, attn_tp_group=tp, moe_tp_group=tp,
-                                        pp_group=StandInGroup(pp_rank, pp_size),
-                                        moe_ep_group=tp if tp_size == 1 else one,
-                                        moe_dp_group=tp if tp_size == 1 else one, attn_cp_group=one)
+    moe = {"moe_tp_group": StandInGroup(tp_rank % moe_tp, moe_tp) if moe_tp < tp_size else tp,
+           "moe_ep_group": StandInGroup(tp_rank // moe_tp, ep_size) if ep_size < tp_size else tp}
+    get_parallel().override_permanently(tp_group=tp, attn_tp_group=tp, pp_group=StandInGroup(pp_rank, pp_size),
+                                        moe_dp_group=tp if tp_size == 1 else StandInGroup(0, 1),
+                                        attn_cp_group=StandInGroup(0, 1), **moe)
     return args
 
 
 def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.float32,
-          loaders: tuple[str, ...] = (), pp_rank: int = 0, pp_size: int = 1) -> torch.nn.Module:
+          loaders: tuple[str, ...] = (), pp_rank: int = 0, pp_size: int = 1, ep_size: int = 1,
+          shared_fused: bool = False) -> torch.nn.Module:
     """SGLang's model of ``hf_config`` as TP rank ``tp_rank`` of stage ``pp_rank`` holds it
-    (weights uninitialized)."""
+    (weights uninitialized); ``shared_fused``: the shared expert fused into the routed ones, as
+    SGLang decides on CUDA sm80+ at EP 1 (forced here, the layout only: CPU cannot run it)."""
     import sglang.srt.layers.rotary_embedding.base as rope
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
+    from sglang.srt.runtime_context import get_model
 
     rope._is_cpu = True  # its CUDA path imports vllm's custom ops; the native one is exact
-    publish_rank(tp_rank, tp_size, str(dtype).removeprefix("torch."), loaders, pp_rank, pp_size)
+    publish_rank(tp_rank, tp_size, str(dtype).removeprefix("torch."), loaders, pp_rank, pp_size, ep_size)
     (arch,) = hf_config.architectures
     cls = getattr(importlib.import_module(MODELS[arch]), arch)
+    shared = SharedExpertsConfig(num_fused_shared_experts=int(shared_fused))
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("cpu"):
+        with torch.device("cpu"), get_model().override(shared_experts=shared):
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(before)
+    model.shared_experts_config = shared  # as SGLang's loader keeps it on the model
     return model.eval()
 
 

@@ -33,8 +33,8 @@ ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_stru
 }
 
 
-def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, spec, dtype: str, initial: dict, env: dict,
-               conn) -> None:
+def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: int, shared_fused: bool, spec,
+               dtype: str, initial: dict, env: dict, conn) -> None:
     """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``."""
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -42,8 +42,9 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, spec, dty
     from sglang.srt.utils.common import MultiprocessingSerializer
 
     dt = getattr(torch, dtype)
-    stage = dict(pp_rank=pp_rank, pp_size=pp_size)
-    model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,), **stage)
+    stage = dict(pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size)
+    model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,), shared_fused=shared_fused,
+                          **stage)
     _models.sglang_load(model, initial)
     updater = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=[ENTRY],
                             get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None,
@@ -64,7 +65,8 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, spec, dty
                 updater.end_weight_update(run_post_load=arg)
                 conn.send(("ok", None))
             elif op == "compare":  # what SGLang's own loader makes of these full tensors, bit for bit
-                ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt, **stage), arg)
+                ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt,
+                                                        shared_fused=shared_fused, **stage), arg)
                 _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,), **stage)
                 want = {**dict(ref.named_parameters()), **_models.derived(ref)}
                 got = {**dict(model.named_parameters()), **_models.derived(model)}
@@ -78,14 +80,15 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, spec, dty
 
 
 class FakeSglang:
-    """One SGLang server of ``tp`` x ``pp`` ranks serving ``spec``, started with shardsync's loader."""
+    """One SGLang server of ``tp`` x ``pp`` ranks serving ``spec``, started with shardsync's loader
+    (experts over ``ep``; ``shared_fused``: the shared expert fused, as SGLang does on CUDA)."""
 
-    def __init__(self, spec, tp: int, initial: dict, *, pp: int = 1, dtype: str = "float32", env: dict | None = None,
-                 ctx=None) -> None:
+    def __init__(self, spec, tp: int, initial: dict, *, pp: int = 1, ep: int = 1, shared_fused: bool = False,
+                 dtype: str = "float32", env: dict | None = None, ctx=None) -> None:
         from sglang.srt.server_args import ServerArgs
 
         self.spec, self.tp, self.pp, self.dtype = spec, tp, pp, dtype
-        self.args = ServerArgs(model_path=spec.name, tp_size=tp, pp_size=pp, device="cpu", dtype=dtype,
+        self.args = ServerArgs(model_path=spec.name, tp_size=tp, pp_size=pp, ep_size=ep, device="cpu", dtype=dtype,
                                custom_weight_loader=[ENTRY])
         self.events: list[tuple[str, object]] = []
         self.paused = False
@@ -97,8 +100,8 @@ class FakeSglang:
         self._conns, self._procs = [], []
         for r in range(tp * pp):  # stage-major, as SGLang numbers its world
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(r % tp, tp, r // tp, pp, spec, dtype, initial, env or {}, theirs),
-                            daemon=True)
+            args = (r % tp, tp, r // tp, pp, ep, shared_fused, spec, dtype, initial, env or {}, theirs)
+            p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             self._conns.append(mine)
             self._procs.append(p)

@@ -1,9 +1,10 @@
 """shardsync's engine layout is SGLang's: for tiny Qwen3, Qwen2 (bias, tied embeddings),
 Llama, Qwen3-MoE (triton backend) and DeepSeek-V3 (latent attention, shared experts) at TP 1,
-2 and 4 and at PP 2 (TP 1 and 2), every rank's
-``named_parameters()``
-has shardsync's names, shapes and dtype, and SGLang's own ``load_weights`` of the full HF
-tensors equals shardsync's ``load_rank`` of them bit for bit (padded vocab rows zero).  At
+2 and 4, at PP 2 (TP 1 and 2) and, for the MoE models, at EP 2 and 4, every rank's
+``named_parameters()`` has shardsync's names, shapes and dtype, and SGLang's own
+``load_weights`` of the full HF tensors equals shardsync's ``load_rank`` of them bit for bit
+(padded vocab rows zero).  SGLang's shared-expert fusion (forced on: CPU would not choose it)
+is the ``shared_fused`` layout variant, and SGLang's host finds it from the parameters.  At
 TP 1 SGLang's forward on those parameters matches ``transformers``."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardsync.engines.sglang.host import SglangHost
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.models.weights import load_rank, random_source
@@ -32,19 +34,40 @@ def test_sglang_parameters_are_shardsync_engine_layout(model, dtype) -> None:
         return seeded(name).to(dt)
 
     full = {n: source(n) for n in logical_tensors(spec)}
-    for tp, pp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
-        lay = engine_layout(spec, EngineParallel(tp=tp, pp=pp, dtype=dtype))
+    worlds = ((1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1)) + (((2, 1, 2), (4, 1, 4)) if spec.is_moe else ())
+    for tp, pp, ep in worlds:
+        lay = engine_layout(spec, EngineParallel(tp=tp, pp=pp, ep=ep, dtype=dtype))
         for i in range(tp * pp):  # stage-major
-            m = _models.build(_models.hf_config(spec), i % tp, tp, dt, pp_rank=i // tp, pp_size=pp)
+            m = _models.build(_models.hf_config(spec), i % tp, tp, dt, pp_rank=i // tp, pp_size=pp, ep_size=ep)
             _models.sglang_load(m, full)
-            assert live_difference(lay.ranks[i], m, "SGLang") is None, (tp, pp, i)
+            assert live_difference(lay.ranks[i], m, "SGLang") is None, (tp, pp, ep, i)
             mine = load_rank(lay, i, source)
             bad = [n for n, p in m.named_parameters() if not torch.equal(p.data.flatten(), mine[n].flatten())]
-            assert bad == [], (tp, pp, i, bad[:4])
+            assert bad == [], (tp, pp, ep, i, bad[:4])
             if spec.is_mla:  # SGLang's derived per-rank heads of kv_b_proj exist and have their shape
                 heads = spec.num_heads // tp
                 kc = _models.derived(m)[f"model.layers.{i // tp * spec.num_layers // pp}.self_attn.w_kc"]
                 assert tuple(kc.shape) == (heads, spec.qk_nope_head_dim, spec.kv_lora_rank), (tp, kc.shape)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_shared_expert_is_the_shared_fused_variant(tp) -> None:
+    spec = SPECS["tiny-deepseek-v3"]
+    source = random_source(spec, seed=5)
+    full = {n: source(n) for n in logical_tensors(spec)}
+    fused = engine_layout(spec, EngineParallel(tp=tp, variants=frozenset({"shared_fused"})))
+    apart = engine_layout(spec, EngineParallel(tp=tp))
+    for r in range(tp):
+        m = _models.sglang_load(_models.build(_models.hf_config(spec), r, tp, shared_fused=True), full)
+        w13 = dict(m.named_parameters())["model.layers.1.mlp.experts.w13_weight"]
+        assert w13.shape[0] == spec.num_experts + 1  # the shared expert is expert E
+        assert live_difference(apart.ranks[r], m, "SGLang") is not None
+        assert live_difference(fused.ranks[r], m, "SGLang") is None
+        mine = load_rank(fused, r, source)
+        assert [n for n, p in m.named_parameters() if not torch.equal(p.data.flatten(), mine[n].flatten())] == []
+        host = SglangHost(m)  # what SGLang's rank finds its parameters are, before any trainer plans
+        assert host.problem is None and host.variants == {"shared_fused"}
+        assert host.rank is not None and host.rank.layout_reason is None
 
 
 def test_tied_lm_head_is_the_embedding() -> None:

@@ -1,5 +1,6 @@
 """A shardsync trainer (TP 1, TP 2, PP 2; TP 2 EP 2 for DeepSeek-V3) syncs into SGLang's real
-models (four engines at once: TP 1, 2 and 4, KV heads replicated at 4, and TP 2 x PP 2)
+models (four engines at once: TP 1, 2 and 4, KV heads replicated at 4, and TP 2 x PP 2; for
+DeepSeek-V3 also TP 2 EP 2 and TP 2 with SGLang's fused shared expert)
 through SGLang's custom weight loader: p2p, broadcast and a 1 % delta.  After every update
 each rank's parameters, and what SGLang derives from them (MLA's ``w_kc`` / ``w_vc``), equal,
 bit for bit, what SGLang's own ``load_weights`` makes of the trainer's full tensors;
@@ -103,6 +104,30 @@ def _trainer(rank: int, world: int, port: int, model: str, trainer: str, urls: l
 @pytest.mark.parametrize(("servers", "trainer"), COMBOS, indirect=["servers"])
 def test_sync_equals_sglang_own_loader_bit_for_bit(servers, trainer) -> None:
     model, started = servers
+    _sync_and_check(model, trainer, started, [EngineParallel(tp=tp, pp=pp) for tp, pp in ENGINES], checks=1)
+
+
+def test_expert_parallel_and_fused_shared_expert_engines() -> None:
+    """DeepSeek-V3 into SGLang at TP 2 EP 2 and at TP 2 with its shared expert fused: the fused
+    engine refuses the first plan naming its variant, the trainer plans again, p2p lands in place."""
+    model = "tiny-deepseek-v3"
+    spec = _models.SPECS[model]
+    initial = {n: version_source(spec, 0)(n) for n in logical_tensors(spec)}
+    env = {"SHARDSYNC_TOKEN": TOKEN}
+    started = [FakeSglang(spec, 2, initial, ep=2, env=env, ctx=_ctx()),
+               FakeSglang(spec, 2, initial, shared_fused=True, env=env, ctx=_ctx())]
+    try:
+        _sync_and_check(model, "tp2ep2", started, [EngineParallel(tp=2, ep=2),
+                                                   EngineParallel(tp=2, variants=frozenset({"shared_fused"}))],
+                        checks=2)
+    finally:
+        for s in started:
+            s.stop()
+
+
+def _sync_and_check(model: str, trainer: str, started: list[FakeSglang], engines: list[EngineParallel], *,
+                    checks: int) -> None:
+    """Every step lands bit for bit as SGLang's own load; ``checks``: connect checks before the join."""
     for s in started:
         s.events.clear()
     world = TRAINERS[trainer].world_size
@@ -115,17 +140,17 @@ def test_sync_equals_sglang_own_loader_bit_for_bit(servers, trainer) -> None:
     full = spec.num_parameters() * 4
     for s in r0["steps"]:
         assert s["ok"] and s["mismatched"] == [], (s["mode"], s["mismatched"][:5])
-        assert s["sglang"] == [[[] for _ in range(tp * pp)] for tp, pp in ENGINES], (s["mode"], s["sglang"])
-        assert s["weight_version"] == [str(s["version"])] * len(ENGINES)
-        for e, (tp, pp) in zip(s["engines"], ENGINES, strict=True):
-            assert e["destination"] == "params"  # SGLang's parameters are shardsync's engine layout
+        assert s["sglang"] == [[[] for _ in range(e.world_size)] for e in engines], (s["mode"], s["sglang"])
+        assert s["weight_version"] == [str(s["version"])] * len(engines)
+        for got, e in zip(s["engines"], engines, strict=True):
+            assert got["destination"] == "params"  # SGLang's parameters are shardsync's engine layout
             if s["mode"] == "p2p":  # every rank gets only its own bytes: what its layout holds, once
-                held = 4 * sum(p.numel for r in engine_layout(spec, EngineParallel(tp=tp, pp=pp)).ranks
+                held = 4 * sum(p.numel for r in engine_layout(spec, e).ranks
                                for p in r.pieces)  # replicated KV heads and MLA down projections included
-                assert held <= e["bytes_received"] <= held * 1.01, (tp, pp, e["bytes_received"], held)
+                assert held <= got["bytes_received"] <= held * 1.01, (e, got["bytes_received"], held)
             if s["mode"] == "broadcast":
-                assert e["bytes_received"] >= tp * pp * full
+                assert got["bytes_received"] >= e.world_size * full
     for srv in started:  # O(1) SGLang calls per update, whatever the bucket count; paused -> continued
         posts = [p for p, _ in srv.events]
-        assert posts == SESSION * 2 + (PER_UPDATE + SESSION) * len(STEPS) + SESSION, posts  # check, join;
-        assert not srv.paused and srv.dead is None  # each update and its verify; leave
+        assert posts == SESSION * (checks + 1) + (PER_UPDATE + SESSION) * len(STEPS) + SESSION, posts  # check(s),
+        assert not srv.paused and srv.dead is None  # join; each update and its verify; leave

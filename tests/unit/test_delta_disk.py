@@ -112,3 +112,26 @@ def test_xor_into_a_wider_target_is_exact() -> None:
     part = Part(0, "bias", (0,), "bias", (0,), (8,))
     apply_xor(part, mask, {"bias": target}, [("bias", (slice(0, 8),), (slice(0, 8),))], torch.bfloat16)
     assert target.dtype == torch.float32 and torch.equal(target, new.float())
+
+
+def test_disk_delta_moves_a_float32_bias_as_its_own_bits(tmp_path) -> None:
+    """A sigmoid router's bias, float32 on the trainer and the engine of a bfloat16 sync, is
+    published and applied in float32 (``raw``): a change below bfloat16's precision arrives."""
+    spec = PRESETS["tiny-glm4-moe"].replace(dtype="bfloat16")
+    topo = Topology(spec, MegatronParallel(tp=1, dtype="float32"), (EngineParallel(tp=2),))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert bias in topo.raw_dtypes
+    params = load_rank(topo.trainer_layout, 0, random_source(spec, 1))
+    raw = {p.local: torch.float32 for p in topo.trainer_layout.ranks[0].pieces if p.logical in topo.raw_dtypes}
+    snap = Snapshot(params, torch.bfloat16, raw=raw)
+    snap.refresh()
+    engine = [load_rank(topo.engine_layouts[0], r, random_source(spec, 1)) for r in range(2)]
+    local = "decoder.layers.1.mlp.router.expert_bias"
+    params[local][3] += 1e-5  # bfloat16 cannot tell this change apart
+    assert torch.equal(params[local].to(torch.bfloat16), snap.values[local].to(torch.bfloat16))
+    pub = DiskPublisher(topo, 0, str(tmp_path), snap)
+    pub.write(1, 0, None)
+    pub.publish(1, 0)
+    for r in range(2):
+        apply_version(tmp_path, 1, 0, engine[r], topo.engine_layouts[0].ranks[r])
+        assert torch.equal(engine[r][bias], params[local]), r

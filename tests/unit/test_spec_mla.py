@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
-from shardsync.layout.logical import logical_tensors
+from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.plan.plan import build_plan
 from shardsync.presets import PRESETS
 from shardsync.spec import spec_from_config
@@ -38,7 +38,7 @@ def test_logical_tensors_are_transformers_tensors(name: str) -> None:
     assert type(model).__name__ == spec.architecture
     theirs = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     stacked = {n: s for n, s in theirs.items() if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))}
-    ours = logical_tensors(spec)
+    ours = model_tensors(spec)  # the MTP layers: test_mtp_layer_is_transformers_mtp_model
     experts = {n: s for n, s in ours.items() if ".mlp.experts." in n}
     assert {n: s for n, s in ours.items() if n not in experts} == {n: s for n, s in theirs.items() if n not in stacked}
     sparse = [n for n in range(spec.num_layers) if spec.sparse_layer(n)]
@@ -50,6 +50,37 @@ def test_logical_tensors_are_transformers_tensors(name: str) -> None:
         assert all(experts[f"{p}{e}.{x}_proj.weight"] == ((Fe, H) if x != "down" else (H, Fe))
                    for e in range(E) for x in ("gate", "up", "down"))
     assert len(experts) == 3 * E * len(sparse)
+
+
+def test_mtp_layer_is_transformers_mtp_model() -> None:
+    """The checkpoint's MTP layer ``model.layers.{L}`` as transformers' ``MtpModel`` loads it
+    (its checkpoint renames: the head's tensors stay, ``shared_head.norm`` is ``post_norm``,
+    the decoder layer is ``mtp_block``); its embedding and head are the main model's."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    spec = PRESETS["tiny-deepseek-v3"]
+    assert spec.num_nextn_predict_layers == 1
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in spec.to_hf_config().items() if k != "architectures"})
+    with torch.device("meta"):
+        mtp = MtpModel(transformers.AutoModelForCausalLM.from_config(cfg), 1)
+    theirs = {n: tuple(t.shape) for n, t in mtp.state_dict().items() if n.startswith("layers.")}
+    prefix = f"model.layers.{spec.num_layers}."
+    E, Fe, H = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    head = {"enorm.weight", "hnorm.weight", "eh_proj.weight"}
+
+    def renamed(name: str) -> str:
+        rest = name.removeprefix(prefix)
+        return "layers.0." + (rest if rest in head else "post_norm.weight" if rest == "shared_head.norm.weight"
+                              else "mtp_block." + rest)
+
+    mine = {n: s for n, s in logical_tensors(spec).items() if n.startswith(prefix)}
+    assert set(mine) == set(logical_tensors(spec)) - set(model_tensors(spec))
+    experts = {n: s for n, s in mine.items() if ".mlp.experts." in n}
+    assert len(experts) == 3 * E
+    assert {renamed(n): s for n, s in mine.items() if n not in experts} == {
+        n: s for n, s in theirs.items() if not n.endswith((".experts.gate_up_proj", ".experts.down_proj"))}
+    assert theirs["layers.0.mtp_block.mlp.experts.gate_up_proj"] == (E, 2 * Fe, H)
 
 
 @pytest.mark.parametrize("name", [*TINY, "DeepSeek-V3", "Kimi-K2", "GLM-4.7-Flash"])

@@ -18,6 +18,7 @@ from shardsync.control.hosted import connect_body
 from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall
 from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
+from shardsync.layout.engine import EngineParallel, variant_choices
 from shardsync.receiver import Params, Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
@@ -78,6 +79,7 @@ class SglangHost:
         self._receivers: dict[bool, Receiver] = {}
         self.problem: str | None = None
         self.rank: HostedRank | None = None
+        self.variants: frozenset[str] = frozenset()
         try:
             self._build()
         except Exception as e:  # refuse at connect, with the reason
@@ -91,9 +93,7 @@ class SglangHost:
         self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
         if self.pp > 1 and os.environ.get("SGLANG_PP_LAYER_PARTITION"):
             raise ValueError("SGLANG_PP_LAYER_PARTITION is set; shardsync plans SGLang's even layer split only")
-        _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype), ep=self.ep,
-                              pp_rank=self.pp_rank, pp=self.pp)
-        reason = live_difference(rank, self.model, "SGLang")
+        self.variants, reason = self._variants()
         if reason is None and self.spec.num_experts and moe_backend() not in MOE_BACKENDS:
             reason = (f"SGLang's MoE runner backend {moe_backend()!r} holds experts in its own layout; shardsync's "
                       f"is that of {MOE_BACKENDS} (--moe-runner-backend triton)")
@@ -102,9 +102,24 @@ class SglangHost:
         self.rank = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
                                mac_key=MAC_KEY, engine="SGLang", layout_reason=reason,
                                dtype_name=str(self.dtype).removeprefix("torch."), ep=self.ep, pp_rank=self.pp_rank,
-                               pp=self.pp)
+                               pp=self.pp, variants=self.variants)
         log.info("shardsync: SGLang pp%d tp%d/%d receives %s", self.pp_rank, self.tp_rank, self.tp_size,
-                 f"whole tensors only ({reason})" if reason else "into its parameters in place")
+                 f"whole tensors only ({reason})" if reason else
+                 f"into its parameters in place (layout variants {sorted(self.variants)})")
+
+    def _variants(self) -> tuple[frozenset[str], str | None]:
+        """The engine layout variants this rank's parameters are (SGLang decides some, such as
+        its shared-expert fusion, from the GPU it runs on), or why they are none of them."""
+        par = EngineParallel(tp=self.tp_size, ep=self.ep, pp=self.pp)
+        first: str | None = None
+        for variants in variant_choices(self.spec, par):
+            _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
+                                  ep=self.ep, pp_rank=self.pp_rank, pp=self.pp, variants=variants)
+            reason = live_difference(rank, self.model, "SGLang")
+            if reason is None:
+                return variants, None
+            first = first or reason
+        return frozenset(), first
 
     def _receiver(self, whole: bool) -> Receiver:
         """Shards in place (SGLang's parameters are shardsync's layout, or the connect is
@@ -113,7 +128,7 @@ class SglangHost:
             self._receivers[whole] = hosted_receiver(
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=True, params=self._live,
                 load=sglang_loader(self.model), dtype=self.dtype, device=self.device, secret=self.secret, ep=self.ep,
-                pp_rank=self.pp_rank, pp=self.pp)
+                pp_rank=self.pp_rank, pp=self.pp, variants=self.variants)
         return self._receivers[whole]
 
     def _live(self) -> dict[str, torch.Tensor]:
@@ -156,7 +171,8 @@ class SglangHost:
                 raise ValueError(f"shardsync: {self.problem}")
             self.rank.check(call.connect, self._connect_mac(call))
         except Refused as e:
-            answer = Checked(error=str(e)[:4000], reason=e.reason)
+            answer = Checked(error=str(e)[:4000], reason=e.reason,
+                             variants=None if e.variants is None else e.variants.get(req.engine_index))
         except Exception as e:
             answer = Checked(error=(str(e) or type(e).__name__)[:4000])
         store = open_store(rdv, is_master=False)
