@@ -20,6 +20,7 @@ from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
 from shardsync.store import auth
 from shardsync.vocab import Reason, Refused
 
+VARIANTS = frozenset({"vllm"})  # vLLM's engine layout variants (layout.engine.ENGINE_VARIANTS): its names
 MAC_KEY = "shardsync/vllm/connect"  # what the worker checks the connect's signature under
 ENV_LAYOUT = "SHARDSYNC_VLLM_LAYOUT"  # "whole" in vLLM's environment: always receive whole tensors
 
@@ -56,6 +57,7 @@ class VllmEngines(HostedEngines):
             par, model = cfg["parallel_config"], cfg["model_config"]
             out.append(InfoResponse(spec={}, tp=par["tensor_parallel_size"], pp=par["pipeline_parallel_size"],
                                     dtype=str(model["dtype"]).removeprefix("torch."), kind="vllm",
+                                    variants=sorted(VARIANTS),
                                     quantization=model.get("quantization"),
                                     weight_version=weight_version(ver.get("weight_version")), stale=False))
         return out

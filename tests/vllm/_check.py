@@ -32,6 +32,18 @@ def hf_reference(spec: ModelSpec, source) -> list[tuple[list[int], list[float]]]
     state = {name: source(name) for name in logical_tensors(spec)}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    return _greedy(model)
+
+
+def hf_checkpoint_reference(path: str) -> list[tuple[list[int], list[float]]]:
+    """``hf_reference`` of a checkpoint directory, read by ``from_pretrained``: transformers'
+    own key conversion (its MoE models fuse the per-expert tensors of the checkpoint)."""
+    import transformers
+
+    return _greedy(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+
+
+def _greedy(model) -> list[tuple[list[int], list[float]]]:
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:

@@ -25,9 +25,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY
+from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY, VARIANTS
 from shardsync.dtypes import dtype_name
-from shardsync.engines.vllm import params
+from shardsync.engines.vllm import mla, moe, params
 from shardsync.plan.local import region
 from shardsync.receiver import Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
@@ -70,10 +70,18 @@ def reprocess_tied(model: torch.nn.Module) -> None:
                 method.process_weights_after_loading(mod)
 
 
+def reload_problem(model: torch.nn.Module) -> str | None:
+    """Why vLLM's reload cannot leave this engine as a fresh start on the same weights would
+    (so every update would fail or serve other weights), or None."""
+    return moe.padding_problem(model) or mla.reload_problem(model)
+
+
 def loader_for(model: torch.nn.Module, model_config, dtype: torch.dtype):
     """vLLM's own loader under its layerwise reload, fed one checkpoint tensor at a time: this
     rank's boxes in a zero tensor of the full HF shape (vLLM keeps only its TP rank's part), or
-    the staged tensor itself when this rank holds it whole (TP 1, whole-tensor layouts)."""
+    the staged tensor itself when this rank holds it whole (TP 1, whole-tensor layouts).  What
+    the reload leaves unlike a fresh start is processed again after it: tied parameters
+    (``reprocess_tied``) and vLLM-CPU's prepacked MoE experts (``moe``)."""
 
     def load(slices: Iterator[Slice]) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -94,11 +102,15 @@ def loader_for(model: torch.nn.Module, model_config, dtype: torch.dtype):
                     full[region(s.offsets, tuple(s.tensor.shape))] = s.tensor
                 yield name, full
 
+        experts = moe.cpu_experts(model)
+        written: list[moe.CpuExperts] = []
         initialize_layerwise_reload(model)
         try:  # one load_weights call over the whole stream, as vLLM's own reload does
             model.load_weights(tensors())
+            written = moe.reloaded(experts)  # read before finalize resets vLLM's reload state
         finally:
             finalize_layerwise_reload(model, model_config)
+        moe.repack(written)  # the CPU experts' prepack vLLM's reload skips (engines.vllm.moe)
         reprocess_tied(model)
 
     return load
@@ -136,7 +148,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise ValueError(f"vLLM runs {self.model_config.quantization} quantization; shardsync "
                              "syncs unquantized weights")
         self.spec = spec_from_config(self.model_config.hf_config.to_dict(), name=str(self.model_config.model))
-        _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype))
+        problem = reload_problem(self.model)
+        if problem:  # every update would fail or serve wrong weights: refuse at connect
+            raise ValueError(problem)
+        _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
+                              variants=VARIANTS)
         self.kind, layout_reason = params.choose(rank, self.model)
         if os.environ.get(ENV_LAYOUT) == "whole":
             self.kind, layout_reason = "loader", f"{ENV_LAYOUT}=whole in vLLM's environment"
@@ -144,7 +160,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                  f" (whole tensors only: {layout_reason})" if layout_reason else "")
         self.host = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
                                mac_key=MAC_KEY, engine="vLLM", layout_reason=layout_reason,
-                               dtype_name=str(self.dtype).removeprefix("torch."))
+                               dtype_name=str(self.dtype).removeprefix("torch."), variants=VARIANTS)
 
     def _receiver(self, whole: bool) -> Receiver:
         """This worker's receiver for engine-layout shards or for whole tensors (built once)."""
@@ -153,7 +169,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=self.kind == "params",
                 params=lambda: {n: p.data for n, p in self.model.named_parameters()},
                 load=loader_for(self.model, self.model_config, self.dtype), dtype=self.dtype, device=self.device,
-                secret=self.secret)
+                secret=self.secret, variants=VARIANTS)
         return self._receivers[whole]
 
     # -- connect --
