@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from shardsync.family.table import ExpertMlps, QkvGroups, Row
 from shardsync.gcpause import gc_paused
-from shardsync.layout.cut import Cut, Local, cut_rows
+from shardsync.layout.cut import Cut, Local, Own, cut_rows
 from shardsync.layout.logical import logical_tensors, mtp_layers
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
@@ -209,10 +209,28 @@ def _own(par: MegatronParallel, ep_rank: int, etp_rank: int):
     return cut
 
 
+Cuts = dict[tuple[object, ...], list[tuple[Local, str | None]]]
+
+
+def _cut(rows: tuple[Row, ...], c: Cut, own: Own, expert_rank: tuple[int, int],
+         memo: Cuts) -> list[tuple[Local, str | None]]:
+    """``cut_rows``, each row cut once per holder: a dense row per TP rank, an expert row per
+    (EP, ETP) rank (a stage's ranks repeat both: Kimi-K2's 64 per stage have 8 dense cuts)."""
+    out = []
+    for i, row in enumerate(rows):
+        key = (c.layer, c.local, id(rows), i, expert_rank if isinstance(row.kind, ExpertMlps) else c.rank)
+        made = memo.get(key)
+        if made is None:
+            made = memo[key] = cut_rows((row,), c, own)
+        out += made
+    return out
+
+
 def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int,
                 logical: dict[str, tuple[int, ...]], dtype: str,
-                expert_rank: tuple[int, int] = (0, 0)) -> tuple[list, list]:
+                expert_rank: tuple[int, int] = (0, 0), memo: Cuts | None = None) -> tuple[list, list]:
     t, r = par.tp, tp_rank
+    memo = {} if memo is None else memo
     H, V = spec.hidden_size, spec.vocab_size
     tensors: list[TensorMeta] = []
     pieces: list[Piece] = []
@@ -237,7 +255,7 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
     for local, layer in enumerate(stages[stage]):
         c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, names, variants=variants)
         for block in spec.family_table.blocks(spec, layer):
-            for made, row_dtype in cut_rows(block.megatron, c, own):
+            for made, row_dtype in _cut(block.megatron, c, own, expert_rank, memo):
                 tensors.append(made.meta(row_dtype or dtype))
                 pieces.extend(made.pieces)
     if last:
@@ -250,7 +268,7 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
             inner = dataclasses.replace(outer, local=f"mtp.layers.{k}.transformer_layer.", names=names)
             for block, c in ((head.before, outer), *((b, inner) for b in spec.family_table.blocks(spec, layer)),
                              (head.after, outer)):
-                for made, row_dtype in cut_rows(block.megatron, c, own):
+                for made, row_dtype in _cut(block.megatron, c, own, expert_rank, memo):
                     tensors.append(made.meta(row_dtype or dtype))
                     pieces.extend(made.pieces)
         if not spec.tie_word_embeddings:
@@ -268,13 +286,14 @@ def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> Layout:
     logical = logical_tensors(spec)
     dtype = par.dtype or spec.dtype
     cache: dict[tuple[int, int, int, int], tuple[list, list]] = {}
+    memo: Cuts = {}
     ranks = []
     for g in range(par.world_size):
         s, dp_rank, r = par.coords(g)
         _, _, ep_rank, etp_rank = par.expert_coords(g) if spec.is_moe else (0, 0, 0, 0)
         key = (s, r, ep_rank, etp_rank)
         if key not in cache:
-            cache[key] = _stage_rank(spec, par, s, r, logical, dtype, (ep_rank, etp_rank))
+            cache[key] = _stage_rank(spec, par, s, r, logical, dtype, (ep_rank, etp_rank), memo)
         tensors, pieces = cache[key]
         label = f"pp{s}.dp{dp_rank}.tp{r}" + (f".ep{ep_rank}.etp{etp_rank}" if spec.is_moe else "")
         ranks.append(RankLayout(label, tuple(tensors), tuple(pieces)))
