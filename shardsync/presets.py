@@ -79,12 +79,12 @@ _PRESET_LIST = [
             rope_theta=10000.0, partial_rotary_factor=0.5),
     _preset("tiny-glm4", "glm4", 256, 4, 8, 2, 64, 512, 1100, False, max_position_embeddings=2048,
             rope_theta=10000.0, partial_rotary_factor=0.5, dtype="float32"),
-    # GLM-4.5-Air (GLM4-MoE): 1 dense layer, 128 routed experts + 1 shared, sigmoid router; the
-    # checkpoint's MTP layer (model.layers.46) is not part of the model shardsync syncs
+    # GLM-4.5-Air (GLM4-MoE): 1 dense layer, 128 routed experts + 1 shared, sigmoid router, the checkpoint's MTP
+    # layer (model.layers.46)
     _preset("GLM-4.5-Air", "glm4_moe", 4096, 46, 96, 8, 128, 10944, 151552, False, rms_norm_eps=1e-5,
             partial_rotary_factor=0.5, max_position_embeddings=131072, num_experts=128, num_experts_per_tok=8,
             moe_intermediate_size=1408, mlp_only_layers=(0,), router="sigmoid", shared_expert_intermediate_size=1408,
-            attention_bias=True, qk_layernorm=False),
+            attention_bias=True, qk_layernorm=False, num_nextn_predict_layers=1),
     # tiny: expert groups (2 of 4, top-1 group) and a routed scaling, q/k norms as GLM-4.5 (not Air)
     _preset("tiny-glm4-moe", "glm4_moe", 256, 4, 8, 2, 64, 512, 1100, False, max_position_embeddings=2048,
             dtype="float32", partial_rotary_factor=0.5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,

@@ -47,18 +47,26 @@ def latent_dims(spec: ModelSpec) -> str | None:
     return None
 
 
+def read_mtp(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's MTP layers after the decoder (GLM4-MoE, DeepSeek-V3)."""
+    return {"num_nextn_predict_layers": cfg.get("num_nextn_predict_layers") or 0}
+
+
+def write_mtp(spec: ModelSpec) -> dict[str, Any]:
+    return {"num_nextn_predict_layers": spec.num_nextn_predict_layers}
+
+
 def read_mla(cfg: dict[str, Any]) -> dict[str, Any]:
     nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
     return {"q_lora_rank": cfg.get("q_lora_rank"), "kv_lora_rank": cfg["kv_lora_rank"], "qk_nope_head_dim": nope,
             "qk_rope_head_dim": rope, "v_head_dim": cfg["v_head_dim"], "head_dim": nope + rope,
-            "num_kv_heads": cfg["num_attention_heads"],
-            "num_nextn_predict_layers": cfg.get("num_nextn_predict_layers") or 0}
+            "num_kv_heads": cfg["num_attention_heads"], **read_mtp(cfg)}
 
 
 def write_mla(spec: ModelSpec) -> dict[str, Any]:
     return {"q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
             "qk_nope_head_dim": spec.qk_nope_head_dim, "qk_rope_head_dim": spec.qk_rope_head_dim,
-            "v_head_dim": spec.v_head_dim, "num_nextn_predict_layers": spec.num_nextn_predict_layers,
+            "v_head_dim": spec.v_head_dim, **write_mtp(spec),
             "head_dim": spec.qk_rope_head_dim,  # transformers' rotary reads head_dim as the rope part
             # what SGLang's DeepSeek classes read and transformers' config classes lack
             "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "rope_interleave": True}

@@ -232,7 +232,15 @@ MOE_WORLDS = (
     ("tiny-deepseek-v3", 1, 2, 1, 1, 1),  # its MTP layer on the last stage
     ("tiny-deepseek-v3-q-proj", 1, 2, 2, 2, 1),
     ("tiny-glm4-moe-lite", 2, 1, 1, 1, 2),
+    ("tiny-glm4-moe+mtp", 2, 2, 1, 2, 1),  # GLM-4.5's MTP layer (grouped-query attention) on the last stage
 )
+# worlds of a preset with fields changed (GLM-4.5-Air's checkpoint has an MTP layer; its tiny preset not)
+CHANGED = {"tiny-glm4-moe+mtp": ("tiny-glm4-moe", {"num_nextn_predict_layers": 1})}
+
+
+def _spec(name: str) -> ModelSpec:
+    base, changes = CHANGED.get(name, (name, {}))
+    return PRESETS[base].replace(**changes)
 
 
 def _moe_worker(rank: int, world: int, port: int, preset: str, par: MegatronParallel, out) -> None:
@@ -253,7 +261,7 @@ def _moe_worker(rank: int, world: int, port: int, preset: str, par: MegatronPara
                                       expert_model_parallel_size=par.ep,
                                       expert_tensor_parallel_size=par.expert_tp)
         try:
-            model = _gpt_model(PRESETS[preset], par, pre_process=mpu.is_pipeline_first_stage(),
+            model = _gpt_model(_spec(preset), par, pre_process=mpu.is_pipeline_first_stage(),
                                post_process=mpu.is_pipeline_last_stage())
             params = [(n, tuple(p.shape)) for n, p in model.named_parameters()
                       if not n.endswith("._extra_state")]
@@ -303,7 +311,7 @@ def _moe_par(tp: int, pp: int, dp: int, ep: int, etp: int) -> MegatronParallel:
 @pytest.mark.parametrize("preset,tp,pp,dp,ep,etp", MOE_WORLDS,
                          ids=[f"{m}-tp{t}pp{p}dp{d}ep{e}etp{x}" for m, t, p, d, e, x in MOE_WORLDS])
 def test_moe_layout_matches_megatron_core(preset: str, tp: int, pp: int, dp: int, ep: int, etp: int) -> None:
-    spec = PRESETS[preset]
+    spec = _spec(preset)
     par = _moe_par(tp, pp, dp, ep, etp)
     layout = megatron_layout(spec, par)
     world = run_world(_moe_worker, par.world_size, args=(par.world_size, free_port(), preset, par),

@@ -52,15 +52,16 @@ def test_logical_tensors_are_transformers_tensors(name: str) -> None:
     assert len(experts) == 3 * E * len(sparse)
 
 
-def test_mtp_layer_is_transformers_mtp_model() -> None:
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-glm4-moe"])
+def test_mtp_layer_is_transformers_mtp_model(name: str) -> None:
     """The checkpoint's MTP layer ``model.layers.{L}`` as transformers' ``MtpModel`` loads it
     (its checkpoint renames: the head's tensors stay, ``shared_head.norm`` is ``post_norm``,
-    the decoder layer is ``mtp_block``); its embedding and head are the main model's."""
+    the decoder layer is ``mtp_block``); its embedding and head are the main model's.  Latent
+    attention (DeepSeek-V3) and grouped-query attention (GLM-4.5's MTP layer)."""
     import transformers
     from transformers.modeling_layers import MtpModel
 
-    spec = PRESETS["tiny-deepseek-v3"]
-    assert spec.num_nextn_predict_layers == 1
+    spec = PRESETS[name].replace(num_nextn_predict_layers=1)
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in spec.to_hf_config().items() if k != "architectures"})
     with torch.device("meta"):
         mtp = MtpModel(transformers.AutoModelForCausalLM.from_config(cfg), 1)
