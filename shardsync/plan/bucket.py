@@ -48,9 +48,9 @@ def split_copy(c: Copy, max_numel: int) -> list[Copy]:
 @gc_paused
 def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
     """Buckets per link in plan order; a copy above the budget is split into row blocks.  A copy
-    that moves as its own bits (``Plan.raw``) takes its bytes' worth of wire elements, aligned."""
-    if plan.raw:
-        return _make_buckets_raw(plan, budget_bytes)
+    that moves as its own bits (``Plan.raw``) takes its bytes' worth of wire elements, at an
+    offset that is a multiple of its width (a buffer view as a wider dtype starts on a whole
+    element)."""
     if budget_bytes < plan.itemsize:
         raise ValueError(f"bucket budget {budget_bytes} B is smaller than one element")
     max_numel = budget_bytes // plan.itemsize
@@ -62,6 +62,7 @@ def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
     used = 0
     link: tuple[int, int] | None = None
     counters: dict[tuple[int, int], int] = {}
+    raw = plan.raw
 
     def flush() -> None:
         nonlocal current, offsets, used
@@ -75,6 +76,17 @@ def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
         if (c.src, c.dst) != link:
             flush()
             link = (c.src, c.dst)
+        if raw and c.logical in raw:  # rare: a few small tensors per layer
+            w = plan.width(c.logical)
+            for part in split_copy(c, max(1, max_numel // w)):
+                start = -(-used // w) * w
+                if start + part.numel * w > max_numel and current:
+                    flush()
+                    start = 0
+                current.append(part)
+                offsets.append(start)
+                used = start + part.numel * w
+            continue
         numel = prod(c.sizes)
         parts = [(c, numel)] if numel <= max_numel else [
             (part, prod(part.sizes)) for part in split_copy(c, max_numel)]
@@ -84,43 +96,5 @@ def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
             current.append(part)
             offsets.append(used)
             used += n
-    flush()
-    return out
-
-
-def _make_buckets_raw(plan: Plan, budget_bytes: int) -> list[Bucket]:
-    """``make_buckets`` with each copy's span ``numel x Plan.width`` at an offset that is a
-    multiple of its width (a buffer view as a wider dtype starts on a whole element)."""
-    if budget_bytes < plan.itemsize:
-        raise ValueError(f"bucket budget {budget_bytes} B is smaller than one element")
-    max_numel = budget_bytes // plan.itemsize
-    out: list[Bucket] = []
-    current: list[Copy] = []
-    offsets: list[int] = []
-    used = 0
-    link: tuple[int, int] | None = None
-    counters: dict[tuple[int, int], int] = {}
-
-    def flush() -> None:
-        nonlocal current, offsets, used
-        if current and link is not None:
-            idx = counters.get(link, 0)
-            counters[link] = idx + 1
-            out.append(Bucket(link[0], link[1], idx, tuple(current), tuple(offsets), used))
-        current, offsets, used = [], [], 0
-
-    for c in plan.copies:
-        if (c.src, c.dst) != link:
-            flush()
-            link = (c.src, c.dst)
-        w = plan.width(c.logical)
-        for part in split_copy(c, max(1, max_numel // w)):
-            start = -(-used // w) * w
-            if start + part.numel * w > max_numel and current:
-                flush()
-                start = 0
-            current.append(part)
-            offsets.append(start)
-            used = start + part.numel * w
     flush()
     return out
