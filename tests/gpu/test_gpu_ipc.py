@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import itertools
 
+import httpx
 import pytest
+import torch
 
 from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
 from shardsync.layout import MegatronParallel
 from shardsync.mode import Mode
 from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import PRESETS
+from shardsync.runtime.checksum import box_checksum
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
@@ -61,6 +64,44 @@ def test_ipc_updates_are_bitwise_on_one_gpu(kind: str) -> None:
         if mapped:
             assert generation == 2  # re-exported once, for the moved tensor
             assert signals == {"mailbox"}
+    finally:
+        stop_engine(proc)
+
+
+@pytest.mark.parametrize("kind", ["map", "slots", "push"])
+def test_a_float32_bias_moves_as_its_own_bits_through_ipc(kind: str) -> None:
+    """A bf16 GLM4-MoE: the router's expert bias is float32 on megatron-core and on the engine,
+    so it moves as float32 bits through CUDA IPC (views of the bf16 buffers); ``verify`` hashes
+    it in float32 on both ends, so a rounding would show."""
+    spec = PRESETS["tiny-glm4-moe"].replace(dtype="bfloat16")
+    par = MegatronParallel(tp=1, dtype="bfloat16")
+    topo = Topology(spec, par)
+    assert set(topo.raw_dtypes.values()) == {"float32"}
+    proc, url = start_engine("tiny-glm4-moe", 1, device="cuda", dtype="bfloat16",
+                             staging_bytes=-1 if kind == "push" else 0)
+    try:
+        params = load_rank(topo.trainer_layout, 0, random_source(spec, seed=3), device="cuda")
+        bias = "decoder.layers.1.mlp.router.expert_bias"
+        assert params[bias].dtype.itemsize == 4 and not params[bias].equal(params[bias].bfloat16().float())
+        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc=kind),
+                                                                  transport=TransportConfig(bucket_mb=0.25)))
+        sync.connect()
+        bad = []
+        for version in (1, 2):
+            for k, v in load_rank(topo.trainer_layout, 0, random_source(spec, seed=50 + version),
+                                  device="cuda").items():
+                params[k].copy_(v)
+            rec = sync.update(version)
+            assert rec.ok and rec.mode == "p2p"
+            bad.append(sync.verify())
+            # the engine's own checksum of its float32 bias equals the trainer's float32 values' (a
+            # bias rounded to bf16 on the way, or hashed in bf16, would differ)
+            theirs = httpx.get(url + "/weights/checksum", timeout=30).json()["checksums"]
+            name = "model.layers.1.mlp.gate.e_score_correction_bias"
+            mine = box_checksum(params[bias].cpu(), (0,), (spec.num_experts,), torch.float32)
+            assert int(theirs[name]) == mine, (version, theirs[name], mine)
+        sync.close()
+        assert bad == [[], []]
     finally:
         stop_engine(proc)
 
