@@ -98,10 +98,10 @@ def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> tuple[Step, ...]:
 def _link_steps(plan: Plan, me: int, budget_bytes: int, src_rank, dst_rank, label: str = "p2p") -> list[Step]:
     buckets = sorted(make_buckets(plan, budget_bytes), key=lambda b: (b.index, b.src, b.dst))
     steps = []
+    raw = plan.raw
     for b in buckets:
         src, dst = src_rank(b.src), dst_rank(b.dst)
         link = f"{plan.src.ranks[b.src].label}->{plan.dst.ranks[b.dst].label}"
-        raw = plan.raw
         if me == src:
             pack = merge_bindings([Binding(c.src_local, _region(c.src_offsets, c.sizes), off, c.sizes,
                                            full_region(c.sizes), raw=raw.get(c.logical))
