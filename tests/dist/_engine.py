@@ -11,20 +11,28 @@ from shardsync.engine.launch import EngineConfig, spawn_server
 from tests.dist._world import free_port
 
 
+BIND_TRIES = 3  # a free port can be taken by another process before the server binds it
+
+
 def start_engine(model: str, tp: int, *, seed: int = 0, **fields) -> tuple[subprocess.Popen, str]:
-    """``fields``: more ``EngineConfig`` fields (dtype, device, ...)."""
-    # A file, not a pipe: nobody reads a pipe while the test runs, and a full pipe blocks
-    # the engine on its next log line.
-    log = tempfile.NamedTemporaryFile(prefix="shardsync-engine-", suffix=".log", delete=False)
-    cfg = EngineConfig(model=model, tp=tp, seed=seed, port=free_port(), **fields)
-    proc, url = spawn_server(cfg, stdout=log, stderr=subprocess.STDOUT)
-    proc.log_path = log.name
-    try:
-        wait_healthy(url, proc, 90)
-    except (RuntimeError, TimeoutError) as e:
-        proc.kill()
-        raise RuntimeError(f"{e}: {open(log.name).read()[-2000:]}") from None
-    return proc, url
+    """``fields``: more ``EngineConfig`` fields (dtype, device, ...).  A port lost to another
+    process between choosing and binding it is chosen again (seen once in a full run)."""
+    for attempt in range(BIND_TRIES):
+        # A file, not a pipe: nobody reads a pipe while the test runs, and a full pipe blocks
+        # the engine on its next log line.
+        log = tempfile.NamedTemporaryFile(prefix="shardsync-engine-", suffix=".log", delete=False)
+        cfg = EngineConfig(model=model, tp=tp, seed=seed, port=free_port(), **fields)
+        proc, url = spawn_server(cfg, stdout=log, stderr=subprocess.STDOUT)
+        proc.log_path = log.name
+        try:
+            wait_healthy(url, proc, 90)
+            return proc, url
+        except (RuntimeError, TimeoutError) as e:
+            proc.kill()
+            text = open(log.name).read()
+            if "address already in use" not in text or attempt == BIND_TRIES - 1:
+                raise RuntimeError(f"{e}: {text[-2000:]}") from None
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def shard_bytes(model: str, tp: int, dtype: str | None = None) -> int:
