@@ -17,9 +17,13 @@ NO_RELOAD = frozenset({"AMX_MLA"})  # vLLM attention backends whose weight reloa
 
 def reload_problem(model: torch.nn.Module) -> str | None:
     """Why vLLM's reload cannot update this engine's attention, or None."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
     for name, mod in model.named_modules():
-        backend = getattr(mod, "attn_backend", None)  # vLLM's attention layers carry their backend class
-        if backend is not None and backend.get_name() in NO_RELOAD:
+        if not isinstance(mod, AttentionLayerBase):  # vLLM's attention layers declare their backend
+            continue
+        backend = mod.get_attn_backend()
+        if backend.get_name() in NO_RELOAD:
             return (f"vLLM runs {name} on its {backend.get_name()} attention backend, whose weight reload "
                     "fails (it reads kv_b_proj's weight after vLLM-CPU packed it away); start vLLM with "
                     "--attention-backend CPU_MLA (docs/vllm.md, MLA and MoE on vLLM-CPU)")

