@@ -1,4 +1,7 @@
-"""Time to build layouts + plan + buckets + fingerprint for large topologies (metadata only).
+"""What one process pays at connect for large topologies (metadata only): both layouts, the
+p2p plan and its fingerprint, the broadcast plan and its fingerprint (connect compares both),
+and its own links' buckets (trainer rank 0's, engine rank 0's).  Apart, not in the total: every
+copy of the p2p plan and all its buckets, what ``shardsync plan`` makes.
 
     python benchmarks/plan_build.py [--repeat 3] [--out plan_build.json] [--models Kimi-K2 ...]
 """
@@ -12,9 +15,12 @@ import platform
 import time
 
 from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.plan import make_buckets
 from shardsync.presets import PRESETS
 from shardsync.topology import Topology
+
+BUCKET = 512 * 2**20
 
 CASES = [
     ("Llama-3.1-70B", MegatronParallel(tp=8, pp=4, dp=2), (EngineParallel(tp=8),) * 8),
@@ -40,6 +46,8 @@ def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParalle
     # Start from a collected heap: the previous run's million copies otherwise promote through
     # the collector's generations and a full pass (~1 s for a 1T plan) lands in a random phase.
     gc.collect()
+    logical_tensors.cache_clear()  # each run makes the spec's tensor list again
+    model_tensors.cache_clear()
     t0 = time.perf_counter()
     topo = Topology(PRESETS[model], trainer, engines)
     _ = (topo.trainer_layout, topo.engines_layout)  # build both layouts inside the timer
@@ -48,15 +56,22 @@ def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParalle
     t2 = time.perf_counter()
     fp = plan.fingerprint
     t3 = time.perf_counter()
-    buckets = make_buckets(plan, 512 * 2**20)
+    _ = topo.broadcast_plan.fingerprint
     t4 = time.perf_counter()
+    sent, got = plan.copies_from(0), plan.copies_to(0)
+    rank_buckets = len(make_buckets(plan, BUCKET, sent)) + len(make_buckets(plan, BUCKET, got))
+    t5 = time.perf_counter()
+    buckets = make_buckets(plan, BUCKET)
+    t6 = time.perf_counter()
     return {
         "model": model, "trainer": f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}"
         + (f" EP{trainer.ep}" if trainer.ep > 1 else ""),
         "engines": (f"{len(engines)} x TP{engines[0].tp}" if len(set(engines)) == 1
                     else "+".join(f"TP{e.tp}" for e in engines)) + (f" EP{engines[0].ep}" if engines[0].ep > 1 else ""),
-        "layouts_s": t1 - t0, "plan_s": t2 - t1, "fingerprint_s": t3 - t2, "buckets_s": t4 - t3,
-        "total_s": t4 - t0, "copies": len(plan.copies), "buckets": len(buckets), "fingerprint": fp,
+        "layouts_s": t1 - t0, "plan_s": t2 - t1, "fingerprint_s": t3 - t2, "broadcast_s": t4 - t3,
+        "rank_buckets_s": t5 - t4, "total_s": t5 - t0, "all_copies_s": t6 - t5,
+        "copies": len(plan.copies), "rank_copies": len(sent) + len(got), "rank_buckets": rank_buckets,
+        "buckets": len(buckets), "fingerprint": fp,
     }
 
 
@@ -75,11 +90,11 @@ def main() -> None:
                       key=lambda r: r["total_s"])
         rows.append(runs[len(runs) // 2])
     print(f"{'model':<15} {'trainer':<18} {'engines':<15} {'layouts':>8} {'plan':>7} {'fprint':>7} "
-          f"{'buckets':>8} {'total s':>8} {'copies':>7}")
+          f"{'bcast':>7} {'rank bk':>8} {'total s':>8} {'copies':>8} {'rank':>6}   {'all copies s':>12}")
     for r in rows:
         print(f"{r['model']:<15} {r['trainer']:<18} {r['engines']:<15} {r['layouts_s']:>8.3f} "
-              f"{r['plan_s']:>7.3f} {r['fingerprint_s']:>7.3f} {r['buckets_s']:>8.3f} "
-              f"{r['total_s']:>8.3f} {r['copies']:>7}")
+              f"{r['plan_s']:>7.3f} {r['fingerprint_s']:>7.3f} {r['broadcast_s']:>7.3f} {r['rank_buckets_s']:>8.3f} "
+              f"{r['total_s']:>8.3f} {r['copies']:>8} {r['rank_copies']:>6}   {r['all_copies_s']:>12.3f}")
     with open(args.out, "w") as f:
         json.dump({"machine": platform.platform(), "processor": platform.processor(),
                    "repeat": args.repeat, "rows": rows}, f, indent=2)

@@ -51,7 +51,7 @@ class Part:
 
 def p2p_parts(plan: Plan, src: int, dst: int) -> list[Part]:
     """The parts of one link, in plan order."""
-    return [Part.of(c, plan.raw) for c in plan.copies if c.src == src and c.dst == dst]
+    return [Part.of(c, plan.raw) for c in plan.copies_on(src, dst)]
 
 
 def stage_parts(gather: Plan, stage_ranks: list[int]) -> list[Part]:

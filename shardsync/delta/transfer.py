@@ -221,7 +221,7 @@ class DeltaRunner:
 
     def _p2p(self, tensors: Mapping[str, torch.Tensor], group: SyncGroup, stats: Stats) -> None:
         if self._links is None:
-            self._links = sorted({(c.src, self.ranks.engine(c.dst)) for c in self.topo.p2p_plan.copies})
+            self._links = sorted({(s, self.ranks.engine(d)) for s, d in self.topo.p2p_plan.link_bytes})
         links = self._links
         engine = self.ranks.trainer_world
         payloads = {}

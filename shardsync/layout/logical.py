@@ -3,6 +3,8 @@ off the family's tables."""
 
 from __future__ import annotations
 
+import functools
+
 from shardsync.family.table import Block, PerExpert, dims
 from shardsync.spec import ModelSpec
 
@@ -46,18 +48,21 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
+@functools.lru_cache(maxsize=16)
 def logical_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every logical tensor of the checkpoint: the model's, then its MTP layers' (a tied
-    ``lm_head`` is not a tensor of its own)."""
-    out = model_tensors(spec)
+    ``lm_head`` is not a tensor of its own).  Made once per spec and shared by every layout of
+    it (0.1 s for a 1T model): never changed in place."""
+    out = dict(model_tensors(spec))
     for layer in mtp_layers(spec):
         out.update(layer_tensors(spec, layer))
     return out
 
 
+@functools.lru_cache(maxsize=16)
 def model_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The logical tensors of the model itself, no MTP layer: what transformers' class and an
-    engine's serving model hold."""
+    engine's serving model hold (shared like ``logical_tensors``)."""
     V, H = spec.vocab_size, spec.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
     for layer in range(spec.num_layers):

@@ -285,18 +285,19 @@ def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> Layout:
     check_megatron(spec, par)
     logical = logical_tensors(spec)
     dtype = par.dtype or spec.dtype
-    cache: dict[tuple[int, int, int, int], tuple[list, list]] = {}
+    cache: dict[tuple[int, int, int, int], RankLayout] = {}
     memo: Cuts = {}
     ranks = []
     for g in range(par.world_size):
         s, dp_rank, r = par.coords(g)
         _, _, ep_rank, etp_rank = par.expert_coords(g) if spec.is_moe else (0, 0, 0, 0)
         key = (s, r, ep_rank, etp_rank)
-        if key not in cache:
-            cache[key] = _stage_rank(spec, par, s, r, logical, dtype, (ep_rank, etp_rank), memo)
-        tensors, pieces = cache[key]
+        if key not in cache:  # DP replicas share one tensors and one pieces tuple
+            tensors, pieces = _stage_rank(spec, par, s, r, logical, dtype, (ep_rank, etp_rank), memo)
+            cache[key] = RankLayout("", tuple(tensors), tuple(pieces))
+        held = cache[key]
         label = f"pp{s}.dp{dp_rank}.tp{r}" + (f".ep{ep_rank}.etp{etp_rank}" if spec.is_moe else "")
-        ranks.append(RankLayout(label, tuple(tensors), tuple(pieces)))
+        ranks.append(RankLayout(label, held.tensors, held.pieces))
     params: tuple[tuple[str, object], ...] = (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
     if spec.is_moe:
         params += (("ep", par.ep), ("etp", par.expert_tp))

@@ -72,10 +72,9 @@ class RankLayout:
     pieces: tuple[Piece, ...]
     _by_name: dict[str, TensorMeta] = field(default_factory=dict, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self._by_name.update({t.name: t for t in self.tensors})
-
     def tensor(self, name: str) -> TensorMeta:
+        if not self._by_name:  # made when first asked: a broadcast's 256 replicas of 70 k tensors never are
+            self._by_name.update({t.name: t for t in self.tensors})
         return self._by_name[name]
 
     def pieces_of(self, local: str) -> list[Piece]:

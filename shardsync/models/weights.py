@@ -91,7 +91,7 @@ def load_rank(layout: Layout, rank: int, source: TensorSource, *,
         t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device)
         for t in layout.ranks[rank].tensors
     }
-    mine = [c for c in plan.copies if c.dst == rank]
+    mine = plan.copies_to(rank)
     left = Counter(c.logical for c in mine)  # a logical tensor is dropped after its last copy
     cache: dict[str, torch.Tensor] = {}
     for c in mine:

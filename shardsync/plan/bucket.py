@@ -6,6 +6,7 @@ from the same plan without exchanging any per-bucket metadata.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
 
@@ -46,11 +47,12 @@ def split_copy(c: Copy, max_numel: int) -> list[Copy]:
 
 
 @gc_paused
-def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
+def make_buckets(plan: Plan, budget_bytes: int, copies: Iterable[Copy] | None = None) -> list[Bucket]:
     """Buckets per link in plan order; a copy above the budget is split into row blocks.  A copy
     that moves as its own bits (``Plan.raw``) takes its bytes' worth of wire elements, at an
     offset that is a multiple of its width (a buffer view as a wider dtype starts on a whole
-    element)."""
+    element).  ``copies``: whole links of the plan, in plan order (one rank's: ``copies_from``,
+    ``copies_to``), for their buckets only; all of the plan's by default."""
     if budget_bytes < plan.itemsize:
         raise ValueError(f"bucket budget {budget_bytes} B is smaller than one element")
     max_numel = budget_bytes // plan.itemsize
@@ -72,7 +74,7 @@ def make_buckets(plan: Plan, budget_bytes: int) -> list[Bucket]:
             out.append(Bucket(link[0], link[1], idx, tuple(current), tuple(offsets), used))
         current, offsets, used = [], [], 0
 
-    for c in plan.copies:
+    for c in plan.copies if copies is None else copies:
         if (c.src, c.dst) != link:
             flush()
             link = (c.src, c.dst)

@@ -86,6 +86,6 @@ def lower_bounds(topo: Topology, f: Fabric, bucket_bytes: int) -> list[dict]:
     # each stage source pushes its stage once into the ring / tree
     sent = {f"t:{topo.stage_ranks(s)[0]}": b for (s, d), b in bcast.link_bytes.items() if d == 0}
     t, why = _bound(sent, got, node_of, f)
-    buckets = [b for b in make_buckets(bcast, bucket_bytes) if b.dst == 0]
+    buckets = make_buckets(bcast, bucket_bytes, bcast.copies_to(0))
     out.append({"path": "broadcast", "lower_bound_s": t, "binds": why, "links": len(sent), "buckets": len(buckets)})
     return out

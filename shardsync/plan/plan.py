@@ -1,28 +1,35 @@
-"""Transfer plans: the copy list that makes a destination layout equal a source layout.
+"""Transfer plans: the copies that make a destination layout equal a source layout.
 
 Built once from metadata (names, shapes, dtypes, parallel configs).  A plan proves its
 coverage: every destination piece is written exactly once, or ``build_plan`` raises
-``PlanError`` naming the missing or doubled regions.
+``PlanError`` naming the missing or doubled regions.  It is kept as what it was made of (each
+distinct read list once, the holder picked per read): a 1T model into 16 engines has 1.3 M
+copies and a broadcast to 256 engine ranks 18 M, while a process needs its own links' copies
+only (``copies_from``, ``copies_to``); ``copies`` makes all of them when asked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
+from itertools import chain, repeat
 from math import prod
 from operator import itemgetter
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from shardsync.dtypes import torch_dtype
 from shardsync.gcpause import gc_paused
-from shardsync.layout.piece import Box, Layout, Piece, box_overlap, volume
+from shardsync.layout.piece import Box, Layout
 from shardsync.layout.raw import width
+from shardsync.plan.reads import Read, Reader
 
 
 class PlanError(ValueError):
@@ -32,8 +39,7 @@ class PlanError(ValueError):
 class Copy(NamedTuple):
     """Box ``sizes`` at ``src_offsets`` of (src, src_local) -> ``dst_offsets`` of (dst, dst_local).
 
-    A named tuple, not a dataclass: a 235B plan holds ~10^5 of them, a 1T one (Kimi-K2 into 16
-    engines) 1.3 x 10^6."""
+    A named tuple, not a dataclass: a rank's links hold thousands, a whole 1T plan millions."""
 
     src: int
     src_local: str
@@ -50,26 +56,66 @@ class Copy(NamedTuple):
         return prod(self.sizes)  # ``volume``, in C: plans sum it over a million copies
 
 
-class _Reprs(dict[object, str]):
-    """``repr`` of each key, made on first use."""
-
-    def __missing__(self, key: object) -> str:
-        r = self[key] = repr(key)
-        return r
+_new_copy = tuple.__new__  # a Copy from one tuple, without NamedTuple's Python-level __new__
 
 
 def dtype_itemsize(dtype: str) -> int:
     return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
+class _Numbers(dict[str, int]):
+    """Each name's number, given in first-use order."""
+
+    def __missing__(self, name: str) -> int:
+        n = self[name] = len(self)
+        return n
+
+
+@dataclass(frozen=True)
+class Picks:
+    """What ``build_plan`` chose: the distinct read lists, the one each destination rank reads,
+    and per destination rank each read's holder rank (``None`` where every read of the rank's list
+    has one holder).  A rank holding a box twice (a tied embedding) gives its first piece."""
+
+    lists: tuple[tuple[Read, ...], ...]
+    order: tuple[int, ...]
+    ranks: tuple[np.ndarray | None, ...]
+
+    def digest(self) -> str:
+        """The content as numbers (names numbered in first-use order, their text hashed too)."""
+        names = _Numbers()
+        said: dict[int, int] = {}  # id of a holder list (``lists`` keeps each alive) -> number
+        ints, holder_ints = array("q"), array("q")
+        for reads in self.lists:
+            for _, srcs, _, _, _, local, dst_off, size, logical, logical_off in reads:
+                h = said.get(id(srcs))
+                if h is None:  # a norm's 64 replicas recur in every layer's reads: described once
+                    h = said[id(srcs)] = len(said)
+                    holder_ints.append(len(srcs))
+                    for rank, src_local, src_off in srcs:
+                        holder_ints.extend((rank, names[src_local], *src_off))
+                ints.extend((names[logical], names[local], h, *dst_off, *size, *logical_off))
+        out = hashlib.sha256("\n".join(names).encode())
+        sizes = array("q", (-1 if r is None else len(r) for r in self.ranks))
+        for part in (ints, holder_ints, array("q", self.order), sizes):
+            if sys.byteorder == "big":  # little-endian on every host
+                part.byteswap()
+            out.update(part.tobytes())
+        for r in self.ranks:
+            if r is not None:
+                out.update(r.astype("<i4", copy=False).tobytes())
+        return out.hexdigest()
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Copies from ``src`` ranks to ``dst`` ranks; bytes count at the wire dtype, except for
-    the logical tensors that move as their own bits (``raw``: name -> dtype, ``layout/raw.py``)."""
+    """Copies from ``src`` ranks to ``dst`` ranks, in (src, dst) order with destination order kept
+    per link; bytes count at the wire dtype, except for the logical tensors that move as their
+    own bits (``raw``: name -> dtype, ``layout/raw.py``)."""
 
     src: Layout
     dst: Layout
-    copies: tuple[Copy, ...]
+    picks: Picks = field(repr=False, compare=False)
     wire_dtype: str
     raw: Mapping[str, str] = field(default_factory=dict)
 
@@ -81,6 +127,61 @@ class Plan:
         """Wire elements one element of ``logical`` takes (``raw.width``)."""
         return width(self.raw.get(logical), self.wire_dtype)
 
+    def _made(self, dst: int, only: Sequence[int] | None = None) -> list[Copy]:
+        """Destination rank ``dst``'s copies in read order (``only``: those reads)."""
+        reads = self.picks.lists[self.picks.order[dst]]
+        ranks = self.picks.ranks[dst]
+        if only is None:
+            pairs = zip(reads, repeat(-1) if ranks is None else ranks.tolist(), strict=False)
+        else:
+            pairs = ((reads[i], -1 if ranks is None else int(ranks[i])) for i in only)
+        out = []
+        for (_, srcs, _, _, _, local, dst_off, size, logical, logical_off), rank in pairs:
+            if rank < 0 or srcs[0][0] == rank:
+                rank, src_local, src_off = srcs[0]
+            else:  # the first piece ``rank`` holds
+                src_local, src_off = next((h[1], h[2]) for h in srcs if h[0] == rank)
+            out.append(_new_copy(Copy, (rank, src_local, src_off, dst, local, dst_off, size, logical, logical_off)))
+        return out
+
+    def copies_to(self, dst: int) -> list[Copy]:
+        """Destination rank ``dst``'s copies, in plan order."""
+        return sorted(self._made(dst), key=itemgetter(0))
+
+    def copies_from(self, src: int) -> list[Copy]:
+        """Source rank ``src``'s copies, in plan order."""
+        return [c for dst in range(self.dst.world_size) for c in self.copies_on(src, dst)]
+
+    def copies_on(self, src: int, dst: int) -> list[Copy]:
+        """The copies of link ``src -> dst``, in plan order."""
+        ranks = self.picks.ranks[dst]
+        if ranks is None:
+            only = self._one_holder[self.picks.order[dst]].get(src, [])
+        else:
+            only = np.flatnonzero(ranks == src).tolist()
+        return self._made(dst, only) if only else []
+
+    @cached_property
+    def _one_holder(self) -> dict[int, dict[int, list[int]]]:
+        """Per read list whose reads have one holder each: source rank -> its reads."""
+        out: dict[int, dict[int, list[int]]] = defaultdict(dict)
+        for lst, r in zip(self.picks.order, self.picks.ranks, strict=True):
+            if r is None and lst not in out:
+                by: dict[int, list[int]] = defaultdict(list)
+                for i, read in enumerate(self.picks.lists[lst]):
+                    by[read[1][0][0]].append(i)
+                out[lst] = dict(by)
+        return out
+
+    @cached_property
+    def copies(self) -> tuple[Copy, ...]:
+        """Every copy, in plan order (a 1T plan's million: made once, when asked)."""
+        by_src: list[list[Copy]] = [[] for _ in range(self.src.world_size)]
+        for dst in range(self.dst.world_size):
+            for c in self._made(dst):
+                by_src[c.src].append(c)
+        return tuple(chain.from_iterable(by_src))
+
     @cached_property
     def fingerprint(self) -> str:
         """Stable across processes and runs: both sides compare it before a byte moves."""
@@ -88,24 +189,34 @@ class Plan:
         h.update(repr((self.src.describe(), self.dst.describe(), self.wire_dtype)).encode())
         if self.raw:
             h.update(repr(sorted(self.raw.items())).encode())
-        for lay in (self.src, self.dst):
+        for lay in (self.src, self.dst):  # replicas (DP, identical engines) share one tensors tuple: said once
+            said: dict[int, int] = {}
             for r in lay.ranks:
-                h.update(repr([(t.name, t.shape, t.dtype) for t in r.tensors]).encode())
-        # Each copy hashes as repr((src, src_local, src_offsets, dst, dst_local, dst_offsets,
-        # sizes)).  A 1T plan's million copies repeat a few thousand ranks, names and boxes (all
-        # ints and strs), so each field's repr is made once; blocks of copies go to the hash.
-        rep = _Reprs()
-        block = 1 << 16
-        for i in range(0, len(self.copies), block):
-            h.update("".join([f"({rep[s]}, {rep[sl]}, {rep[so]}, {rep[d]}, {rep[dl]}, {rep[do]}, {rep[sz]})"
-                              for s, sl, so, d, dl, do, sz, _, _ in self.copies[i:i + block]]).encode())
+                if id(r.tensors) not in said:
+                    said[id(r.tensors)] = len(said)
+                    h.update(repr([(t.name, t.shape, t.dtype) for t in r.tensors]).encode())
+            h.update(repr([said[id(r.tensors)] for r in lay.ranks]).encode())
+        h.update(self.picks.digest().encode())
         return h.hexdigest()[:16]
 
     @cached_property
     def link_bytes(self) -> dict[tuple[int, int], int]:
-        out: dict[tuple[int, int], int] = defaultdict(int)
-        for c in self.copies:
-            out[(c.src, c.dst)] += c.numel * self.itemsize * (self.width(c.logical) if self.raw else 1)
+        """Bytes per (src, dst) link, summed per read list without making the copies."""
+        size = [np.array([prod(r[7]) * self.itemsize * (self.width(r[8]) if self.raw else 1) for r in reads],
+                         dtype=np.float64) for reads in self.picks.lists]
+        one: dict[int, dict[int, int]] = {}
+        out: dict[tuple[int, int], int] = {}
+        for dst, (lst, ranks) in enumerate(zip(self.picks.order, self.picks.ranks, strict=True)):
+            if ranks is None:
+                if lst not in one:
+                    sums: dict[int, int] = defaultdict(int)
+                    one[lst] = sums
+                    for read, b in zip(self.picks.lists[lst], size[lst].tolist(), strict=True):
+                        sums[read[1][0][0]] += int(b)
+                out.update(((s, dst), b) for s, b in one[lst].items())
+            else:
+                per_src = np.bincount(ranks, weights=size[lst], minlength=self.src.world_size)
+                out.update(((int(s), dst), int(round(per_src[s]))) for s in np.flatnonzero(per_src))
         return dict(sorted(out.items()))
 
     @property
@@ -129,9 +240,6 @@ class Plan:
             out[d] += b
         return dict(out)
 
-    def copies_on(self, src: int, dst: int) -> list[Copy]:
-        return [c for c in self.copies if c.src == src and c.dst == dst]
-
     def is_whole(self, c: Copy) -> tuple[bool, bool]:
         """Whether a copy spans its entire source / destination local tensor (no pack copy)."""
         s = self.src.ranks[c.src].tensor(c.src_local).shape
@@ -139,41 +247,41 @@ class Plan:
         return (c.sizes == s and not any(c.src_offsets), c.sizes == d and not any(c.dst_offsets))
 
 
-_Holders = list[tuple[int, str, Box]]  # [(rank, local, local offsets)], in rank order
-# The holders' loads out of the per-rank load list (``_loads``); None for one or two holders.
-_Loads = Callable[[list[int]], tuple[int, ...]] | None
-# One source box a destination piece reads: (numel, holders, their loads, dst local offsets,
-# logical offsets, sizes).
-_Hit = tuple[int, _Holders, _Loads, Box, Box, Box]
-# One copy a destination rank receives, its holder still to choose: (numel, holders, first and
-# second holder's rank (-1: one holder), the holders' loads (more than two), dst local, dst local
-# offsets, sizes, logical, logical offsets).
-_Read = tuple[int, _Holders, int, int, _Loads, str, Box, Box, str, Box]
-_new_copy = tuple.__new__  # a Copy from one tuple, without NamedTuple's Python-level __new__
-
-
 @gc_paused
 def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
                raw: Mapping[str, str] | None = None) -> Plan:
-    """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder.
+    """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder
+    (destination ranks in order, each rank's reads in order, ties to the lower rank).
     ``raw``: the logical tensors that move as their own bits (``layout/raw.py``)."""
     if src.spec.name != dst.spec.name or src.logical != dst.logical:
         raise PlanError(f"layouts describe different models: {src.spec.name} vs {dst.spec.name}")
     problems: list[str] = []
-    reads = _Reader(src, problems)
+    reader = Reader(src, problems)
     # Identical engines share one pieces tuple (concat_layouts), so a rank's reads are listed once
-    # per distinct tuple, leaving only the holder choice per copy.  ``dst`` keeps every tuple
+    # per distinct tuple, leaving only the holder choice per read.  ``dst`` keeps every tuple
     # alive for the whole build, so ids stay unique.
-    rank_reads: dict[int, list[_Read]] = {}
-    # Copies per source rank, each in destination order: their concatenation is the plan sorted
-    # by (src, dst) with destination order kept per link.
-    by_src: list[list[Copy]] = [[] for _ in range(src.world_size)]
+    list_of: dict[int, int] = {}
+    lists: list[tuple[Read, ...]] = []
+    # per list: the loads its reads add when each has one holder (no choice to make), else None
+    fixed: list[dict[int, int] | None] = []
     load = [0] * src.world_size
-    for dst_rank, rl in enumerate(dst.ranks):
-        mine = rank_reads.get(id(rl.pieces))
-        if mine is None:
-            mine = rank_reads[id(rl.pieces)] = reads(rl.pieces)
-        _assign(dst_rank, mine, load, by_src)
+    order: list[int] = []
+    ranks: list[np.ndarray | None] = []
+    for rl in dst.ranks:
+        i = list_of.get(id(rl.pieces))
+        if i is None:
+            i = list_of[id(rl.pieces)] = len(lists)
+            reads = tuple(reader(rl.pieces))
+            lists.append(reads)
+            fixed.append(_one_holder_loads(reads))
+        order.append(i)
+        adds = fixed[i]
+        if adds is None:
+            ranks.append(_choose(lists[i], load))
+        else:
+            for rank, n in adds.items():
+                load[rank] += n
+            ranks.append(None)
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -181,116 +289,37 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
             f"cannot plan {src.describe()} -> {dst.describe()}: destination regions not covered "
             f"exactly once:\n  {shown}{more}"
         )
-    copies = tuple(chain.from_iterable(by_src))
-    return Plan(src, dst, copies, wire_dtype or dst.ranks[0].tensors[0].dtype, dict(raw or {}))
+    picks = Picks(tuple(lists), tuple(order), tuple(ranks))
+    return Plan(src, dst, picks, wire_dtype or dst.ranks[0].tensors[0].dtype, dict(raw or {}))
 
 
-def _assign(dst_rank: int, reads: list[_Read], load: list[int], by_src: list[list[Copy]]) -> None:
-    """Give each of one destination rank's copies to its first least-loaded holder.
+def _one_holder_loads(reads: tuple[Read, ...]) -> dict[int, int] | None:
+    """The elements a list's reads add to each holder when every read has one (broadcasts, TP
+    shards into their own engine layout), else None: such a list needs no choice per read."""
+    adds: dict[int, int] = defaultdict(int)
+    for numel, _, first, second, _, _, _, _, _, _ in reads:
+        if second >= 0:
+            return None
+        adds[first] += numel
+    return dict(adds)
+
+
+def _choose(reads: tuple[Read, ...], load: list[int]) -> np.ndarray:
+    """Give each of one destination rank's reads to its first least-loaded holder (its rank).
 
     The hot loop of a plan (once per copy: 1.3 M times for Kimi-K2), so a source box of two
     holders (an expert under expert-DP 2) compares their loads inline instead of through a
     tuple of loads."""
-    for numel, srcs, first, second, loads_of, local, dst_off, ov_size, logical, ov_off in reads:
+    rank_of = array("i")
+    put = rank_of.append
+    for numel, srcs, first, second, loads_of, _, _, _, _, _ in reads:
         if second < 0:
-            rank, src_local, src_off = srcs[0]
+            rank = first
         elif loads_of is None:
-            rank, src_local, src_off = srcs[1 if load[second] < load[first] else 0]
+            rank = second if load[second] < load[first] else first
         else:  # holders are in rank order: the first least-loaded is the (load, rank) minimum
             loads = loads_of(load)
-            rank, src_local, src_off = srcs[loads.index(min(loads))]
+            rank = srcs[loads.index(min(loads))][0]
         load[rank] += numel
-        by_src[rank].append(_new_copy(Copy, (rank, src_local, src_off, dst_rank, local, dst_off, ov_size,
-                                             logical, ov_off)))
-
-
-class _Reader:
-    """The copies a destination rank's pieces read, holders unchosen (see ``_Read``)."""
-
-    def __init__(self, src: Layout, problems: list[str]) -> None:
-        # logical -> {(offsets, sizes): holders [(rank, local, local_offsets)]}, holders in rank order
-        index: dict[str, dict[tuple[Box, Box], _Holders]] = defaultdict(dict)
-        for rank, rl in enumerate(src.ranks):
-            for p in rl.pieces:
-                index[p.logical].setdefault((p.offsets, p.sizes), []).append((rank, p.local, p.local_offsets))
-        # logical -> [((offsets, sizes), holders, their loads)]
-        self.boxes = {k: [(box, holders, _loads(holders)) for box, holders in v.items()] for k, v in index.items()}
-        self.problems = problems
-        # (logical box, local offsets) -> its hits: identical pieces are intersected once.
-        self.cache: dict[tuple[str, Box, Box, Box], list[_Hit]] = {}
-        self.disjoint: dict[str, bool] = {}
-
-    def __call__(self, pieces: tuple[Piece, ...]) -> list[_Read]:
-        out: list[_Read] = []
-        for p in pieces:
-            for numel, srcs, loads_of, dst_off, ov_off, ov_size in self.hits(p):
-                first, second = (srcs[0][0], srcs[1][0]) if len(srcs) > 1 else (srcs[0][0], -1)
-                out.append((numel, srcs, first, second, loads_of, p.local, dst_off, ov_size, p.logical, ov_off))
-        return out
-
-    def hits(self, p: Piece) -> list[_Hit]:
-        key = (p.logical, p.offsets, p.sizes, p.local_offsets)
-        hits = self.cache.get(key)
-        if hits is None:
-            mine = self.boxes.get(p.logical, [])
-            if p.logical not in self.disjoint:
-                self.disjoint[p.logical] = _disjoint(mine)
-            hits = self.cache[key] = _hits(p.logical, p.offsets, p.sizes, p.local_offsets, mine,
-                                           self.disjoint[p.logical], self.problems)
-        return hits
-
-
-def _disjoint(boxes: list) -> bool:
-    return all(box_overlap(*a[0], *b[0]) is None for i, a in enumerate(boxes) for b in boxes[i + 1:])
-
-
-def _hits(logical: str, offsets: Box, sizes: Box, local_offsets: Box, boxes: list, disjoint: bool,
-          problems: list[str]) -> list[_Hit]:
-    """The source boxes one destination piece reads (see ``_Hit``)."""
-    if disjoint:  # a piece inside one of disjoint source boxes (TP shards, a whole tensor) reads it alone
-        for (off, size), holders, loads_of in boxes:
-            if all(o <= q and q + n <= o + m for o, m, q, n in zip(off, size, offsets, sizes, strict=True)):
-                rel = tuple(q - o for q, o in zip(offsets, off, strict=True))
-                srcs = holders if not any(rel) else [
-                    (rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True)))
-                    for rank, local, loc in holders]
-                return [(volume(sizes), srcs, loads_of, local_offsets, offsets, sizes)]
-    raw = []
-    for (off, size), holders, loads_of in boxes:
-        ov = box_overlap(off, size, offsets, sizes)
-        if ov is not None:
-            raw.append((off, holders, loads_of, ov))
-    problems.extend(_coverage_problems(logical, offsets, sizes, [ov for *_, ov in raw]))
-    hits: list[_Hit] = []
-    for off, holders, loads_of, (ov_off, ov_size) in raw:
-        rel = tuple(o - b for o, b in zip(ov_off, off, strict=True))
-        if any(rel):
-            srcs = [(rank, local, tuple(lo + r for lo, r in zip(loc, rel, strict=True)))
-                    for rank, local, loc in holders]
-        else:  # the overlap starts where the source box does (replicas, whole pieces)
-            srcs = holders
-        dst_off = tuple(lo + o - b for lo, o, b in zip(local_offsets, ov_off, offsets, strict=True))
-        hits.append((volume(ov_size), srcs, loads_of, dst_off, ov_off, ov_size))
-    return hits
-
-
-def _loads(holders: _Holders) -> _Loads:
-    """The holders' entries of a per-rank list in one call, made once per source box: the choice
-    among a box's replicas (64 for a norm under TP8 x DP8) runs per copy, 1.3 M times for Kimi-K2.
-    One or two holders need none (``_assign`` compares two loads inline)."""
-    return None if len(holders) <= 2 else itemgetter(*(rank for rank, _, _ in holders))
-
-
-def _coverage_problems(logical: str, offsets: Box, sizes: Box, overlaps: list[tuple[Box, Box]]) -> list[str]:
-    out = []
-    covered = sum(volume(ov[1]) for ov in overlaps)
-    for i in range(len(overlaps)):
-        for j in range(i + 1, len(overlaps)):
-            both = box_overlap(*overlaps[i], *overlaps[j])
-            if both is not None:
-                out.append(f"doubled: {logical} offsets={both[0]} sizes={both[1]}")
-    if covered < volume(sizes):
-        got = sorted(overlaps)
-        out.append(f"missing: {logical} offsets={offsets} sizes={sizes} has only "
-                   f"{covered}/{volume(sizes)} elements in the source (source boxes: {got or 'none'})")
-    return out
+        put(rank)
+    return np.frombuffer(rank_of, dtype=np.intc)

@@ -34,8 +34,8 @@ def _broadcast(topo: Topology, budget: int) -> PathSummary:
     plan = topo.broadcast_plan
     (s, d), b = plan.busiest_link()
     # One collective per bucket of a source: count the buckets towards one receiver.
-    buckets = [bk for bk in make_buckets(plan, budget) if bk.dst == 0]
-    copies = [c for c in plan.copies if c.dst == 0]
+    copies = plan.copies_to(0)
+    buckets = make_buckets(plan, budget, copies)
     return PathSummary(
         "broadcast", plan.total_bytes, b,
         f"{plan.src.ranks[s].label} -> every engine rank",

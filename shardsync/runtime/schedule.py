@@ -96,7 +96,11 @@ def p2p_steps(topo: Topology, me: int, budget_bytes: int) -> tuple[Step, ...]:
 
 
 def _link_steps(plan: Plan, me: int, budget_bytes: int, src_rank, dst_rank, label: str = "p2p") -> list[Step]:
-    buckets = sorted(make_buckets(plan, budget_bytes), key=lambda b: (b.index, b.src, b.dst))
+    # only the links ``me`` is on: a 1T plan's other million copies are never made here
+    mine = [c for s in range(plan.src.world_size) if src_rank(s) == me for c in plan.copies_from(s)]
+    mine += [c for d in range(plan.dst.world_size) if dst_rank(d) == me
+             for c in plan.copies_to(d) if src_rank(c.src) != me]
+    buckets = sorted(make_buckets(plan, budget_bytes, mine), key=lambda b: (b.index, b.src, b.dst))
     steps = []
     raw = plan.raw
     for b in buckets:
@@ -119,9 +123,8 @@ def broadcast_buckets(topo: Topology, budget_bytes: int) -> dict[int, list[Bucke
     """Per stage, the buckets its source broadcasts (identical for every receiver)."""
     plan = topo.broadcast_plan
     out: dict[int, list[Bucket]] = {s: [] for s in range(topo.trainer.pp)}
-    for b in make_buckets(plan, budget_bytes):
-        if b.dst == 0:
-            out[b.src].append(b)
+    for b in make_buckets(plan, budget_bytes, plan.copies_to(0)):
+        out[b.src].append(b)
     return out
 
 
@@ -154,9 +157,8 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> t
                       if topo.engine_rank_offset(i) <= engine_rank < topo.engine_rank_offset(i + 1))
         local_rank = engine_rank - topo.engine_rank_offset(engine)
         narrow = {}
-        for c in topo.narrow_plan(engine).copies:
-            if c.dst == local_rank:
-                narrow.setdefault(c.logical, []).append(c)
+        for c in topo.narrow_plan(engine).copies_to(local_rank):
+            narrow.setdefault(c.logical, []).append(c)
     steps: list[Step] = []
     for b in broadcast_buckets(topo, budget_bytes)[stage]:
         parts = _gather_parts(gather, b)

@@ -554,3 +554,40 @@ def test_optional_tensors_follow_family(spec: ModelSpec, data) -> None:
     hf = logical_tensors(spec)
     assert ("model.layers.0.mlp.gate_up_proj.weight" in hf) == FUSED_GATE_UP[spec.family]
     assert ("model.layers.0.mlp.gate_proj.weight" in hf) != FUSED_GATE_UP[spec.family]
+
+
+@FEW
+@given(cases(max_dp=2, max_engines=3), st.integers(min_value=64, max_value=4096))
+def test_rank_views_are_the_plan_filtered(case: Case, budget: int) -> None:
+    """A process makes only its own links' copies (``copies_from``/``copies_to``/``copies_on``)
+    and their buckets; they equal the whole plan's, filtered, and ``link_bytes`` (summed per read
+    list without making copies) equals the copies' bytes."""
+    plan = build_plan(megatron_layout(case.spec, case.trainer), engines_layout(case))
+    everything = plan.copies
+    all_buckets = make_buckets(plan, budget)
+    for s in range(plan.src.world_size):
+        mine = plan.copies_from(s)
+        assert mine == [c for c in everything if c.src == s], f"copies_from({s})"
+        assert make_buckets(plan, budget, mine) == [b for b in all_buckets if b.src == s], f"buckets of {s}"
+    for d in range(plan.dst.world_size):
+        assert plan.copies_to(d) == [c for c in everything if c.dst == d], f"copies_to({d})"
+        for s in range(plan.src.world_size):
+            assert plan.copies_on(s, d) == [c for c in everything if (c.src, c.dst) == (s, d)]
+    summed: dict[tuple[int, int], int] = defaultdict(int)
+    for c in everything:
+        summed[(c.src, c.dst)] += c.numel * plan.itemsize
+    assert plan.link_bytes == dict(summed)
+
+
+def test_fingerprint_covers_the_holder_picked() -> None:
+    """Two plans that differ only in which replica sends a read differ in fingerprint."""
+    spec = _spec("qwen3", 4, 2, 8, 32, 64, 128, 2, tied=False)
+    plan = build_plan(megatron_layout(spec, MegatronParallel(tp=2, dp=2)), engine_layout(spec, EngineParallel(tp=2)))
+    d, ranks = next((d, r) for d, r in enumerate(plan.picks.ranks) if r is not None)
+    i = next(i for i, read in enumerate(plan.picks.lists[plan.picks.order[d]]) if len(read[1]) > 1)
+    swapped = ranks.copy()
+    read = plan.picks.lists[plan.picks.order[d]][i]
+    swapped[i] = next(h[0] for h in read[1] if h[0] != ranks[i])
+    moved = replace(plan, picks=replace(plan.picks, ranks=(*plan.picks.ranks[:d], swapped, *plan.picks.ranks[d + 1:])))
+    assert moved.copies != plan.copies
+    assert moved.fingerprint != plan.fingerprint

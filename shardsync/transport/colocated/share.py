@@ -37,7 +37,7 @@ class Share:
         me, trainers = group.rank, topo.trainer.world_size
         plan = topo.p2p_plan
         shapes = {t.name: tuple(t.shape) for t in plan.src.ranks[me].tensors}
-        return cls._of(group, prefix, secret, [c for c in plan.copies if c.src == me],
+        return cls._of(group, prefix, secret, plan.copies_from(me),
                        lambda c: trainers + c.dst, plan.itemsize, shapes)
 
     @classmethod
@@ -45,7 +45,7 @@ class Share:
         """An engine rank's share: the copies into it, from the trainer ranks."""
         me = group.rank - topo.trainer.world_size
         plan = topo.p2p_plan
-        return cls._of(group, prefix, secret, [c for c in plan.copies if c.dst == me], lambda c: c.src,
+        return cls._of(group, prefix, secret, plan.copies_to(me), lambda c: c.src,
                        plan.itemsize, {})
 
     @classmethod
