@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="preset, config.json or HF checkpoint directory")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel workers")
     p.add_argument("--ep", type=int, default=1, help="expert parallel within the TP group (MoE models)")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (non-loopback needs a token)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (non-loopback needs a given secret)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--seed", type=int, default=0, help="random weights seed (presets/configs)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the model's)")
@@ -294,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's (exercises the trainer's fallbacks for engines that cannot run here)")
     p.add_argument("--token-file", default=None,
                    help="file holding the secret shared with the trainer (default: $SHARDSYNC_TOKEN, "
-                        "$SHARDSYNC_TOKEN_FILE); required to serve on a non-loopback host")
+                        "$SHARDSYNC_TOKEN_FILE, else this user's own secret file, made on first use); "
+                        "a given secret is required to serve on a non-loopback host")
     p.add_argument("--delta-root", default=None,
                    help="directory disk deltas may be pulled from (pulls elsewhere are refused)")
     p.add_argument("--staging-bytes", type=_staging_bytes, default=0, metavar="N|shard",

@@ -40,9 +40,9 @@ from shardsync.runtime.checksum import combine, compare, piece_checksums
 from shardsync.runtime.record import UpdateRecord, append_jsonl, make_record
 from shardsync.runtime.schedule import subgroups
 from shardsync.spec import ModelSpec
-from shardsync.store.auth import load_token
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
+from shardsync.store.secret import load_secret
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from shardsync.vocab import Completion, Refused, Signals
@@ -81,7 +81,7 @@ class WeightSync:
         self.programs: dict[Mode, Program] = {}
         self.plan_s = 0.0
         ctl = self.config.control
-        self._secret = load_token(ctl.token, ctl.token_file)
+        self._secret = load_secret(ctl.token, ctl.token_file).value
         self.ranks = ranks.TrainerRanks(rank, parallel.world_size, trainer_group,
                                         datetime.timedelta(seconds=self.config.transport.timeout_s), self._secret)
         self._engines = self._client() if rank == 0 else None

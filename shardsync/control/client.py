@@ -88,7 +88,7 @@ class Engines:
     ``EngineClient`` of reference engines.  ``store_channel``: each update's begin/finish go
     through the sync group's store (``StoreChannel``) instead of two POSTs."""
 
-    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
+    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None, *,
                  keepalive: bool = True, store_channel: bool = False) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s, self.token, self.store_channel = timeout_s, token, store_channel
@@ -159,6 +159,8 @@ class Engines:
             return HttpChannel(self)
         if self.store is None or self.keys is None:
             raise SyncError("the store channel needs the sync's store: bind() it before channel()")
+        if self.token is None:
+            raise SyncError("the store channel signs its values: make the client with the engines' secret")
         return StoreChannel(self.store, self.keys, self.urls, self.timeout_s, self.token)
 
 
@@ -205,7 +207,7 @@ class StoreChannel(UpdateChannel):
     """Keys under the sync's name in its store; each engine's listener answers (``listener``)."""
 
     def __init__(self, store: dist.Store, keys: Keys, urls: Sequence[str], timeout_s: float,
-                 secret: str | None = None) -> None:
+                 secret: str) -> None:
         self.store, self.keys, self.urls, self.secret = store, keys, list(urls), secret
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.seq = 0  # updates begun on this connection (the engines count from 1 too)

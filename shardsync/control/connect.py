@@ -22,7 +22,7 @@ from shardsync.vocab import Channel, Crossing
 class HostedClient(Protocol):
     """How a client of engines that host the receiver behind their own endpoints is made."""
 
-    def __call__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
+    def __call__(self, urls: Sequence[str], timeout_s: float, token: str, *,
                  update_timeout_s: float = 600.0, crossing: str | None = None) -> EngineClient: ...
 
 
@@ -31,7 +31,7 @@ class HostedClient(Protocol):
 HOSTED: dict[Channel, HostedClient] = {Channel.VLLM: VllmEngines, Channel.SGLANG: SglangEngines}
 
 
-def engine_client(channel: Channel, urls: Sequence[str], http_timeout_s: float, secret: str | None, *,
+def engine_client(channel: Channel, urls: Sequence[str], http_timeout_s: float, secret: str, *,
                   update_timeout_s: float, crossing: Crossing | None) -> EngineClient:
     """The client of every engine of one trainer, for the control channel they speak."""
     hosted = HOSTED.get(channel)

@@ -68,7 +68,7 @@ class HostedEngines:
                              f"use one of {sorted(cls.PAUSE)} (or None: {cls.DEFAULT_CROSSING})")
         return cls.PAUSE[crossing]
 
-    def __init__(self, urls: Sequence[str], update_timeout_s: float, token: str | None) -> None:
+    def __init__(self, urls: Sequence[str], update_timeout_s: float, token: str) -> None:
         self.urls, self.secret, self.update_timeout_s = list(urls), token, update_timeout_s
         self.requests: list[ConnectRequest] = []
         self.store: dist.Store | None = None

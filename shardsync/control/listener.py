@@ -42,7 +42,7 @@ class StoreListener:
     so the trainer's transfer timeouts start only then (or raises the refusal)."""
 
     def __init__(self, rdv: Rendezvous, engine_index: int,
-                 begin: Callable[[BeginRequest], tuple[Future, Future]], secret: str | None = None, *,
+                 begin: Callable[[BeginRequest], tuple[Future, Future]], secret: str, *,
                  refuse: Callable[[BeginRequest], Future] | None = None) -> None:
         """``refuse``: answers a refused pipelined begin through the transport."""
         self.rdv, self.index, self._begin, self.secret = rdv, engine_index, begin, secret

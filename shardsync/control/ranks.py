@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -53,7 +53,7 @@ def share_json(obj, *, rank: int, world: int, group):
 
 
 def signal(store: dist.Store, key: str, msg: M | None, model: type[M], *, rank: int,
-           world: int, timeout: datetime.timedelta, secret: str | None = None) -> M:
+           world: int, timeout: datetime.timedelta, secret: str) -> M:
     """Rank 0 publishes ``msg`` under ``key``; the other ranks wait for it (bounded).  A lone
     rank publishes nothing (no store round trip on its update's path)."""
     if rank == 0:
@@ -65,7 +65,7 @@ def signal(store: dist.Store, key: str, msg: M | None, model: type[M], *, rank: 
 
 
 def gather(store: dist.Store, key: str, msg: M, model: type[M], *, rank: int, world: int,
-           timeout: datetime.timedelta, secret: str | None = None) -> list[M]:
+           timeout: datetime.timedelta, secret: str) -> list[M]:
     """Every trainer rank's ``msg`` (under ``key/<rank>``), on every rank."""
     put(store, f"{key}/{rank}", msg, secret)
     return [get(store, f"{key}/{r}", model, timeout, secret) for r in range(world)]
@@ -80,7 +80,7 @@ class TrainerRanks:
     world: int
     group: Any  # the trainer's process group (None: a lone rank)
     timeout: datetime.timedelta
-    secret: str | None = None
+    secret: str = field(repr=False)
 
     def share(self, msg: M | None, model: type[M]) -> M:
         return share(msg, model, rank=self.rank, world=self.world, group=self.group)

@@ -55,11 +55,11 @@ class SglangCall(Msg):
         """The canonical JSON a signature covers."""
         return json.dumps(self.model_dump(exclude={"mac"}, mode="json"), sort_keys=True, separators=(",", ":"))
 
-    def signed(self, secret: str | None) -> SglangCall:
-        return self.model_copy(update={"mac": auth.mac(secret, MAC_KEY, self.body()) if secret else None})
+    def signed(self, secret: str) -> SglangCall:
+        return self.model_copy(update={"mac": auth.mac(secret, MAC_KEY, self.body())})
 
-    def verify(self, secret: str | None) -> bool:
-        return secret is None or (self.mac is not None and auth.verify_mac(secret, MAC_KEY, self.body(), self.mac))
+    def verify(self, secret: str) -> bool:
+        return self.mac is not None and auth.verify_mac(secret, MAC_KEY, self.body(), self.mac)
 
 
 class Checked(Msg):
@@ -112,7 +112,7 @@ class SglangEngines(HostedEngines):
     REFUSED = {"finish": f"SGLang's /pause_generation cannot wait for running requests (its modes: {PAUSE_MODES})"}
     DEFAULT_CROSSING = "abort"
 
-    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
+    def __init__(self, urls: Sequence[str], timeout_s: float, token: str, *,
                  update_timeout_s: float = 600.0, crossing: str | None = None,
                  api_key: str | None = None) -> None:
         pause_mode = self.pause_mode_for(crossing)

@@ -35,11 +35,11 @@ class VllmEngines(HostedEngines):
     PAUSE = {"finish": "wait", "abort": "abort"}
     REFUSED = {"span": "vLLM's pause mode 'keep' resumes running requests on KV caches built on the old weights"}
 
-    def __init__(self, urls: Sequence[str], timeout_s: float, token: str | None = None, *,
+    def __init__(self, urls: Sequence[str], timeout_s: float, token: str, *,
                  update_timeout_s: float = 600.0, crossing: str | None = None) -> None:
         # vLLM's own routes take no shardsync bearer; a fresh connection per call: after a 500
         # vLLM's server drops the kept-alive one (seen: the next call reads a reset)
-        self.http = Engines(urls, timeout_s, keepalive=False)
+        self.http = Engines(urls, timeout_s, None, keepalive=False)  # vLLM's routes: no bearer
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode = self.pause_mode_for(crossing)
 
@@ -65,7 +65,7 @@ class VllmEngines(HostedEngines):
     def _init(self, join: bool) -> None:
         def body(req: ConnectRequest) -> dict:
             connect = req.model_dump(mode="json")
-            mac = auth.mac(self.secret, MAC_KEY, connect_body(connect)) if self.secret else None
+            mac = auth.mac(self.secret, MAC_KEY, connect_body(connect))
             return {"init_info": {"connect": connect, "join": join, "mac": mac}}
 
         self.http.call("POST", "/init_weight_transfer_engine", [body(r) for r in self.requests],

@@ -18,8 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardsync.placement import rank_device
-from shardsync.store.auth import ENV_TOKEN, is_loopback, load_token
-from shardsync.store.rendezvous import free_port
+from shardsync.store.auth import is_loopback
+from shardsync.store.rendezvous import Rendezvous, free_port, open_store
+from shardsync.store.secret import ENV_TOKEN, load_secret
 from shardsync.vocab import Crossing
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def _die_with_parent() -> None:
         log.debug("no PR_SET_PDEATHSIG here: workers outlive a killed launcher")
 
 
-def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, commands: list, results,
+def _worker(rank: int, cfg: EngineConfig, token: str, tp_port: int, commands: list, results,
             events) -> None:
     from pathlib import Path
 
@@ -110,8 +111,10 @@ def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, comma
     logging.basicConfig(level=cfg.log_level.upper(), format=f"[engine tp{rank}] %(levelname)s %(name)s: %(message)s")
     group = None
     if cfg.tp > 1:  # the engine's own world is its TP group (the trainer never joins it)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=rank,
-                                world_size=cfg.tp, timeout=datetime.timedelta(seconds=600))
+        # its store on loopback only (torch's own would listen on every interface)
+        store = open_store(Rendezvous("127.0.0.1", tp_port, cfg.tp, "engine-tp", timeout_s=600), is_master=rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.tp,
+                                timeout=datetime.timedelta(seconds=600))
         group = dist.group.WORLD
     spec = load_spec(cfg.model, dtype=cfg.dtype)
     source = (checkpoint_source(cfg.model) if Path(cfg.model).is_dir()
@@ -142,11 +145,14 @@ def _worker(rank: int, cfg: EngineConfig, token: str | None, tp_port: int, comma
 def serve(cfg: EngineConfig) -> int:
     """Run the engine until interrupted or until any TP worker dies (then every worker is
     stopped: an engine missing a worker cannot serve consistently); returns the exit code."""
-    token = load_token(token_file=cfg.token_file) if cfg.token_file else load_token()
-    if token is None and not is_loopback(cfg.host):
-        log.error("refusing to serve on %s without a token: anyone who reaches the port could replace "
-                  "the weights; set $%s (or --token-file) on the engine and the trainer", cfg.host, ENV_TOKEN)
+    secret = load_secret(token_file=cfg.token_file)
+    if not secret.given and not is_loopback(cfg.host):
+        log.error("refusing to serve on %s with this user's own secret: a trainer on another machine cannot "
+                  "read it; set $%s (or --token-file) on the engine and the trainer", cfg.host, ENV_TOKEN)
         return 2
+    # printed whatever the log level (Jupyter's habit): where a caller finds what it must present
+    print(f"shardsync engine: control calls need the secret from {secret.origin}", file=sys.stderr, flush=True)
+    token = secret.value
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(cfg.tp - 1)]
     results, events = ctx.Queue(), ctx.Queue()

@@ -77,7 +77,7 @@ async def wait(fut: Future):
 
 
 def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: dict | None = None,
-               token: str | None = None, delta_root: str | None = None) -> FastAPI:
+               token: str, delta_root: str | None = None) -> FastAPI:
     service = WeightService(dispatcher, facts=facts, secret=token, delta_root=delta_root)
     session = service.session
     # FastAPI counts the body as it streams in (a chunked body has no Content-Length) -> 413

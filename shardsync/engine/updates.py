@@ -53,7 +53,7 @@ def _then(fut: Future, fn) -> Future:
 
 
 class WeightService:
-    def __init__(self, dispatcher: Dispatcher, *, facts: dict | None = None, secret: str | None = None,
+    def __init__(self, dispatcher: Dispatcher, *, facts: dict | None = None, secret: str,
                  delta_root: str | None = None) -> None:
         self.dispatcher, self.session = dispatcher, dispatcher.session
         self.facts = dict(facts or {})  # advertised engine facts (a test stand-in; see launch.py)

@@ -41,7 +41,7 @@ def destination_for(params: dict[str, torch.Tensor], staging_bytes: int, *,
 
 
 class EngineWorker:
-    def __init__(self, model: EngineModel, rank: int, tp: int, *, secret: str | None = None,
+    def __init__(self, model: EngineModel, rank: int, tp: int, *, secret: str,
                  staging_bytes: int = 0) -> None:
         self.model, self.rank, self.tp = model, rank, tp
         for p in model.parameters():

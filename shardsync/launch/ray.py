@@ -45,7 +45,7 @@ from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.launch.loop import RankSite, StepResult, trainer_rank
 from shardsync.runtime.record import append_jsonl
 from shardsync.store import free_port
-from shardsync.store.auth import ENV_TOKEN, load_token
+from shardsync.store.secret import ENV_TOKEN, load_secret
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +203,8 @@ def _use_gpus(cfg: DemoConfig, rc: RayConfig) -> bool:
 def _actors(cfg: DemoConfig, pgs: list[PlacementGroup], gpus: bool, delta_root: str) -> tuple[list, list]:
     """(engine actors, trainer actors), each pinned to its bundle.  Engines listen on their
     node's address: every actor gets one run's shared secret (the user's, or a fresh one)."""
-    token = load_token() or secrets.token_hex(32)
+    given = load_secret()
+    token = given.value if given.given else secrets.token_hex(32)  # actors may run on other machines
     env = {"runtime_env": {"env_vars": {ENV_TOKEN: token}}}
     engine_actor, trainer_actor = ray.remote(EngineServer), ray.remote(TrainerRank)
     engines = [engine_actor.options(num_cpus=tp, num_gpus=tp if gpus else 0, scheduling_strategy=_in(pgs[1], i),

@@ -54,7 +54,7 @@ class Endpoint:
     device: torch.device | str = "cpu"
     detail: bool = False  # per-bucket timings in the stats
     verify: bool = False  # every message of the sync group checked against its digest
-    secret: str | None = field(default=None, repr=False)  # signs and checks store values (handles)
+    secret: str = field(repr=False, kw_only=True)  # signs and checks store values (handles)
     tensors: Mapping[str, torch.Tensor] | None = None  # trainer: its weights; engine: what it receives into
     rank_layout: RankLayout | None = None  # engine ranks: the pieces this rank holds
     colocated: Colocated | None = None

@@ -66,7 +66,7 @@ class Call(Msg):
 
 def hosted_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, *, whole: bool, in_place: bool,
                     params: Callable[[], Mapping[str, torch.Tensor]], load: Callable[[Iterator[Slice]], None],
-                    dtype: torch.dtype, device: torch.device | str, secret: str | None, ep: int = 1,
+                    dtype: torch.dtype, device: torch.device | str, secret: str, ep: int = 1,
                     pp_rank: int = 0, pp: int = 1, variants: frozenset[str] = frozenset()) -> Receiver:
     """One rank's receiver inside a hosting engine (vLLM, SGLang): shards land in place in the
     engine's parameters (``params()``) when they are shardsync's engine layout (``in_place``)
@@ -92,7 +92,7 @@ class HostedRank:
     """
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, receiver_for: Callable[[bool], Receiver], *,
-                 secret: str | None, mac_key: str, engine: str, layout_reason: str | None = None,
+                 secret: str, mac_key: str, engine: str, layout_reason: str | None = None,
                  dtype_name: str, ep: int = 1, pp_rank: int = 0, pp: int = 1,
                  variants: frozenset[str] = frozenset()) -> None:
         self.spec, self.tp_rank, self.tp_size, self.ep, self.pp = spec, tp_rank, tp_size, ep, pp
@@ -115,13 +115,9 @@ class HostedRank:
 
     def check(self, connect: dict, mac: str | None) -> tuple[ConnectRequest, Receiver, dict[str, str]]:
         """The trainer's signed connect checked against this rank; raises saying what differs."""
-        if self.secret is not None and (not mac or not auth.verify_mac(self.secret, self.mac_key,
-                                                                       connect_body(connect), mac)):
-            raise PermissionError("shardsync: connect not signed with this engine's token; refused")
+        if not mac or not auth.verify_mac(self.secret, self.mac_key, connect_body(connect), mac):
+            raise PermissionError("shardsync: connect not signed with this engine's secret; refused")
         req = ConnectRequest.model_validate(connect)
-        if self.secret is None and not auth.is_loopback(req.rendezvous.host):
-            raise PermissionError(f"shardsync: rendezvous at {req.rendezvous.host} is not loopback and this "
-                                  f"engine has no token (${auth.ENV_TOKEN}); refused")
         whole = bool(req.whole) and req.engine_index < len(req.whole) and req.whole[req.engine_index]
         if self.layout_reason and not whole:
             raise Refused(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: {self.layout_reason}", Reason.LAYOUT_MISMATCH)

@@ -52,7 +52,7 @@ class Receiver:
     dtype and device, and where received bytes go (``Destination``)."""
 
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", secret: str | None = None,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", secret: str,
                  whole: bool = False, ep: int = 1, pp_rank: int = 0, pp: int = 1,
                  variants: frozenset[str] = frozenset()) -> None:
         self.spec, self.tp_rank, self.tp_size, self.whole, self.ep = spec, tp_rank, tp_size, whole, ep

@@ -1,6 +1,6 @@
-"""The shared secret between a trainer and its engines: loading it, checking a bearer token
-in constant time, and signing store values so that only holders of the secret can write
-control messages or tensor handles a peer acts on.
+"""Using the shared secret (``store/secret.py``): checking a bearer token in constant time, and
+signing store values so that only holders of the secret can write control messages or tensor
+handles a peer acts on.
 
 Threat model: ``docs/security.md``.
 """
@@ -10,13 +10,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import os
 import socket
-from pathlib import Path
 
-ENV_TOKEN = "SHARDSYNC_TOKEN"
-ENV_TOKEN_FILE = "SHARDSYNC_TOKEN_FILE"
-MIN_TOKEN_CHARS = 16
+from shardsync.store.secret import ENV_TOKEN, ENV_TOKEN_FILE
 
 
 class Unauthorized(Exception):
@@ -27,26 +23,11 @@ class Forbidden(Exception):
     """Credentials that are not this engine's (HTTP 403)."""
 
 
-def load_token(token: str | None = None, token_file: str | None = None) -> str | None:
-    """The secret: ``token``, else ``token_file``, else ``$SHARDSYNC_TOKEN``, else the file
-    named by ``$SHARDSYNC_TOKEN_FILE``; None when none is set (loopback-only use)."""
-    if token is None and token_file is None:
-        token, token_file = os.environ.get(ENV_TOKEN) or None, os.environ.get(ENV_TOKEN_FILE) or None
-    if token is None and token_file is not None:
-        token = Path(token_file).read_text().strip()
-    if token is not None and len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"the shardsync token must be at least {MIN_TOKEN_CHARS} characters "
-                         "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
-    return token
-
-
-def check_bearer(header: str | None, token: str | None) -> None:
-    """Raise unless ``header`` is ``Bearer <token>`` (no-op when the engine has no token)."""
-    if token is None:
-        return
+def check_bearer(header: str | None, token: str) -> None:
+    """Raise unless ``header`` is ``Bearer <token>``."""
     if not header:
         raise Unauthorized("this call changes the engine and needs `Authorization: Bearer <token>` "
-                           f"(the trainer reads it from ${ENV_TOKEN} or ${ENV_TOKEN_FILE})")
+                           f"(the trainer reads it from ${ENV_TOKEN}, ${ENV_TOKEN_FILE} or this user's secret file)")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise Forbidden("wrong token: this engine was started with another shared secret")

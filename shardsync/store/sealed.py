@@ -24,16 +24,14 @@ class Signed(BaseModel):
     mac: str
 
 
-def seal(key: str, body: str, secret: str | None) -> str:
-    """The store value for ``body`` under ``key``: signed when there is a secret."""
-    return body if secret is None else Signed(body=body, mac=auth.mac(secret, key, body)).model_dump_json()
+def seal(key: str, body: str, secret: str) -> str:
+    """The store value for ``body`` under ``key``, signed."""
+    return Signed(body=body, mac=auth.mac(secret, key, body)).model_dump_json()
 
 
-def unseal(key: str, raw: bytes | str, secret: str | None) -> bytes | str:
-    """The JSON body of a store value (as stored when there is no secret); a ``ValueError`` if
-    a secret is set and the value is not signed with it (some other client of the store wrote it)."""
-    if secret is None:
-        return raw
+def unseal(key: str, raw: bytes | str, secret: str) -> str:
+    """The JSON body of a store value; a ``ValueError`` if it is not signed with ``secret`` (some
+    other client of the store wrote it)."""
     try:
         signed = Signed.model_validate_json(raw)
     except ValueError:
@@ -44,12 +42,12 @@ def unseal(key: str, raw: bytes | str, secret: str | None) -> bytes | str:
     return signed.body
 
 
-def put(store: dist.Store, key: str, msg: BaseModel, secret: str | None = None) -> None:
+def put(store: dist.Store, key: str, msg: BaseModel, secret: str) -> None:
     store.set(key, seal(key, msg.model_dump_json(), secret))
 
 
 def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta,
-        secret: str | None = None) -> M:
+        secret: str) -> M:
     """Wait (bounded) for ``key`` and validate its value as ``model``; never unpickles."""
     store.wait([key], timeout)
     return model.model_validate_json(unseal(key, store.get(key), secret))

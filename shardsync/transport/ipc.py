@@ -46,7 +46,7 @@ class IpcTransport(Pooled):
     receivers call ``attach(peer)``; both sides then run the same steps in the same order.
     """
 
-    def __init__(self, group: SyncGroup, *, slots: int = 2, secret: str | None = None) -> None:
+    def __init__(self, group: SyncGroup, *, slots: int = 2, secret: str) -> None:
         self.group, self.nslots, self.secret = group, slots, secret
         self.rank = group.rank
         self._out: dict[int, list[torch.Tensor]] = {}

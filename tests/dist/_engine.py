@@ -8,10 +8,17 @@ import tempfile
 from shardsync.control.client import wait_healthy
 
 from shardsync.engine.launch import EngineConfig, spawn_server
+from shardsync.store.secret import load_secret
 from tests.dist._world import free_port
 
 
 BIND_TRIES = 3  # a free port can be taken by another process before the server binds it
+
+
+def owner() -> dict[str, str]:
+    """The headers of a state-changing call by this user (an engine started without a given
+    secret takes this user's own, ``store/secret.py``)."""
+    return {"Authorization": f"Bearer {load_secret().value}"}
 
 
 def start_engine(model: str, tp: int, *, seed: int = 0, **fields) -> tuple[subprocess.Popen, str]:

@@ -18,7 +18,7 @@ from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.config import DeltaConfig, SyncConfig, TransportConfig
 from shardsync.sync import WeightSync
-from tests.dist._engine import shard_bytes, start_engine, stop_engine
+from tests.dist._engine import owner, shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, run_world
 
 
@@ -54,7 +54,7 @@ def _trainer(rank: int, world: int, port: int, url: str, transport: str, delta_d
     if rank == 0 and transport != "disk":
         info = httpx.get(url + "/weights/version", timeout=10).json()
         plan = sync.topo.p2p_plan if transport == "p2p" else sync.topo.broadcast_plan
-        r = httpx.post(url + "/weights/begin", timeout=10, json={
+        r = httpx.post(url + "/weights/begin", headers=owner(), timeout=10, json={
             "version": 9, "mode": f"delta-{transport}", "fingerprint": plan.fingerprint, "base_version": 1})
         res["wrong_base"] = (r.status_code, r.text, info["weight_version"])
     sync.close()
@@ -83,7 +83,7 @@ def test_delta_after_real_optimizer_steps_is_bitwise_full(transport: str, stagin
             # versions 2 and 3 were published as files; 4 went through the group (full)
             published = sorted(p.name for p in (tmp_path / "versions").iterdir())
             assert published == ["v000002", "v000003"], published
-            r = httpx.post(url + "/weights/pull", timeout=10, json={"root": delta_dir, "version": 3})
+            r = httpx.post(url + "/weights/pull", headers=owner(), timeout=10, json={"root": delta_dir, "version": 3})
             assert r.status_code == 409 and "not newer than the engine's 4" in r.text  # an old version
         else:
             status, text, version = r0["wrong_base"]

@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
         lr = e - topo.engine_rank_offset(engine)
         local = load_rank(topo.engine_layouts[engine], lr, random_source(spec, seed=999))
         runner = DeltaRunner(topo, rank, 4096, rank=topo.engine_layouts[engine].ranks[lr])
-    full_sync = compile_path(Mode.P2P, Endpoint(topo, rank, group, 32 * 1024))
+    full_sync = compile_path(Mode.P2P, Endpoint(topo, rank, group, 32 * 1024, secret="a-test-secret-0123456789"))
     full_sync.run(local, UpdateArgs())  # the first sync is always full
     if runner.snapshot is not None:
         runner.snapshot.refresh()

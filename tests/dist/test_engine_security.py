@@ -79,6 +79,32 @@ def test_the_trainer_with_the_token_syncs_and_one_without_is_refused(engine) -> 
     sync.close()
 
 
+def test_an_engine_given_no_secret_is_still_authenticated(monkeypatch) -> None:
+    """Nothing set: the engine takes this user's own secret, a caller without it changes
+    nothing, and this user's trainer syncs with no flag (it reads the same file)."""
+    for name in ("SHARDSYNC_TOKEN", "SHARDSYNC_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    proc, url = start_engine("tiny-qwen2", 1)
+    try:
+        before = _state(url)
+        for path, body in CALLS:
+            r = httpx.post(url + path, json=body, timeout=30)
+            assert r.status_code == 401, (path, r.text)
+            r = httpx.post(url + path, json=body, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 403, (path, r.text)
+        assert _state(url) == before
+        torch.set_num_threads(1)
+        spec, par = PRESETS["tiny-qwen2"], MegatronParallel(tp=1)
+        params = load_rank(Topology(spec, par).trainer_layout, 0, random_source(spec, seed=5))
+        sync = WeightSync(spec, par, 0, params, [url], SyncConfig(transport=TransportConfig(timeout_s=30)))
+        sync.connect()
+        assert sync.update(1).ok and sync.verify() == []
+        sync.close()
+        assert "control calls need the secret from this user's secret file" in open(proc.log_path).read()
+    finally:
+        stop_engine(proc)
+
+
 def _auth() -> dict:
     return {"Authorization": f"Bearer {TOKEN}"}
 
@@ -148,8 +174,8 @@ def test_a_chunked_body_over_the_limit_is_refused_before_parsing(engine) -> None
     assert r.status_code == 413
 
 
-def test_engine_refuses_a_public_host_without_a_token() -> None:
+def test_engine_refuses_a_public_host_without_a_given_secret() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSYNC_TOKEN")}
     r = subprocess.run([sys.executable, "-m", "shardsync.cli", "engine", "serve", "--model", "tiny-qwen3",
                         "--host", "0.0.0.0", "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "without a token" in r.stderr
+    assert r.returncode == 2 and "this user's own secret" in r.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.dist._engine import start_engine, stop_engine
+from tests.dist._engine import owner, start_engine, stop_engine
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +56,12 @@ def test_oversized_request_rejected(engine: str) -> None:
 def test_update_endpoints_refuse_bad_requests_and_keep_weights(engine: str) -> None:
     before = httpx.get(engine + "/weights/checksum", timeout=60).json()
     # not connected
-    r = httpx.post(engine + "/weights/begin", json={"version": 1, "mode": "p2p", "fingerprint": "x"}, timeout=30)
+    r = httpx.post(engine + "/weights/begin", json={"version": 1, "mode": "p2p", "fingerprint": "x"}, headers=owner(), timeout=30)
     assert r.status_code == 409 and "not connected" in r.text
     # malformed
-    r = httpx.post(engine + "/weights/begin", json={"version": "one", "mode": "p2p"}, timeout=30)
+    r = httpx.post(engine + "/weights/begin", json={"version": "one", "mode": "p2p"}, headers=owner(), timeout=30)
     assert r.status_code == 422
-    r = httpx.post(engine + "/weights/connect", json={"spec": {}}, timeout=30)
+    r = httpx.post(engine + "/weights/connect", json={"spec": {}}, headers=owner(), timeout=30)
     assert r.status_code == 422
     # a plan exchange with the wrong fingerprint is refused with the reason
     info = httpx.get(engine + "/weights/info", timeout=30).json()
@@ -70,13 +70,13 @@ def test_update_endpoints_refuse_bad_requests_and_keep_weights(engine: str) -> N
         "fingerprints": {"p2p": "0000000000000000"}, "bucket_bytes": 65536,
         "rendezvous": {"host": "127.0.0.1", "port": 1, "world_size": 4, "name": "x"},
     }
-    r = httpx.post(engine + "/weights/connect", json=connect, timeout=30)
+    r = httpx.post(engine + "/weights/connect", json=connect, headers=owner(), timeout=30)
     assert r.status_code == 409 and "fingerprint mismatch" in r.text
     # a different model is refused
     other = dict(info["spec"], hidden_size=info["spec"]["hidden_size"] * 2)
-    r = httpx.post(engine + "/weights/connect", json=connect | {"spec": other}, timeout=30)
+    r = httpx.post(engine + "/weights/connect", json=connect | {"spec": other}, headers=owner(), timeout=30)
     assert r.status_code == 409
-    r = httpx.post(engine + "/weights/finish", json={"version": 7}, timeout=30)
+    r = httpx.post(engine + "/weights/finish", json={"version": 7}, headers=owner(), timeout=30)
     assert r.status_code == 404
     after = httpx.get(engine + "/weights/checksum", timeout=60).json()
     assert after == before

@@ -22,7 +22,7 @@ from shardsync.topology import Topology
 from shardsync.transport.colocated.map_sender import MapSender
 from shardsync.transport.colocated.push_sender import PushSender
 from shardsync.transport.mailbox import STAGED
-from tests.dist._engine import shard_bytes, start_engine, stop_engine
+from tests.dist._engine import owner, shard_bytes, start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 
 
@@ -156,7 +156,7 @@ def test_engine_reads_trainer_tensors_in_place_and_remaps_moved_ones(case: str) 
         files = [f for r in results.values() for f in r["files"]]
         assert files and [f for f in files if os.path.exists("/dev/shm" + f)] == []
         begin = httpx.post(url + "/weights/begin", json={"version": 7, "mode": "p2p", "fingerprint": "x"},
-                           timeout=30)
+                           headers=owner(), timeout=30)
         assert begin.status_code == 409 and "not connected" in begin.text  # the engine left the group
         gen = httpx.post(url + "/generate", json={"prompts": [[1, 2, 3]], "max_new_tokens": 3}, timeout=30)
         assert gen.json()["weight_version"] == 6

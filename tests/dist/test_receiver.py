@@ -33,7 +33,7 @@ def _world(rank: int, world: int, port: int, destination: str, out) -> None:
         store = open_store(rdv, is_master=rank == 0)
         group = SyncGroup(rdv, rank, subgroups(topo), store=store)
         params = load_rank(topo.trainer_layout, rank, random_source(spec, seed=1))
-        ep = Endpoint(topo, rank, group, 16 * 1024, tensors=params)
+        ep = Endpoint(topo, rank, group, 16 * 1024, tensors=params, secret="a-test-secret-0123456789")
         programs = {m: compile_path(m, ep) for m in (Mode.P2P, Mode.BROADCAST)}
         for step, mode in enumerate((Mode.P2P, Mode.BROADCAST), start=1):
             for k, v in load_rank(topo.trainer_layout, rank, random_source(spec, seed=10 + step)).items():
@@ -55,7 +55,7 @@ def _world(rank: int, world: int, port: int, destination: str, out) -> None:
         dest = Params(load_rank(layout, tp_rank, random_source(spec, seed=99)))
     else:
         dest = Loader(layout.ranks[tp_rank], layout.logical, load, dtype=torch.float32)
-    receiver = Receiver(spec, tp_rank, ENGINE_TP, dest, dtype=torch.float32)
+    receiver = Receiver(spec, tp_rank, ENGINE_TP, dest, dtype=torch.float32, secret="a-test-secret-0123456789")
     fps = {m: topo.fingerprint(m) for m in ("p2p", "broadcast")}
     req = connect_request(topo, 0, fps, rdv, bucket_bytes=16 * 1024, credits=2, ipc=None, control="store")
     receiver.join(req)

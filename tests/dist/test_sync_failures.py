@@ -20,6 +20,7 @@ from shardsync.config import SyncConfig, TransportConfig
 from shardsync.control.wire import Go
 from shardsync.store.keys import Keys
 from shardsync.store.sealed import get
+from shardsync.store.secret import load_secret
 from shardsync.paths import choose_full
 from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
@@ -53,7 +54,8 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     if case.get("die") and rank == 1:
         out.put((rank, res))
         # wait until trainer rank 0 began update 1 on the engines, then vanish
-        get(sync.group.store, Keys(sync.group.rdv.name).go(1), Go, datetime.timedelta(seconds=30))
+        get(sync.group.store, Keys(sync.group.rdv.name).go(1), Go, datetime.timedelta(seconds=30),
+            load_secret().value)  # the sync's: this user's own
         os._exit(1)
     try:
         rec = sync.update(1)

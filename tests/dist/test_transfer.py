@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
             ipc = case.get("ipc") if mode == "p2p" else None
             ep = Endpoint(topo, rank, group, case.get("bucket", 64 * 1024), case.get("credits", 2),
                           colocated=Colocated(ipc=Ipc(ipc)) if ipc else None, tensors=local,
-                          verify=case.get("verify", False))
+                          verify=case.get("verify", False), secret="a-test-secret-0123456789")
             programs[mode] = compile_path(Mode(mode), ep)
         stats = programs[mode].run(local, UpdateArgs(version=step))
         if rank >= T:

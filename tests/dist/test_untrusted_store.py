@@ -18,7 +18,7 @@ from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.store.rendezvous import free_port, open_store
-from tests.dist._engine import start_engine, stop_engine
+from tests.dist._engine import owner, start_engine, stop_engine
 
 
 class _Payload:
@@ -45,17 +45,17 @@ def test_crafted_pickle_in_the_rendezvous_store_is_never_executed(tmp_path) -> N
             store.set(key, pickle.dumps(_Payload(marker)))
         fps = {m: topo.fingerprint(m) for m in ("p2p", "broadcast")}
         req = connect_request(topo, 0, fps, rdv, bucket_bytes=1 << 20, credits=2, ipc="map", control="store")
-        assert httpx.post(url + "/weights/connect", json=req.model_dump(mode="json"), timeout=30).status_code == 200
+        assert httpx.post(url + "/weights/connect", json=req.model_dump(mode="json"), headers=owner(), timeout=30).status_code == 200
         answer = {}
         joiner = threading.Thread(target=lambda: answer.update(
-            r=httpx.post(url + "/weights/join", timeout=60)))
+            r=httpx.post(url + "/weights/join", headers=owner(), timeout=60)))
         joiner.start()
         group = SyncGroup(rdv, 0, subgroups(topo), store=store)  # the engine gets as far as the handles
         joiner.join(90)
         group.close()
         r = answer["r"]
         assert r.status_code == 400, r.text
-        assert "holds no valid tensor handle set" in r.json()["error"] and "refusing to map" in r.json()["error"]
+        assert "is not signed: refused" in r.json()["error"]  # the engine's secret: checked before parsing
         assert not os.path.exists(marker), "the engine unpickled a store value"
         gen = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
         assert gen.status_code == 200 and gen.json()["weight_version"] == 0

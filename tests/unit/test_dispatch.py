@@ -291,7 +291,7 @@ def test_the_scheduler_over_a_real_worker_generates_what_the_model_generates(tok
 
     spec = PRESETS["tiny-qwen3"]
     model = EngineModel.from_source(spec, random_source(spec, 3))
-    d = Dispatcher(EngineWorker(model, 0, 1), [], None, UpdateSession(),
+    d = Dispatcher(EngineWorker(model, 0, 1, secret="a-test-secret-0123456789"), [], None, UpdateSession(),
                    serving=Serving(tokens_per_step=tokens_per_step))
     d.start()
     bodies = [{"prompts": [[5, 6, 7], [8]], "max_new_tokens": 7, "temperature": 1.0, "top_p": 0.9, "seed": s,

@@ -28,6 +28,7 @@ from shardsync.store import auth
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.store.sealed import put
+from shardsync.store.secret import load_secret
 from shardsync.vocab import Refused
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class SglangHost:
         self.tp_rank, self.tp_size, self.ep = p["tp_rank"], p["tp_size"], p["moe_ep_size"]
         self.pp_rank, self.pp = p["pp_rank"], p["pp_size"]
         self.index = self.pp_rank * self.tp_size + self.tp_rank  # SGLang's world rank rule, less its offset
-        self.secret = auth.load_token()
+        self.secret = load_secret().value
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self._receivers: dict[bool, Receiver] = {}
@@ -153,18 +154,14 @@ class SglangHost:
         else:
             self._update(call)
 
-    def _connect_mac(self, call: SglangCall) -> str | None:
+    def _connect_mac(self, call: SglangCall) -> str:
         """The call's signature already covers its connect: sign the connect for the check."""
-        return auth.mac(self.secret, MAC_KEY, connect_body(call.connect)) if self.secret else None
+        return auth.mac(self.secret, MAC_KEY, connect_body(call.connect))
 
     def _check(self, call: SglangCall) -> None:
-        """Check the connect and answer in the trainer's store (only a signed or loopback one)."""
+        """Check the connect and answer in the trainer's store (the call was signed)."""
         req = ConnectRequest.model_validate(call.connect)
         rdv = Rendezvous(**req.rendezvous.model_dump())
-        if self.secret is None and not auth.is_loopback(rdv.host):
-            log.warning("shardsync: tp%d: rendezvous at %s is not loopback and this engine has no token ($%s); "
-                        "refused", self.tp_rank, rdv.host, auth.ENV_TOKEN)
-            return
         answer = Checked()
         try:
             if self.rank is None:

@@ -33,7 +33,7 @@ from shardsync.receiver import Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
-from shardsync.store import auth
+from shardsync.store.secret import load_secret
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         )
 
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.secret = auth.load_token()
+        self.secret = load_secret().value
         self.dtype = self.model_config.dtype
         self._receivers: dict[bool, Receiver] = {}  # by whole
         self.problem: str | None = None  # why this worker cannot receive at all

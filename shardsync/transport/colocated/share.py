@@ -23,7 +23,7 @@ class Share:
 
     group: SyncGroup
     keys: Keys  # under the rendezvous name: every store key of the sync
-    secret: str | None  # signs and checks store values (handles, the link's signal choice)
+    secret: str  # signs and checks store values (handles, the link's signal choice)
     copies: list[Copy]  # as source (trainer) or as destination (engine)
     peers: list[int]  # sync ranks at the other ends, in the order both sides walk them
     by_peer: dict[int, list[Copy]]  # ``copies`` per peer, in plan order
@@ -32,7 +32,7 @@ class Share:
     peer_bytes: dict[int, int]
 
     @classmethod
-    def sender(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None) -> Share:
+    def sender(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str) -> Share:
         """A trainer rank's share (trainer ranks are the first sync ranks; engine rank ``d`` is ``trainers + d``)."""
         me, trainers = group.rank, topo.trainer.world_size
         plan = topo.p2p_plan
@@ -41,7 +41,7 @@ class Share:
                        lambda c: trainers + c.dst, plan.itemsize, shapes)
 
     @classmethod
-    def receiver(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str | None) -> Share:
+    def receiver(cls, group: SyncGroup, topo: Topology, prefix: str, secret: str) -> Share:
         """An engine rank's share: the copies into it, from the trainer ranks."""
         me = group.rank - topo.trainer.world_size
         plan = topo.p2p_plan
@@ -49,7 +49,7 @@ class Share:
                        plan.itemsize, {})
 
     @classmethod
-    def _of(cls, group: SyncGroup, prefix: str, secret: str | None, copies: list[Copy],
+    def _of(cls, group: SyncGroup, prefix: str, secret: str, copies: list[Copy],
             other: Callable[[Copy], int], itemsize: int, shapes: dict[str, tuple[int, ...]]) -> Share:
         peers = sorted({other(c) for c in copies})
         by_peer: dict[int, list[Copy]] = {p: [] for p in peers}
