@@ -31,6 +31,7 @@ def _rank(rank: int, world: int, port: int, model: str, args, out) -> None:
     from shardsync.presets import load_spec
     from shardsync.runtime.schedule import subgroups
     from shardsync.store.rendezvous import Rendezvous, open_store
+    from shardsync.store.secret import load_secret
     from shardsync.topology import Topology
     from shardsync.transport import SyncGroup
 
@@ -43,7 +44,8 @@ def _rank(rank: int, world: int, port: int, model: str, args, out) -> None:
     src = random_source(spec, seed=1)
     local = (load_rank(topo.trainer_layout, rank, src) if rank < T
              else load_rank(topo.engine_layouts[0], rank - T, random_source(spec, seed=2)))
-    programs = {(m, v): compile_path(Mode(m), Endpoint(topo, rank, group, int(args.bucket_mb * 2**20), verify=v))
+    programs = {(m, v): compile_path(Mode(m), Endpoint(topo, rank, group, int(args.bucket_mb * 2**20), verify=v,
+                                                                 secret=load_secret().value))
                 for m in MODES for v in (False, True)}
     times: dict[str, list[float]] = {f"{m}/{v}": [] for m, v in programs}
     order = list(programs)

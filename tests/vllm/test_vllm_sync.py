@@ -191,7 +191,7 @@ def test_connect_signed_with_another_token_is_refused(vllm) -> None:
     params = load_rank(Topology(spec, par).trainer_layout, 0, version_source(spec, 0))
     sync = WeightSync(spec, par, 0, params, [vllm["url"]],
                       SyncConfig(control=ControlConfig(channel="vllm", token="another-token-0123456789")))
-    with pytest.raises(SyncError, match="not signed with this engine's token"):
+    with pytest.raises(SyncError, match="not signed with this engine's secret"):
         sync.connect()
     sync.close()
     assert vllm["proc"].poll() is None
