@@ -11,6 +11,9 @@ torch's own pickling does (a description opened twice would release it twice).
 from __future__ import annotations
 
 import base64
+import os
+import re
+import stat
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -22,6 +25,10 @@ from shardsync.dtypes import TORCH_DTYPES
 from shardsync.transport.events import EventHandle
 
 DTYPES = TORCH_DTYPES  # the dtypes a handle may name
+SHM_DIR = "/dev/shm"
+# torch's ``file_system`` sharing: segments ``/torch_<pid>_<random>_<n>``, and its manager's socket
+SEGMENT = re.compile(r"/torch_[0-9]+_[0-9]+_[0-9]+")
+MANAGER = re.compile(r"/[A-Za-z0-9_./-]+/manager\.sock")
 
 
 def _b64(b: bytes | None) -> str | None:
@@ -124,10 +131,40 @@ def _storage(h: TensorHandle, opened: dict) -> torch.UntypedStorage:
         if key in opened:
             opened[key]._shared_decref()
             return opened[key]
-        s = torch.UntypedStorage._new_shared_filename_cpu(_raw(h.manager), _raw(h.name), h.storage_bytes)
+        manager, name = _cpu_segment(h)
+        s = torch.UntypedStorage._new_shared_filename_cpu(manager, name, h.storage_bytes)
         s._shared_decref()  # the exporter's reference for this reader, now held by the mapping
     opened[key] = s
     return s
+
+
+def _cpu_segment(h: TensorHandle) -> tuple[bytes, bytes]:
+    """(manager, name) of a CPU handle, checked against the machine before anything is mapped:
+    a torch segment name (no path of its own), a real segment in /dev/shm at least as large as the
+    handle claims (mapping a larger claim would grow another process's segment), a socket."""
+    manager, name = _raw(h.manager), _raw(h.name)
+    assert manager is not None and name is not None
+    text, sock = name.decode(errors="replace"), manager.decode(errors="replace")
+    if not SEGMENT.fullmatch(text):
+        raise ValueError(f"name {text[:80]!r} is not a torch shared-memory segment (/torch_<pid>_<n>_<n>)")
+    if not MANAGER.fullmatch(sock) or ".." in sock.split("/"):
+        raise ValueError(f"manager {sock[:120]!r} is not a torch shared-memory manager socket")
+    try:
+        fd = os.open(SHM_DIR + text, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ValueError(f"name {text!r}: no such segment ({e.strerror})") from None
+    try:
+        seg = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(seg.st_mode) or seg.st_size < h.storage_bytes:
+        raise ValueError(f"storage_bytes {h.storage_bytes} exceeds segment {text} ({seg.st_size} bytes)")
+    try:
+        if not stat.S_ISSOCK(os.stat(sock).st_mode):
+            raise ValueError(f"manager {sock!r} is not a socket")
+    except OSError as e:
+        raise ValueError(f"manager {sock!r}: {e.strerror}") from None
+    return manager, name
 
 
 def open_tensor(h: TensorHandle, opened: dict | None = None) -> torch.Tensor:
@@ -165,5 +202,10 @@ def open_set(blob: str | bytes, *, where: str = "the store") -> OpenedSet:
     if handles.mailbox is not None and (handles.mailbox.kind != "cpu" or handles.mailbox.dtype != "int64"):
         raise ValueError(f"{where} holds a mailbox that is not int64 host memory; refusing to map it")
     opened: dict = {}
-    tensors = {k: open_tensor(h, opened) for k, h in handles.tensors.items()}
+    tensors = {}
+    for k, h in handles.tensors.items():
+        try:
+            tensors[k] = open_tensor(h, opened)
+        except (ValueError, RuntimeError) as e:  # torch's own refusals too: the sender's fault, named
+            raise ValueError(f"{where}: tensor {k[:200]!r}: {e}; refusing to map it") from None
     return OpenedSet(tensors, handles.written, handles.mailbox)

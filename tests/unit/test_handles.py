@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
 
 import pytest
@@ -74,3 +75,39 @@ def test_a_set_carries_a_mailbox_both_ends_write() -> None:
     bad["mailbox"]["dtype"] = "float32"
     with pytest.raises(ValueError, match="mailbox that is not int64 host memory"):
         open_set(json.dumps(bad), where="key k")
+
+
+def _b64s(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+@pytest.fixture
+def foreign_segment():
+    """Another process's shared-memory segment: a real /dev/shm file of 4160 bytes (a 4 KiB
+    torch storage and its header), named as torch names its own."""
+    path = f"/dev/shm/torch_1_4242_{torch.randint(1 << 30, ()).item()}"
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 16 + bytes(64))
+    yield path
+    os.unlink(path)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"storage_bytes": 1 << 30, "size": [1 << 28]}, "exceeds segment"),  # would grow it to 1 GiB
+    ({"name": "/../../etc/passwd"}, "is not a torch shared-memory segment"),
+    ({"name": "/torch_1_2_3/../../x"}, "is not a torch shared-memory segment"),
+    ({"manager": "/etc/passwd"}, "is not a torch shared-memory manager socket"),
+    ({"manager": "/tmp/../manager.sock"}, "is not a torch shared-memory manager socket"),
+    ({"name": "/torch_1_2_999999999999"}, "no such segment"),
+    ({"name": "bm90IGJhc2U2NA!"}, "tensor 't'"),  # not base64: named, not a 500
+])
+def test_crafted_cpu_handles_are_refused_before_mapping(foreign_segment: str, change: dict, match: str) -> None:
+    before = open(foreign_segment, "rb").read()
+    d = json.loads(export_tensors({"t": torch.zeros(8)}))
+    h = d["tensors"]["t"]
+    h["name"] = _b64s(foreign_segment.removeprefix("/dev/shm"))
+    for k, v in change.items():
+        h[k] = v if k not in ("name", "manager") or v.endswith("!") else _b64s(v)
+    with pytest.raises(ValueError, match=match):
+        open_tensors(json.dumps(d), where="key k")
+    assert open(foreign_segment, "rb").read() == before and os.path.getsize(foreign_segment) == 4160
