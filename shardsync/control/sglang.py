@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import pickle
+import time
 from collections.abc import Sequence
 from typing import Literal
 
@@ -39,6 +40,8 @@ MAX_CALL_BYTES = 1 << 20  # a connect names a spec and four fingerprints: far be
 PAUSE_MODES = ("abort", "retract", "in_place")
 ENV_API_KEY = "SHARDSYNC_SGLANG_API_KEY"  # the trainer's bearer for SGLang's --api-key / --admin-api-key
 ENV_LAYOUT = "SHARDSYNC_SGLANG_LAYOUT"  # "whole" in SGLang's environment: always receive whole tensors
+# a call expires this long after its HTTP timeout (clocks of trainer and engine hosts may differ)
+EXPIRY_GRACE_S = 300.0
 
 
 class SglangCall(Msg):
@@ -49,6 +52,10 @@ class SglangCall(Msg):
     attempt: int = Field(default=0, ge=0, le=1 << 20)  # check: which connect attempt answers
     connect: dict | None = Field(default=None, max_length=32)  # check / join: a ConnectRequest
     update: dict | None = Field(default=None, max_length=16)  # update / checksum: a ``receiver.hosted.Call``
+    # join: each rank's one-time nonce from its check answer (rank index -> nonce): a captured
+    # join replayed later finds its nonce spent (and cannot reset the connection's call numbers)
+    nonces: dict[str, str] | None = Field(default=None, max_length=4096)
+    expires: float = Field(default=0.0, ge=0)  # unix seconds; a rank refuses a call after it (0: always)
     mac: str | None = Field(default=None, max_length=128)
 
     def body(self) -> str:
@@ -68,6 +75,7 @@ class Checked(Msg):
     error: str | None = Field(default=None, max_length=4096)
     reason: Reason | None = None
     variants: Variants | None = None  # a layout refusal: the variants this rank's parameters are
+    nonce: str | None = Field(default=None, max_length=64)  # accepted: what this rank's join must carry
 
 
 class _Bytes:
@@ -120,6 +128,7 @@ class SglangEngines(HostedEngines):
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode, self.timeout_s = pause_mode, timeout_s
         self.attempt = 0
+        self.nonces: dict[int, dict[str, str]] = {}  # engine -> its ranks' nonces from the last check
 
     def _all(self, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> list[dict]:
         """POST ``path`` to every engine; an answer ``success: false`` is a ``SyncError``."""
@@ -132,11 +141,14 @@ class SglangEngines(HostedEngines):
     def _call(self, call: SglangCall, *, timeout_s: float | None = None) -> None:
         """Hand every rank of every engine one shardsync call (each engine gets its own)."""
         bodies = []
+        limit = timeout_s or self.update_timeout_s
         for i in range(len(self.urls)):
-            c = call
+            mine: dict = {"expires": time.time() + limit + EXPIRY_GRACE_S}
             if call.connect is not None:  # each engine its own connect request
-                c = call.model_copy(update={"connect": self.requests[i].model_dump(mode="json")})
-            body = payload(c.signed(self.secret))
+                mine["connect"] = self.requests[i].model_dump(mode="json")
+            if call.op == "join":  # and its ranks' nonces
+                mine["nonces"] = self.nonces.get(i, {})
+            body = payload(call.model_copy(update=mine).signed(self.secret))
             bodies.append({"serialized_named_tensors": [body] * self.requests[i].engines[i], "load_format": ENTRY,
                            "flush_cache": True, "selector": "target"})
         answers = self.http.call("POST", "/update_weights_from_tensor", bodies,
@@ -192,6 +204,7 @@ class SglangEngines(HostedEngines):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         refused: Refused | None = None
         variants: dict[int, list[str]] = {}  # every engine's, so that one new plan fits them all
+        self.nonces = {}
         for i, r in self.ranks():
             try:
                 store, keys = self._bound()
@@ -206,6 +219,8 @@ class SglangEngines(HostedEngines):
                     variants[i] = answer.variants
             elif answer.error:
                 raise SyncError(f"{self.urls[i]}: {answer.error}")
+            elif answer.nonce is not None:
+                self.nonces.setdefault(i, {})[str(r)] = answer.nonce
         if refused is not None:
             refused.variants = variants or None
             raise refused

@@ -3,11 +3,21 @@ destination it takes and which engines it refuses, with the reason the trainer w
 
 from __future__ import annotations
 
+import datetime
+import time
+
 import pytest
 import torch
 
+from shardsync.control.sglang import Checked, SglangCall
 from shardsync.engines.sglang import host as sglang_host
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.receiver import connect_request
 from shardsync.receiver.hosted import Call
+from shardsync.store.keys import Keys
+from shardsync.store.rendezvous import Rendezvous, free_port, open_store
+from shardsync.store.sealed import get
+from shardsync.topology import Topology
 from tests.sglang import _models
 
 
@@ -67,3 +77,45 @@ def test_rebound_parameters_are_followed() -> None:
     assert h.follow_params()
     assert rx.destination.tensors()[name].data_ptr() == param.data_ptr()
     assert rx._tensors()[name].data_ptr() == param.data_ptr()  # the views the paths write through
+
+
+def _call(h: sglang_host.SglangHost, *, expires_in: float = 60.0, **fields) -> SglangCall:
+    return SglangCall(name=RDV_NAME, expires=time.time() + expires_in, **fields).signed(h.secret)
+
+
+RDV_NAME = "replay-test"
+
+
+def test_a_join_needs_this_ranks_fresh_nonce_and_a_replay_finds_it_spent(monkeypatch) -> None:
+    """Each accepted check gives the rank a one-time nonce (in its signed answer); only a join
+    carrying it runs, once: a captured join replayed, or one without the nonce, is refused,
+    and so is an expired call.  (The check and join themselves are stand-ins here: their plans
+    and group are tested with a real trainer in test_sglang_sync.)"""
+    h = _host("tiny-qwen3")
+    joins: list[dict] = []
+    monkeypatch.setattr(h.rank, "check", lambda connect, mac: None)
+    monkeypatch.setattr(h.rank, "join", lambda connect, mac, **kw: joins.append(connect))
+    spec = _models.SPECS["tiny-qwen3"]
+    topo = Topology(spec, MegatronParallel(tp=1), (EngineParallel(tp=2),))
+    rdv = Rendezvous("127.0.0.1", free_port(), 3, RDV_NAME, timeout_s=10)
+    store = open_store(rdv, is_master=True)
+    connect = connect_request(topo, 0, {"p2p": "f"}, rdv, bucket_bytes=1 << 20, credits=2, ipc=None,
+                              control="store").model_dump(mode="json")
+    h.run(_call(h, op="check", attempt=1, connect=connect))
+    answer = get(store, Keys(RDV_NAME).rank_checked(1, 0, h.index), Checked, datetime.timedelta(seconds=10),
+                 h.secret)
+    assert answer.error is None and answer.nonce
+    mine = {str(h.index): answer.nonce}
+    h.run(_call(h, op="join", connect=connect))  # no nonce
+    h.run(_call(h, op="join", connect=connect, nonces={str(h.index): "0" * 32}))  # another one
+    h.run(_call(h, op="join", connect=connect, nonces=mine, expires_in=-1))  # expired
+    assert joins == []
+    join = _call(h, op="join", connect=connect, nonces=mine)
+    h.run(join)
+    h.run(join)  # replayed: its nonce is spent
+    assert len(joins) == 1
+    h.run(_call(h, op="check", attempt=2, connect=connect))  # a new check, a new nonce
+    again = get(store, Keys(RDV_NAME).rank_checked(2, 0, h.index), Checked, datetime.timedelta(seconds=10), h.secret)
+    assert again.nonce not in (None, answer.nonce)
+    h.run(join)  # the old nonce does not open the new check's join
+    assert len(joins) == 1

@@ -45,7 +45,10 @@ def test_tampered_call_fails_its_signature() -> None:
     call = read_call(_unpack(payload(_call().signed(SECRET))))
     forged = call.model_copy(update={"update": {**call.update, "version": 4}})
     assert not forged.verify(SECRET)
-    assert not _call().verify(SECRET)  # unsigned, where the engine has a token
+    assert not _call().verify(SECRET)  # unsigned
+    signed = _call(expires=100.0, nonces={"0": "ab" * 16}).signed(SECRET)
+    for change in ({"expires": 1e12}, {"nonces": {"0": "cd" * 16}}, {"nonces": None}):
+        assert not signed.model_copy(update=change).verify(SECRET), change  # expiry and nonces are signed too
 
 
 def test_read_call_refuses_anything_else() -> None:

@@ -8,8 +8,11 @@ padding), the rank says why and takes whole tensors through SGLang's own ``load_
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
+import secrets
+import time
 from collections.abc import Iterator
 
 import torch
@@ -81,6 +84,7 @@ class SglangHost:
         self.problem: str | None = None
         self.rank: HostedRank | None = None
         self.variants: frozenset[str] = frozenset()
+        self.nonce: str | None = None  # given in the last accepted check, spent by the join that carries it
         try:
             self._build()
         except Exception as e:  # refuse at connect, with the reason
@@ -139,7 +143,11 @@ class SglangHost:
 
     def run(self, call: SglangCall) -> None:
         if not call.verify(self.secret):
-            log.warning("shardsync: tp%d: %s call not signed with this engine's token; refused", self.tp_rank, call.op)
+            log.warning("shardsync: tp%d: %s call not signed with this engine's secret; refused", self.tp_rank, call.op)
+            return
+        if time.time() > call.expires:
+            log.warning("shardsync: tp%d: %s call expired %.0f s ago (replayed?); refused", self.tp_rank, call.op,
+                        time.time() - call.expires)
             return
         if call.op == "check":
             self._check(call)
@@ -147,12 +155,25 @@ class SglangHost:
             if self.rank is None:
                 log.warning("shardsync: tp%d cannot join: %s", self.tp_rank, self.problem)
                 return
+            if not self._spend_nonce(call):
+                log.warning("shardsync: tp%d: join without this rank's fresh nonce (replayed, or no accepted check "
+                            "before it); refused", self.tp_rank)
+                return
             self.rank.join(call.connect, self._connect_mac(call))
         elif call.op == "leave":
             if self.rank is not None and self.rank.keys is not None and self.rank.keys.name == call.name:
                 self.rank.leave()
         else:
             self._update(call)
+
+    def _spend_nonce(self, call: SglangCall) -> bool:
+        """Whether the join carries the nonce this rank gave its last accepted check (then spent:
+        a replayed join finds none; a stale one leaves it for the trainer's own join)."""
+        given = (call.nonces or {}).get(str(self.index))
+        if self.nonce is None or given is None or not hmac.compare_digest(given, self.nonce):
+            return False
+        self.nonce = None
+        return True
 
     def _connect_mac(self, call: SglangCall) -> str:
         """The call's signature already covers its connect: sign the connect for the check."""
@@ -167,6 +188,8 @@ class SglangHost:
             if self.rank is None:
                 raise ValueError(f"shardsync: {self.problem}")
             self.rank.check(call.connect, self._connect_mac(call))
+            self.nonce = secrets.token_hex(16)
+            answer = Checked(nonce=self.nonce)
         except Refused as e:
             answer = Checked(error=str(e)[:4000], reason=e.reason,
                              variants=None if e.variants is None else e.variants.get(req.engine_index))
