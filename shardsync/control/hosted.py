@@ -49,6 +49,12 @@ def connect_body(connect: dict) -> str:
     return json.dumps(connect, sort_keys=True, separators=(",", ":"))
 
 
+def call_body(name: str, call: dict, expires: float) -> str:
+    """The canonical JSON of one update call of sync ``name`` with its expiry, as signed and as
+    checked (the name binds it to its connection, the expiry to its time)."""
+    return json.dumps({"name": name, "call": call, "expires": expires}, sort_keys=True, separators=(",", ":"))
+
+
 class HostedEngines:
     """Trainer rank 0's client of every engine of one hosted kind (the surface of
     ``control.Engines``).  Subclasses speak the engine's endpoints."""

@@ -12,16 +12,19 @@ the next full update succeeds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from shardsync.control.client import Engines, SyncError
-from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines, connect_body, weight_version
+from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines, call_body, connect_body, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
 from shardsync.store import auth
 from shardsync.vocab import Reason, Refused
 
 VARIANTS = frozenset({"vllm"})  # vLLM's engine layout variants (layout.engine.ENGINE_VARIANTS): its names
 MAC_KEY = "shardsync/vllm/connect"  # what the worker checks the connect's signature under
+UPDATE_MAC_KEY = "shardsync/vllm/update"  # and an update call's
+EXPIRY_GRACE_S = 300.0  # an update call expires this long after its HTTP timeout
 ENV_LAYOUT = "SHARDSYNC_VLLM_LAYOUT"  # "whole" in vLLM's environment: always receive whole tensors
 
 
@@ -96,9 +99,13 @@ class VllmEngines(HostedEngines):
         self.http.call("POST", "/start_weight_update")
 
     def send(self, info: dict) -> None:
-        """``info`` (a ``receiver.hosted.Call``) rides vLLM's update info whole, as one field."""
-        self.http.call("POST", "/update_weights", [{"update_info": {"call": info}}] * len(self.urls),
-                       timeout_s=self.update_timeout_s)
+        """``info`` (a ``receiver.hosted.Call``) rides vLLM's update info whole, as one field,
+        signed with its connection's name and an expiry (vLLM's route itself is not guarded)."""
+        expires = time.time() + self.update_timeout_s + EXPIRY_GRACE_S
+        name = self.requests[0].rendezvous.name
+        mac = auth.mac(self.secret, UPDATE_MAC_KEY, call_body(name, info, expires))
+        self.http.call("POST", "/update_weights", [{"update_info": {"call": info, "mac": mac, "expires": expires}}]
+                       * len(self.urls), timeout_s=self.update_timeout_s)
 
     def end(self, version: int) -> None:
         self.http.call("POST", "/finish_weight_update", [{"weight_version": str(version)}] * len(self.urls))

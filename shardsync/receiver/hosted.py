@@ -103,6 +103,7 @@ class HostedRank:
         self.receiver: Receiver | None = None  # the connected one
         self.keys: Keys | None = None
         self.engine_index = 0
+        self.joined_names: set[str] = set()  # every sync this rank joined (a join is never replayed)
         # the version applied through shardsync, staleness, the connection's plans, its calls
         self.session = UpdateSession(versions_grow=False)
 
@@ -134,6 +135,10 @@ class HostedRank:
         """Check, then join the sync group (bounded); tells the trainer whether an update
         session a gone trainer left open is still open here."""
         req, rx, fingerprints = self.check(connect, mac)
+        if req.rendezvous.name in self.joined_names:  # names are fresh per connect: this one is replayed
+            raise PermissionError(f"shardsync: sync {req.rendezvous.name} was joined on this rank before: a "
+                                  "replayed join; refused")
+        self.joined_names.add(req.rendezvous.name)
         if self.receiver is not None and self.receiver is not rx:
             self.receiver.leave()
         rx.join(req)

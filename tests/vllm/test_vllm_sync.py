@@ -197,6 +197,47 @@ def test_connect_signed_with_another_token_is_refused(vllm) -> None:
     assert vllm["proc"].poll() is None
 
 
+def test_replayed_join_and_unsigned_update_are_refused(vllm, monkeypatch) -> None:
+    """vLLM's weight-transfer routes are open to whoever reaches the port: a captured join
+    replayed finds its sync joined already, an update call without the trainer's signature
+    is dropped, and the trainer's next update lands as if neither had been tried."""
+    from shardsync.control.client import Engines
+    from shardsync.topology import Topology
+
+    spec = PRESETS[MODEL]
+    par = MegatronParallel(tp=1, dtype="float32")
+    params = load_rank(Topology(spec, par).trainer_layout, 0, version_source(spec, 1))
+    sent: list[tuple[str, list]] = []
+    real = Engines.call
+
+    def record(self, method, path, payloads=None, **kw):
+        sent.append((path, payloads))
+        return real(self, method, path, payloads, **kw)
+
+    monkeypatch.setattr(Engines, "call", record)
+    sync = WeightSync(spec, par, 0, params, [vllm["url"]],
+                      SyncConfig(control=ControlConfig(channel="vllm", token=TOKEN),
+                                 transport=TransportConfig(timeout_s=60)))
+    sync.connect()
+    assert sync.update(1).ok
+    url = vllm["url"]
+    join = next(b[0] for p, b in sent if p == "/init_weight_transfer_engine" and b[0]["init_info"]["join"])
+    update = next(b[0] for p, b in sent if p == "/update_weights")
+    assert httpx.post(url + "/init_weight_transfer_engine", json=join, timeout=60).status_code != 200
+    forged = {"update_info": {"call": {**update["update_info"]["call"], "seq": 99, "version": 7}}}
+    httpx.post(url + "/start_weight_update", timeout=60)
+    httpx.post(url + "/update_weights", json=forged, timeout=60)
+    httpx.post(url + "/finish_weight_update", json={"weight_version": None}, timeout=60)
+    log = open(vllm["log"]).read()
+    assert "a replayed join; refused" in log and "update call not signed for this connection" in log
+    assert vllm["proc"].poll() is None
+    for k, v in load_rank(Topology(spec, par).trainer_layout, 0, version_source(spec, 2)).items():
+        params[k].copy_(v)
+    rec = sync.update(2)
+    assert rec.ok and sync.verify() == []
+    sync.close()
+
+
 # --- an FSDP2 trainer ---------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY, VARIANTS
+from shardsync.control.hosted import call_body
+from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY, UPDATE_MAC_KEY, VARIANTS
 from shardsync.dtypes import dtype_name
 from shardsync.engines.vllm import mla, moe, params
 from shardsync.plan.local import region
@@ -33,6 +35,7 @@ from shardsync.receiver import Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
+from shardsync.store import auth
 from shardsync.store.secret import load_secret
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
 @dataclass
 class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
     call: dict  # a ``receiver.hosted.Call`` (the wire schema; validated by the rank that runs it)
+    mac: str | None = None  # the trainer's HMAC of the call, its connection's name and ``expires``
+    expires: float = 0.0  # unix seconds; refused after (0: always)
 
 
 def reprocess_tied(model: torch.nn.Module) -> None:
@@ -225,6 +230,15 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     def receive_weights(self, update: ShardsyncUpdateInfo) -> None:
         if self.host is None:
             log.warning("shardsync: tp%d cannot receive (%s); update ignored", self.tp_rank, self.problem)
+            return
+        name = self.host.keys.name if self.host.keys is not None else ""
+        if not update.mac or not auth.verify_mac(self.secret, UPDATE_MAC_KEY, call_body(name, update.call,
+                                                                                      update.expires), update.mac):
+            log.warning("shardsync: tp%d: update call not signed for this connection with this engine's secret; "
+                        "refused", self.tp_rank)
+            return
+        if time.time() > update.expires:
+            log.warning("shardsync: tp%d: update call expired (replayed?); refused", self.tp_rank)
             return
         try:
             call = Call.model_validate(update.call)
