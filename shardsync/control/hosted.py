@@ -44,15 +44,20 @@ def weight_version(raw: object) -> int:
         return 0
 
 
+def canonical(body: object) -> str:
+    """The one JSON text of ``body`` that is signed and checked (keys sorted, no spaces)."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
 def connect_body(connect: dict) -> str:
-    """The canonical JSON of a connect request, as signed and as checked."""
-    return json.dumps(connect, sort_keys=True, separators=(",", ":"))
+    """A connect request as signed and as checked."""
+    return canonical(connect)
 
 
 def call_body(name: str, call: dict, expires: float) -> str:
-    """The canonical JSON of one update call of sync ``name`` with its expiry, as signed and as
-    checked (the name binds it to its connection, the expiry to its time)."""
-    return json.dumps({"name": name, "call": call, "expires": expires}, sort_keys=True, separators=(",", ":"))
+    """One update call of sync ``name`` with its expiry, as signed and as checked (the name
+    binds it to its connection, the expiry to its time)."""
+    return canonical({"name": name, "call": call, "expires": expires})
 
 
 class HostedEngines:

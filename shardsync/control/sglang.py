@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import json
 import os
 import pickle
 import time
@@ -27,7 +26,7 @@ import torch
 from pydantic import Field
 
 from shardsync.control.client import Engines, SyncError
-from shardsync.control.hosted import HostedEngines, weight_version
+from shardsync.control.hosted import HostedEngines, canonical, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, Variants, VersionResponse
 from shardsync.store import auth
 from shardsync.store.sealed import get
@@ -60,7 +59,7 @@ class SglangCall(Msg):
 
     def body(self) -> str:
         """The canonical JSON a signature covers."""
-        return json.dumps(self.model_dump(exclude={"mac"}, mode="json"), sort_keys=True, separators=(",", ":"))
+        return canonical(self.model_dump(exclude={"mac"}, mode="json"))
 
     def signed(self, secret: str) -> SglangCall:
         return self.model_copy(update={"mac": auth.mac(secret, MAC_KEY, self.body())})

@@ -204,15 +204,12 @@ class Plan:
         """Bytes per (src, dst) link, summed per read list without making the copies."""
         size = [np.array([prod(r[7]) * self.itemsize * (self.width(r[8]) if self.raw else 1) for r in reads],
                          dtype=np.float64) for reads in self.picks.lists]
-        one: dict[int, dict[int, int]] = {}
+        one: dict[int, dict[int, int]] = {}  # per one-holder list: source rank -> its reads' bytes
         out: dict[tuple[int, int], int] = {}
         for dst, (lst, ranks) in enumerate(zip(self.picks.order, self.picks.ranks, strict=True)):
             if ranks is None:
                 if lst not in one:
-                    sums: dict[int, int] = defaultdict(int)
-                    one[lst] = sums
-                    for read, b in zip(self.picks.lists[lst], size[lst].tolist(), strict=True):
-                        sums[read[1][0][0]] += int(b)
+                    one[lst] = {s: int(round(size[lst][reads].sum())) for s, reads in self._one_holder[lst].items()}
                 out.update(((s, dst), b) for s, b in one[lst].items())
             else:
                 per_src = np.bincount(ranks, weights=size[lst], minlength=self.src.world_size)
