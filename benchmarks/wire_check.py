@@ -39,13 +39,15 @@ def _rank(rank: int, world: int, port: int, model: str, args, out) -> None:
     spec = load_spec(model)
     topo = Topology(spec, MegatronParallel(tp=args.trainer_tp, dtype="float32"), (EngineParallel(tp=args.engine_tp),))
     rdv = Rendezvous("127.0.0.1", port, world, "wire", timeout_s=600)
-    group = SyncGroup(rdv, rank, subgroups(topo), store=open_store(rdv, is_master=True) if rank == 0 else None)
+    group_secret = load_secret().value
+    group = SyncGroup(rdv, rank, subgroups(topo), secret=group_secret,
+                      store=open_store(rdv, is_master=True) if rank == 0 else None)
     T = topo.trainer.world_size
     src = random_source(spec, seed=1)
     local = (load_rank(topo.trainer_layout, rank, src) if rank < T
              else load_rank(topo.engine_layouts[0], rank - T, random_source(spec, seed=2)))
     programs = {(m, v): compile_path(Mode(m), Endpoint(topo, rank, group, int(args.bucket_mb * 2**20), verify=v,
-                                                                 secret=load_secret().value))
+                                                                 secret=group_secret))
                 for m in MODES for v in (False, True)}
     times: dict[str, list[float]] = {f"{m}/{v}": [] for m, v in programs}
     order = list(programs)

@@ -38,7 +38,7 @@ from shardsync.paths import (
 )
 from shardsync.runtime.checksum import combine, compare, piece_checksums
 from shardsync.runtime.record import UpdateRecord, append_jsonl, make_record
-from shardsync.runtime.schedule import subgroups
+from shardsync.runtime.schedule import SyncRanks, subgroups
 from shardsync.spec import ModelSpec
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
@@ -196,7 +196,8 @@ class WeightSync:
         """Build the sync group with the engines, then compile every path of the connection
         (colocated IPC exports here, before the engines' join returns: they map at join)."""
         topo = conn.topo
-        self.group = SyncGroup(rdv, self.rank, subgroups(topo), store=store)
+        self.group = SyncGroup(rdv, self.rank, subgroups(topo), secret=self._secret, store=store,
+                               who=SyncRanks(topo).describe)
         cfg = self.config
         device = next(iter(self.params.values())).device  # buffers live where the weights do
         co = cfg.colocated

@@ -34,6 +34,7 @@ from shardsync.placement import rank_device
 from shardsync.runtime.executor import execute
 from shardsync.store import free_port
 from shardsync.store.rendezvous import Rendezvous, open_store
+from shardsync.store.secret import load_secret
 from shardsync.transport import SyncGroup
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ def run_sweep(rank: int, world_size: int, cfg: BenchConfig, rdv: Rendezvous, *,
         torch.cuda.set_device(device)
     store = open_store(rdv, is_master=host_store and rank == 0)
     kv = dist.PrefixStore(f"{rdv.name}/bench", store)
-    group = SyncGroup(rdv, rank, prep.layout.subgroups(), store=store, device=device)
+    group = SyncGroup(rdv, rank, prep.layout.subgroups(), secret=load_secret().value, store=store, device=device)
     results: list[dict] = []
     try:
         kv.set(f"host/{rank}", socket.gethostname())

@@ -54,7 +54,7 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
     return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos],
                     pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(), port=port,
                     variants=[i.variants for i in infos] if any(i.variants for i in infos) else [],
-                    name=f"shardsync-{uuid.uuid4().hex[:8]}",
+                    name=f"shardsync-{uuid.uuid4().hex[:16]}",
                     facts={"kind": kind, "pp": pp, "quantization": quantization})
 
 

@@ -26,7 +26,7 @@ from shardsync.receiver.connect import PUSH_NEEDS_STAGING, topology_from_connect
 from shardsync.receiver.destination import Destination
 from shardsync.runtime.checksum import BoxKey, piece_checksums
 from shardsync.runtime.gated import Gated
-from shardsync.runtime.schedule import broadcast_steps, p2p_steps, subgroups, write_order
+from shardsync.runtime.schedule import SyncRanks, broadcast_steps, p2p_steps, subgroups, write_order
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
@@ -112,7 +112,8 @@ class Receiver:
         staging = self._staging() if req.ipc is Ipc.PUSH else None  # refused before the group is joined
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
-        group = SyncGroup(rdv, me, subgroups(topo), device=self.device if rdv.backend == "nccl" else None)
+        group = SyncGroup(rdv, me, subgroups(topo), secret=self._secret,
+                          device=self.device if rdv.backend == "nccl" else None, who=SyncRanks(topo).describe)
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, verify=req.verify,
                       secret=self._secret, tensors=self._tensors(), rank_layout=self.rank_layout,
                       colocated=None if req.ipc is None else Colocated(ipc=req.ipc, staging=staging))

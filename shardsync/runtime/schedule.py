@@ -48,6 +48,16 @@ class SyncRanks:
         """Sync rank of a global engine rank (index into ``topo.engines_layout``)."""
         return self.trainer_world + engine_rank
 
+    def describe(self, rank: int) -> str:
+        """A sync rank as an operator knows it (errors name peers this way)."""
+        if rank < self.trainer_world:
+            return f"trainer rank {rank}"
+        engine_rank, engine = rank - self.trainer_world, 0
+        while engine_rank >= self.topo.engines[engine].world_size:
+            engine_rank -= self.topo.engines[engine].world_size
+            engine += 1
+        return f"engine {engine} rank {engine_rank} (sync rank {rank})"
+
     def stage_group(self, stage: int) -> list[int]:
         """Broadcast group of a stage: its source first, then every engine rank."""
         src = self.topo.stage_ranks(stage)[0]

@@ -1,16 +1,17 @@
 """Standalone process groups spanning trainer and engine processes (never a default group).
 
 Every member connects to one TCPStore (hosted by trainer rank 0) and builds its groups
-under a name prefix, so several syncs (and the trainer's own world) coexist.  Every
-operation carries the group timeout; a timed-out gloo group is broken for good, so the
-owner must ``close`` it and connect again.
+under a name prefix, so several syncs (and the trainer's own world) coexist; the groups'
+rendezvous values are signed and every member proves it holds the sync's secret before the
+group is used (``transport/proof.py``).  Every operation carries the group timeout; a
+timed-out gloo group is broken for good, so the owner must ``close`` it and connect again.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ import torch.distributed as dist
 
 from shardsync.runtime.executor import Pooled
 from shardsync.store.rendezvous import Rendezvous, open_store
+from shardsync.store.signed import SignedStore
+from shardsync.transport.proof import prove
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +69,42 @@ class _PinnedPool:
 class SyncGroup(Pooled):
     """The ranks of one sync and their groups: the whole world and named subgroups.
 
-    Collective contract: every member constructs it with the same ``rdv`` and the same
+    Collective contract: every member constructs it with the same ``rdv``, ``secret`` and
     ``subgroups`` (name -> member sync ranks, first member is the root), in the same order.
+    ``who`` names a sync rank in errors (a member that fails its proof).
     """
 
     def __init__(self, rdv: Rendezvous, rank: int, subgroups: Mapping[str, Sequence[int]] | None = None,
-                 *, store: dist.Store | None = None, device: torch.device | None = None) -> None:
+                 *, secret: str, store: dist.Store | None = None, device: torch.device | None = None,
+                 who: Callable[[int], str] = lambda r: f"sync rank {r}") -> None:
         self.rdv, self.rank = rdv, rank
         self.device = device
         self.store = store if store is not None else open_store(rdv, is_master=False)
-        base = dist.PrefixStore(rdv.name, self.store)
+        self._signed = SignedStore(self.store, secret)  # alive as long as the groups built on it
+        base = dist.PrefixStore(rdv.name, self._signed)
+        self.groups: dict[str, tuple[Any, list[int]]] = {}  # name -> (process group, members) as _make_pg
         self.world = _make_pg(dist.PrefixStore("world", base), rank, rdv.world_size, rdv.backend,
                               rdv.timeout, device)
-        self.groups: dict[str, tuple[Any, list[int]]] = {}  # name -> (process group, members) as _make_pg
-        for name, members in (subgroups or {}).items():
-            members = list(members)
-            if rank in members:
-                pg = _make_pg(dist.PrefixStore(name, base), members.index(rank), len(members),
-                              rdv.backend, rdv.timeout, device)
-                self.groups[name] = (pg, members)
+        try:
+            self._prove(self.world, "world", list(range(rdv.world_size)), secret, who)
+            for name, members in (subgroups or {}).items():
+                members = list(members)
+                if rank in members:
+                    pg = _make_pg(dist.PrefixStore(name, base), members.index(rank), len(members),
+                                  rdv.backend, rdv.timeout, device)
+                    self.groups[name] = (pg, members)
+                    self._prove(pg, name, members, secret, who)
+        except BaseException:
+            self.close()
+            raise
         self._tag = 0
         self._pinned = _PinnedPool()
         self.barrier_calls = 0
+
+    def _prove(self, pg: Any, name: str, members: list[int], secret: str, who: Callable[[int], str]) -> None:
+        prove(pg, len(members), members.index(self.rank), context=f"{self.rdv.name}/{name}", secret=secret,
+              timeout=self.rdv.timeout, device=self.device if self.rdv.backend == "nccl" else None,
+              who=lambda i: who(members[i]))
 
     def send(self, buf: torch.Tensor, peer: int) -> _Work:
         if buf.is_cuda and self.rdv.backend == "gloo":  # gloo moves host memory: stage

@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, case: dict, out) -> None:
                     tuple(EngineParallel(tp=t) for t in case["engines"]))
     rdv = Rendezvous("127.0.0.1", port, world, "d", timeout_s=30)
     store = open_store(rdv, is_master=True) if rank == 0 else None
-    group = SyncGroup(rdv, rank, subgroups(topo), store=store)
+    group = SyncGroup(rdv, rank, subgroups(topo), secret="a-test-secret-0123456789", store=store)
     T = topo.trainer.world_size
     src = random_source(spec, seed=3)
     if rank < T:

@@ -31,7 +31,7 @@ def _world(rank: int, world: int, port: int, destination: str, out) -> None:
     results = {}
     if rank < TRAINER_TP:
         store = open_store(rdv, is_master=rank == 0)
-        group = SyncGroup(rdv, rank, subgroups(topo), store=store)
+        group = SyncGroup(rdv, rank, subgroups(topo), secret="a-test-secret-0123456789", store=store)
         params = load_rank(topo.trainer_layout, rank, random_source(spec, seed=1))
         ep = Endpoint(topo, rank, group, 16 * 1024, tensors=params, secret="a-test-secret-0123456789")
         programs = {m: compile_path(m, ep) for m in (Mode.P2P, Mode.BROADCAST)}

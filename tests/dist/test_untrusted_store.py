@@ -18,6 +18,7 @@ from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.store.rendezvous import free_port, open_store
+from shardsync.store.secret import load_secret
 from tests.dist._engine import owner, start_engine, stop_engine
 
 
@@ -50,7 +51,7 @@ def test_crafted_pickle_in_the_rendezvous_store_is_never_executed(tmp_path) -> N
         joiner = threading.Thread(target=lambda: answer.update(
             r=httpx.post(url + "/weights/join", headers=owner(), timeout=60)))
         joiner.start()
-        group = SyncGroup(rdv, 0, subgroups(topo), store=store)  # the engine gets as far as the handles
+        group = SyncGroup(rdv, 0, subgroups(topo), secret=load_secret().value, store=store)  # the engine gets as far as the handles
         joiner.join(90)
         group.close()
         r = answer["r"]
