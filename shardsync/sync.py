@@ -82,8 +82,10 @@ class WeightSync:
         self.plan_s = 0.0
         ctl = self.config.control
         self._secret = load_secret(ctl.token, ctl.token_file).value
+        # rank 0's word on an update follows the transfer and its answers from the engines
+        word_s = self.config.transport.timeout_s + ctl.http_timeout_s
         self.ranks = ranks.TrainerRanks(rank, parallel.world_size, trainer_group,
-                                        datetime.timedelta(seconds=self.config.transport.timeout_s), self._secret)
+                                        datetime.timedelta(seconds=word_s), self._secret)
         self._engines = self._client() if rank == 0 else None
         self._channel: UpdateChannel | None = None
         self._snapshot: Snapshot | None = None

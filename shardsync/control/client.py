@@ -29,6 +29,7 @@ from shardsync.control.wire import (
 )
 from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.keys import Keys
+from shardsync.store.liveness import Silent, Watch
 from shardsync.store.sealed import get, put
 from shardsync.vocab import Refused
 
@@ -83,6 +84,13 @@ class EngineClient(Protocol):
         ...
 
 
+def heartbeats(store: dist.Store, keys: Keys, requests: Sequence[ConnectRequest], urls: Sequence[str]) -> Watch:
+    """Trainer rank 0's watch over every engine rank's heartbeat (each names its engine)."""
+    return Watch(store, {keys.alive(i, r): f"engine {url} (rank {r})"
+                         for i, (req, url) in enumerate(zip(requests, urls, strict=True))
+                         for r in range(req.ranks_of(i))})
+
+
 class Engines:
     """HTTP client of every engine of one trainer (used on trainer rank 0 only): an
     ``EngineClient`` of reference engines.  ``store_channel``: each update's begin/finish go
@@ -94,6 +102,7 @@ class Engines:
         self.timeout_s, self.token, self.store_channel = timeout_s, token, store_channel
         self.store: dist.Store | None = None
         self.keys: Keys | None = None
+        self.watch: Watch | None = None  # the engines' heartbeats, from the connect on
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
         self._http = httpx.Client(timeout=timeout_s, headers=headers, limits=limits)
@@ -129,6 +138,8 @@ class Engines:
         return [InfoResponse.model_validate(r) for r in self.call("GET", "/weights/info")]
 
     def connect(self, requests: Sequence[ConnectRequest]) -> None:
+        if self.store is not None and self.keys is not None:
+            self.watch = heartbeats(self.store, self.keys, requests, self.urls)
         self.call("POST", "/weights/connect", requests)
 
     def join(self) -> None:
@@ -161,7 +172,7 @@ class Engines:
             raise SyncError("the store channel needs the sync's store: bind() it before channel()")
         if self.token is None:
             raise SyncError("the store channel signs its values: make the client with the engines' secret")
-        return StoreChannel(self.store, self.keys, self.urls, self.timeout_s, self.token)
+        return StoreChannel(self.store, self.keys, self.urls, self.timeout_s, self.token, self.watch)
 
 
 class UpdateChannel:
@@ -207,14 +218,16 @@ class StoreChannel(UpdateChannel):
     """Keys under the sync's name in its store; each engine's listener answers (``listener``)."""
 
     def __init__(self, store: dist.Store, keys: Keys, urls: Sequence[str], timeout_s: float,
-                 secret: str) -> None:
-        self.store, self.keys, self.urls, self.secret = store, keys, list(urls), secret
+                 secret: str, watch: Watch | None = None) -> None:
+        self.store, self.keys, self.urls, self.secret, self.watch = store, keys, list(urls), secret, watch
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.seq = 0  # updates begun on this connection (the engines count from 1 too)
 
     def _get(self, key: str, model):
         try:
-            return get(self.store, key, model, self.timeout, self.secret)
+            return get(self.store, key, model, self.timeout, self.secret, self.watch)
+        except Silent as e:
+            raise SyncError(str(e)) from None
         except dist.DistStoreError:
             raise SyncError(f"no answer under {key} within {self.timeout.total_seconds()}s "
                             "(engine gone or stuck)") from None

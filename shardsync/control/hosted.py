@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from shardsync.control.client import SyncError, UpdateChannel
+from shardsync.control.client import SyncError, UpdateChannel, heartbeats
 from shardsync.control.wire import (
     BeginRequest,
     ChecksumResponse,
@@ -29,6 +29,7 @@ from shardsync.mode import Mode
 from shardsync.runtime.checksum import combine
 from shardsync.runtime.ledger import RankReport, UpdateResult
 from shardsync.store.keys import Keys
+from shardsync.store.liveness import Watch
 from shardsync.store.sealed import get
 
 UPDATE_FAILED = "shardsync update failed"  # how a rank's failed receive starts its error
@@ -85,6 +86,7 @@ class HostedEngines:
         self.store: dist.Store | None = None
         self.keys: Keys | None = None
         self.seq = 0  # updates and checks on this connection (store keys)
+        self._watching: tuple[list[ConnectRequest], Watch] | None = None
 
     # -- what an engine kind provides --
 
@@ -118,7 +120,7 @@ class HostedEngines:
         return datetime.timedelta(seconds=self.update_timeout_s)
 
     def bind(self, store: dist.Store, keys: Keys) -> None:
-        self.store, self.keys, self.seq = store, keys, 0
+        self.store, self.keys, self.seq, self._watching = store, keys, 0, None
 
     def _bound(self) -> tuple[dist.Store, Keys]:
         """The sync's store and keys (``WeightSync`` binds them before the connect)."""
@@ -127,8 +129,14 @@ class HostedEngines:
 
     def engine_ranks(self, i: int) -> int:
         """Engine ``i``'s ranks (TP x PP stages), as its connect request declares them."""
-        req = self.requests[i]
-        return req.engines[i] * (req.engine_pp[i] if req.engine_pp else 1)
+        return self.requests[i].ranks_of(i)
+
+    def watch(self) -> Watch:
+        """The joined ranks' heartbeats (one watch per connect: it remembers when each last beat)."""
+        store, keys = self._bound()
+        if self._watching is None or self._watching[0] is not self.requests:
+            self._watching = (self.requests, heartbeats(store, keys, self.requests, self.urls))
+        return self._watching[1]
 
     def ranks(self):
         """(engine index, rank) of every engine rank."""
@@ -147,8 +155,8 @@ class HostedEngines:
         store, keys = self._bound()
         out = []
         for i in range(len(self.requests)):
-            reports = [get(store, keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret)
-                       for r in range(self.engine_ranks(i))]
+            reports = [get(store, keys.rank_result(self.seq, i, r), RankReport, self._timeout, self.secret,
+                           self.watch()) for r in range(self.engine_ranks(i))]
             out.append(UpdateResult.of(version, mode, reports))
         return out
 
@@ -194,7 +202,7 @@ class HostedEngines:
         out = []
         for i in range(len(self.requests)):
             parts = [get(store, keys.rank_checksums(self.seq, i, r), RankSums, self._timeout,
-                         self.secret).keyed() for r in range(self.engine_ranks(i))]
+                         self.secret, self.watch()).keyed() for r in range(self.engine_ranks(i))]
             sums = {k: (None if v is None else str(v)) for k, v in combine(parts).items()}
             out.append(ChecksumResponse(weight_version=version, stale=False, checksums=sums))
         return out

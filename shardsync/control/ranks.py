@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
+from shardsync.control.client import SyncError
 from shardsync.store.sealed import get, put
 
 M = TypeVar("M", bound=BaseModel)
@@ -61,7 +62,11 @@ def signal(store: dist.Store, key: str, msg: M | None, model: type[M], *, rank: 
         if world > 1:
             put(store, key, msg, secret)
         return msg
-    return get(store, key, model, timeout, secret)
+    try:
+        return get(store, key, model, timeout, secret)
+    except dist.DistStoreError:
+        raise SyncError(f"no word from trainer rank 0 under {key} within {timeout.total_seconds():g}s "
+                        "(rank 0 gone or stuck)") from None
 
 
 def gather(store: dist.Store, key: str, msg: M, model: type[M], *, rank: int, world: int,

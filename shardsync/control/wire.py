@@ -85,6 +85,10 @@ class ConnectRequest(Msg):
     control: Channel = Channel.STORE  # where begin/finish arrive (hosted engines: their own endpoints)
     rendezvous: RendezvousMsg
 
+    def ranks_of(self, engine: int) -> int:
+        """Engine ``engine``'s ranks in the sync (TP x PP stages)."""
+        return self.engines[engine] * (self.engine_pp[engine] if self.engine_pp else 1)
+
 
 def _over_group(mode: Mode) -> Mode:
     if not mode.over_group:

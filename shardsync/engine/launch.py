@@ -21,6 +21,8 @@ from shardsync.placement import rank_device
 from shardsync.store.auth import is_loopback
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.store.secret import ENV_TOKEN, load_secret
+from shardsync.store.signed import SignedStore
+from shardsync.transport.proof import prove
 from shardsync.vocab import Crossing
 
 log = logging.getLogger(__name__)
@@ -111,11 +113,15 @@ def _worker(rank: int, cfg: EngineConfig, token: str, tp_port: int, commands: li
     logging.basicConfig(level=cfg.log_level.upper(), format=f"[engine tp{rank}] %(levelname)s %(name)s: %(message)s")
     group = None
     if cfg.tp > 1:  # the engine's own world is its TP group (the trainer never joins it)
-        # its store on loopback only (torch's own would listen on every interface)
+        # its store on loopback only (torch's own would listen on every interface), its values
+        # signed and its members proven, as a sync group's (another local user cannot stand in)
         store = open_store(Rendezvous("127.0.0.1", tp_port, cfg.tp, "engine-tp", timeout_s=600), is_master=rank == 0)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.tp,
-                                timeout=datetime.timedelta(seconds=600))
+        signed = SignedStore(store, token)  # alive as long as this worker (the group calls into it)
+        timeout = datetime.timedelta(seconds=600)
+        dist.init_process_group("gloo", store=signed, rank=rank, world_size=cfg.tp, timeout=timeout)
         group = dist.group.WORLD
+        prove(group, cfg.tp, rank, context=f"engine-tp/{tp_port}", secret=token, timeout=timeout, device=None,
+              who=lambda r: f"engine TP worker {r}")
     spec = load_spec(cfg.model, dtype=cfg.dtype)
     source = (checkpoint_source(cfg.model) if Path(cfg.model).is_dir()
               else random_source(spec, cfg.seed))

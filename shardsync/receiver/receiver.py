@@ -29,6 +29,7 @@ from shardsync.runtime.gated import Gated
 from shardsync.runtime.schedule import SyncRanks, broadcast_steps, p2p_steps, subgroups, write_order
 from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
+from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.transport.colocated.push_receiver import Staging
 from shardsync.transport.group import SyncGroup
@@ -113,7 +114,8 @@ class Receiver:
         rdv = Rendezvous(**req.rendezvous.model_dump())
         # gloo groups carry CPU tensors (signals, CPU data); NCCL groups the weights' device.
         group = SyncGroup(rdv, me, subgroups(topo), secret=self._secret,
-                          device=self.device if rdv.backend == "nccl" else None, who=SyncRanks(topo).describe)
+                          device=self.device if rdv.backend == "nccl" else None, who=SyncRanks(topo).describe,
+                          heartbeat=Keys(rdv.name).alive(req.engine_index, self.index))
         ep = Endpoint(topo, me, group, req.bucket_bytes, req.credits, self.device, verify=req.verify,
                       secret=self._secret, tensors=self._tensors(), rank_layout=self.rank_layout,
                       colocated=None if req.ipc is None else Colocated(ipc=req.ipc, staging=staging))

@@ -34,6 +34,10 @@ class Keys:
     def rank_checksums(self, seq: int, engine: int, rank: int) -> str:
         return f"{self.name}/ck/{seq}/{engine}/{rank}"
 
+    def alive(self, engine: int, rank: int) -> str:
+        """The heartbeat counter of engine ``engine``'s rank ``rank`` (``liveness``)."""
+        return f"{self.name}/alive/{engine}/{rank}"
+
     # trainer ranks: call ``n`` on this connection
     def go(self, n: int) -> str:
         return f"{self.name}/u{n}/begin"

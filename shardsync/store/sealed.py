@@ -11,6 +11,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
 from shardsync.store import auth
+from shardsync.store.liveness import Watch, wait
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -47,7 +48,8 @@ def put(store: dist.Store, key: str, msg: BaseModel, secret: str) -> None:
 
 
 def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta,
-        secret: str) -> M:
-    """Wait (bounded) for ``key`` and validate its value as ``model``; never unpickles."""
-    store.wait([key], timeout)
+        secret: str, watch: Watch | None = None) -> M:
+    """Wait (bounded; ended early by a silent member of ``watch``) for ``key`` and validate its
+    value as ``model``; never unpickles."""
+    wait(store, [key], timeout, watch)
     return model.model_validate_json(unseal(key, store.get(key), secret))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardsync.runtime.executor import Pooled
+from shardsync.store.liveness import Heartbeat
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.store.signed import SignedStore
 from shardsync.transport.proof import prove
@@ -71,13 +72,15 @@ class SyncGroup(Pooled):
 
     Collective contract: every member constructs it with the same ``rdv``, ``secret`` and
     ``subgroups`` (name -> member sync ranks, first member is the root), in the same order.
-    ``who`` names a sync rank in errors (a member that fails its proof).
+    ``who`` names a sync rank in errors (a member that fails its proof).  ``heartbeat``: the
+    store counter this member beats while it is in the group (engine ranks: ``store/liveness``).
     """
 
     def __init__(self, rdv: Rendezvous, rank: int, subgroups: Mapping[str, Sequence[int]] | None = None,
                  *, secret: str, store: dist.Store | None = None, device: torch.device | None = None,
-                 who: Callable[[int], str] = lambda r: f"sync rank {r}") -> None:
+                 who: Callable[[int], str] = lambda r: f"sync rank {r}", heartbeat: str | None = None) -> None:
         self.rdv, self.rank = rdv, rank
+        self._heartbeat: Heartbeat | None = None
         self.device = device
         self.store = store if store is not None else open_store(rdv, is_master=False)
         self._signed = SignedStore(self.store, secret)  # alive as long as the groups built on it
@@ -94,6 +97,8 @@ class SyncGroup(Pooled):
                                   rdv.backend, rdv.timeout, device)
                     self.groups[name] = (pg, members)
                     self._prove(pg, name, members, secret, who)
+            if heartbeat is not None:
+                self._heartbeat = Heartbeat(rdv, heartbeat)
         except BaseException:
             self.close()
             raise
@@ -150,6 +155,9 @@ class SyncGroup(Pooled):
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         for pg, _ in self.groups.values():
             _shutdown(pg)
         _shutdown(self.world)

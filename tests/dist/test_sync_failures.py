@@ -7,13 +7,17 @@ import datetime
 import json
 import logging
 import os
+import signal
+import time
 
 import httpx
 import pytest
 import torch
 import torch.distributed as dist
 
+from shardsync.launch.procs import children
 from shardsync.layout import MegatronParallel
+from shardsync.mode import Mode
 from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import PRESETS, load_spec
 from shardsync.config import SyncConfig, TransportConfig
@@ -153,3 +157,57 @@ def test_trainer_rank_killed_mid_staged_update_leaves_engine_serving_its_version
         _a_new_trainer_updates(url)  # the engine serves again
     finally:
         stop_engine(proc)
+
+
+class _KillsEngineOnSend:
+    """Fault injector: on trainer rank 0's first data send the whole engine (launcher and TP
+    workers) is SIGKILLed, i.e. an engine lost mid-update; the moment is kept."""
+
+    def __init__(self, inner, pids: list[int], killed: list[float]) -> None:
+        self.inner, self.pids, self.killed = inner, pids, killed
+
+    def send(self, buf, peer):
+        if not self.killed and buf.dtype != torch.int64:
+            for pid in self.pids:
+                os.kill(pid, signal.SIGKILL)
+            self.killed.append(time.monotonic())
+        return self.inner.send(buf, peer)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _trainer_kills_engine(rank: int, world: int, port: int, url: str, pids: list[int], out) -> None:
+    spec = load_spec("tiny-qwen3")
+    par = MegatronParallel(tp=world, dtype="float32")
+    _, params = join_trainer(rank, world, port, spec, par, seed=5)
+    sync = WeightSync(spec, par, rank, params, [url],
+                      SyncConfig(mode="p2p", transport=TransportConfig(bucket_mb=0.05, timeout_s=20)),
+                      trainer_group=dist.group.WORLD)
+    sync.connect()
+    killed: list[float] = []
+    if rank == 0:
+        program = sync.programs[Mode.P2P]
+        program.transport = _KillsEngineOnSend(program.transport, pids, killed)
+    try:
+        sync.update(1)
+        res: dict = {"ok": True}
+    except SyncError as e:
+        res = {"error": str(e), "after_kill_s": time.monotonic() - killed[0] if killed else None}
+    out.put((rank, res))
+    dist.destroy_process_group()
+
+
+def test_engine_killed_mid_update_is_named_within_seconds() -> None:
+    """The engine dies under the trainer's first bucket: the trainer's update fails within 3 s
+    (not the 20 s timeout) and its error names the engine (its heartbeat stopped)."""
+    proc, url = start_engine("tiny-qwen3", 2)
+    try:
+        pids = [proc.pid, *children(proc.pid)]
+        res = run_world(_trainer_kills_engine, 2, args=(2, free_port(), url, pids), timeout=120)
+        assert "error" in res[0] and "error" in res[1], res
+        assert url in res[0]["error"] and url in res[1]["error"], res
+        assert res[0]["after_kill_s"] < 3.0, res[0]
+    finally:
+        proc.kill()
+        proc.wait(10)
