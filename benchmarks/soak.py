@@ -8,12 +8,15 @@ One reference engine (TP 2, a token, a delta root) and a trainer world (TP 2, fp
 on every bucket, delta over p2p) in their own processes; K client threads post a fixed probe
 to ``/logprobs`` throughout.  Faults: SIGKILL of a trainer rank mid-update, of an engine TP
 worker, of the engine launcher; a sender stalled past the timeout; a corrupted bucket on the
-wire (the fault injector below, a stand-in for a bad link); a delta against the wrong base.
+wire (the fault injector below, a stand-in for a bad link); a delta against the wrong base;
+the whole engine SIGKILLed under the trainer's first bucket; another local process that floods
+the trainer's rendezvous store with junk (thousands of keys, unsigned values under the
+sync's answer keys).
 For each: detected, seconds to detect, engine state after, recovered (reconnect + a full
 update that verifies bitwise).  Totals: hangs beyond timeout, responses from mixed weights
 (two different answers for one weight version, or an answer for a version that never
 committed), silent corruptions (an update reported ok that does not verify), leaked
-processes and /dev/shm files.
+processes, /dev/shm names and listening ports (every one the run made, whatever its name).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import httpx
 import torch
 import torch.multiprocessing as mp
 
-from shardsync.launch.procs import alive, children, listening
+from shardsync.launch.procs import alive, children, listening_ports
 
 TIMEOUT_S = 10.0  # sync group timeout: every detection must come within this (plus slack)
 SLACK_S = 30.0
@@ -46,8 +49,8 @@ MODEL = "tiny-qwen3"
 
 
 def _shm() -> set[str]:
-    """Shared-memory names of torch tensors and of multiprocessing semaphores."""
-    return {p.name for pattern in ("torch_*", "sem.mp-*") for p in Path("/dev/shm").glob(pattern)}
+    """Every name in /dev/shm (torch's tensors, multiprocessing's semaphores, engines' own)."""
+    return {p.name for p in Path("/dev/shm").iterdir()}
 
 
 # -- the engine --
@@ -146,6 +149,65 @@ class DieOnSend:
         return getattr(self.inner, name)
 
 
+class KillsEngineOnSend:
+    """Fault injector: on this trainer rank's first data send the whole engine (launcher and
+    TP workers) is SIGKILLed, an engine lost mid-update; the moment is kept."""
+
+    def __init__(self, inner, pids: list[int], killed: list[float]) -> None:
+        self.inner, self.pids, self.killed = inner, pids, killed
+
+    def send(self, buf, peer):
+        if not self.killed and buf.dtype != torch.int64:
+            for pid in self.pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.killed.append(time.monotonic())
+        return self.inner.send(buf, peer)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class Rogue:
+    """Another local process's client of the trainer's rendezvous store (it knows the sync's
+    name, the worst case): thousands of junk keys, and unsigned junk under every answer key an
+    engine would write, rewritten until stopped."""
+
+    def __init__(self, where: dict, junk_keys: int = 5000) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        from shardsync.store.keys import Keys
+
+        self.store = dist.TCPStore(where["host"], where["port"], None, False,
+                                   timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+        self.keys, self.junk_keys = Keys(where["name"]), junk_keys
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        junk = os.urandom(512).hex()  # 1 KiB
+        for i in range(self.junk_keys):
+            self.store.set(f"junk/{i}", junk)
+        while not self._stop.is_set():
+            for seq in range(1, 64):
+                for key in (self.keys.accepted(seq, 0), self.keys.result(seq, 0)):
+                    self.store.set(key, '{"ok": true}')
+            time.sleep(0.01)
+
+    def __enter__(self) -> Rogue:
+        self._thread.start()
+        time.sleep(0.5)  # the flood is in before the update starts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 class FaultyLink:
     """Fault injector (a stand-in for a bad link): sends a copy of the first data message with
     one byte flipped; the executor's digest is of the true bytes, as a sender's would be."""
@@ -194,6 +256,7 @@ def _trainer(rank: int, world: int, port: int, url: str, token: str, ipc: bool, 
                      control=ControlConfig(token=token, http_timeout_s=2 * TIMEOUT_S),
                      transport=TransportConfig(timeout_s=TIMEOUT_S, bucket_mb=1, verify_buckets=True))
     sync = WeightSync(spec, par, rank, params, [url], cfg, trainer_group=dist.group.WORLD)
+    killed: list[float] = []
     while True:
         cmd = commands.get()
         if cmd["op"] == "stop":
@@ -203,6 +266,9 @@ def _trainer(rank: int, world: int, port: int, url: str, token: str, ipc: bool, 
         try:
             if cmd["op"] == "connect":
                 sync.connect()
+                assert sync.group is not None  # connected
+                rdv = sync.group.rdv
+                out["store"] = {"host": rdv.host, "port": rdv.port, "name": rdv.name}
             elif cmd["op"] == "update":
                 for name, p in params.items():  # a sparse step; replicas (norms) change alike on every rank
                     g = torch.Generator().manual_seed(zlib.crc32(f"{name}{tuple(p.shape)}{cmd['version']}".encode()))
@@ -212,9 +278,13 @@ def _trainer(rank: int, world: int, port: int, url: str, token: str, ipc: bool, 
                 if fault == "stall" and rank == world - 1:
                     time.sleep(TIMEOUT_S + 3)
                 injector = {("corrupt", 0): FaultyLink, ("die", world - 1): DieOnSend}.get((fault, rank))
+                program = sync.programs[Mode.P2P]
                 if injector is not None:
-                    program = sync.programs[Mode.P2P]
                     restore, program.transport = program.transport, injector(program.transport)
+                elif fault == "kill-engine" and rank == 0:
+                    killed.clear()
+                    restore = program.transport
+                    program.transport = KillsEngineOnSend(program.transport, cmd["pids"], killed)
                 try:
                     rec = sync.update(cmd["version"], mode=cmd.get("mode"))
                 finally:
@@ -225,6 +295,8 @@ def _trainer(rank: int, world: int, port: int, url: str, token: str, ipc: bool, 
             out["ok"] = True
         except Exception as e:
             out["ok"], out["error"] = False, f"{type(e).__name__}: {e}"[:2000]
+            if killed:
+                out["after_kill_s"] = time.monotonic() - killed[0]
         out["s"] = time.perf_counter() - t0
         results.put(out)
     try:
@@ -247,6 +319,7 @@ class Trainers:
                       for r in range(world)]
         for p in self.procs:
             p.start()
+        self.store: dict = {}  # where rank 0 hosts the sync's store (its connect answer)
 
     def call(self, op: str, timeout_s: float, **kw) -> tuple[dict | None, float]:
         """Rank 0's answer (None: none within ``timeout_s``, a hang) and seconds taken."""
@@ -307,12 +380,13 @@ class Soak:
         res, s = t.call("connect", 120)
         if res is None or not res["ok"]:
             raise RuntimeError(f"trainer connect failed: {res}")
+        t.store = res["store"]
         return t
 
     def update(self, t: Trainers, mode: str | None = None, fault: str | None = None,
-               label: str | None = None) -> dict | None:
+               label: str | None = None, **extra) -> dict | None:
         self.version += 1
-        res, s = t.call("update", TIMEOUT_S * 3 + SLACK_S, version=self.version, mode=mode, fault=fault)
+        res, s = t.call("update", TIMEOUT_S * 3 + SLACK_S, version=self.version, mode=mode, fault=fault, **extra)
         if res is None:
             self.hangs += 1
             return None
@@ -342,7 +416,8 @@ class Soak:
 
     def fault(self, t: Trainers, name: str) -> Trainers:
         t0 = time.monotonic()
-        detected, detect_s, restart, res = False, None, False, None
+        detected, restart, res = False, False, None
+        measured: float | None = None
         if name == "trainer rank killed mid-update":
             res = self.update(t, fault="die", mode="p2p")
             detected = res is not None and not res["ok"]
@@ -364,6 +439,19 @@ class Soak:
                 time.sleep(0.1)
             detected = not any(alive(w) for w in workers)
             restart = True
+        elif name == "engine killed mid-update":
+            assert self.engine.proc is not None  # started in run() before any fault
+            pids = [self.engine.proc.pid, *self.engine.workers()]
+            res = self.update(t, fault="kill-engine", mode="p2p", pids=pids)
+            detected = res is not None and not res["ok"] and self.engine.url in res["error"]
+            if res is not None and "after_kill_s" in res:
+                measured = res["after_kill_s"]  # from the kill to the trainer's error, in the trainer
+            restart = True
+        elif name == "store flooded by another local process":
+            with Rogue(t.store):
+                t0 = time.monotonic()
+                res = self.update(t, mode="p2p")
+            detected = res is not None and not res["ok"] and "not signed" in res["error"]
         elif name == "sender stalled past the timeout":
             res = self.update(t, fault="stall", mode="p2p")
             detected = res is not None and not res["ok"]
@@ -384,8 +472,10 @@ class Soak:
                                  "base_version": max(0, self.version - 1)})
             after = self.engine.health()
             detected = r.status_code == 409 and before == after
-        detect_s = time.monotonic() - t0
+        detect_s = measured if measured is not None else time.monotonic() - t0
         health = self.engine.health()
+        if health is not None and not health["stale"]:  # the engine took it whole (the trainer may not know)
+            self.committed.add(health["weight_version"])
         state = "down" if health is None else ("stale" if health["stale"] else "serving")
         if name == "delta against the wrong base":
             recovered = state == "serving"
@@ -398,14 +488,15 @@ class Soak:
         return t
 
     def run(self) -> dict:
-        shm0 = _shm()
+        shm0, ports0 = _shm(), listening_ports()
         t0 = time.monotonic()
         self.engine.start()
         self.clients = Clients(self.engine, self.args.clients)
         self.clients.start()
         t = self.trainers()
         faults = ["delta against the wrong base", "corrupted bucket on the wire", "sender stalled past the timeout",
-                  "trainer rank killed mid-update", "engine TP worker killed", "engine launcher killed"]
+                  "trainer rank killed mid-update", "engine TP worker killed", "engine launcher killed",
+                  "engine killed mid-update", "store flooded by another local process"]
         try:
             self.normal(t, self.args.between)
             for _ in range(self.args.rounds):
@@ -426,8 +517,9 @@ class Soak:
         del t
         gc.collect()
         deadline = time.monotonic() + 10  # resource trackers unlink a dead process's names shortly after
-        while (_shm() - shm0 or any(alive(p) for p in self.engine.pids | self.trainer_pids)) and \
-                time.monotonic() < deadline:
+        pids = self.engine.pids | self.trainer_pids
+        while time.monotonic() < deadline and (_shm() - shm0 or listening_ports() - ports0
+                                               or any(alive(p) for p in pids)):
             time.sleep(0.5)
         by_version: dict[int, dict[str, int]] = {}
         for v, h in self.clients.answers:
@@ -437,7 +529,7 @@ class Soak:
         mixed += sum(sum(c.values()) for v, c in by_version.items() if v not in self.committed)
         leaked = [p for p in self.engine.pids | self.trainer_pids if alive(p)]
         shm_left = sorted(_shm() - shm0)
-        ports_left = sorted(listening(self.engine.ports))
+        ports_left = sorted(listening_ports() - ports0)
         return {"seconds": time.monotonic() - t0, "faults": self.rows, "updates": self.updates,
                 "client_answers": len(self.clients.answers), "versions_answered": len(by_version),
                 "totals": {"hangs beyond timeout": self.hangs, "responses served from mixed weights": mixed,
@@ -461,7 +553,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.between = 1, 3
     print(f"soak: {MODEL} trainer TP2 -> engine TP2 (token, digests on, delta over p2p), {args.clients} clients, "
-          f"{args.rounds} round(s) of 6 faults, {args.between} updates between, then colocated (ipc map) "
+          f"{args.rounds} round(s) of 8 faults, {args.between} updates between, then colocated (ipc map) "
           f"updates around a killed colocated trainer rank", flush=True)
     res = Soak(args).run()
     print("\n| fault | detected | seconds to detect | engine after | recovered |\n|---|---|---|---|---|")

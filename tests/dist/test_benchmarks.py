@@ -24,6 +24,7 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py")) + ["hop_trace/analyze.py"]
 # script -> a tiny CPU run's arguments (``--out`` is added)
 TINY: dict[str, list[str]] = {
     "control_plane.py": ["--updates", "2"],
+    "group_proof.py": ["--ranks", "2", "--repeat", "1"],
     "plan_build.py": ["--repeat", "1"],
     "sync_modes.py": ["--model", "tiny-qwen3", "--updates", "1", "--warmup", "0", "--trainer-tp", "1",
                       "--engine-tp", "1"],

@@ -22,7 +22,7 @@ def test_quick_soak_detects_and_recovers_from_every_fault(tmp_path) -> None:
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert len(res["faults"]) == 7
+    assert len(res["faults"]) == 9
     for f in res["faults"]:
         assert f["detected"] and f["recovered"], f
     assert res["totals"] == {"hangs beyond timeout": 0, "responses served from mixed weights": 0,

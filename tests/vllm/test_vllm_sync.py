@@ -300,3 +300,16 @@ def test_fsdp2_trainer_into_vllm(vllm) -> None:
             assert s["ok"] and s["mismatched"] == [], (rank, s)
     for s in r0["steps"]:
         assert s["diff"] is None, (s["mode"], s["diff"])
+
+
+def test_a_stopped_server_leaves_nothing_behind(tmp_path_factory) -> None:
+    """vLLM's CPU workers at TP 2 map broadcast segments they never unlink; ``serve.stop``
+    stops the server as it stops itself and removes them: no process of its group, no segment."""
+    server = _server(tmp_path_factory, 2)
+    pgid = server["proc"].pid
+    segments = serve.mapped_segments(pgid)
+    assert segments, "vLLM TP 2 maps vllm_dist_* segments (what this test checks is cleaned up)"
+    serve.stop(server["proc"])
+    assert not [n for n in segments if os.path.exists(f"/dev/shm/{n}")]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
