@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,10 +104,13 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # workers the shutdown missed
-    except ProcessLookupError:
-        pass
     proc.wait(10)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:  # workers the shutdown missed, until none is left
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
     for name in segments:
         Path("/dev/shm", name).unlink(missing_ok=True)
