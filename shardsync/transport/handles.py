@@ -5,15 +5,19 @@ as typed JSON fields (never a pickle).
 name (CPU, moved into shared memory first) plus size, stride and offset; ``open_tensor``
 validates such a description and rebuilds the tensor with a fixed set of torch calls, the
 dtype taken from an allow-list.  Each export holds one reference for its one reader, as
-torch's own pickling does (a description opened twice would release it twice).
+torch's own pickling does (a description opened twice would release it twice).  A reader that
+only reads (the engine of the map path) opens CPU segments read-only: a stray write of its
+own faults instead of changing the trainer's weights.
 """
 
 from __future__ import annotations
 
 import base64
+import mmap
 import os
 import re
 import stat
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -29,6 +33,8 @@ SHM_DIR = "/dev/shm"
 # torch's ``file_system`` sharing: segments ``/torch_<pid>_<random>_<n>``, and its manager's socket
 SEGMENT = re.compile(r"/torch_[0-9]+_[0-9]+_[0-9]+")
 MANAGER = re.compile(r"/[A-Za-z0-9_./-]+/manager\.sock")
+# torch's refcounted segments start with their counter, this many bytes before the data
+SEGMENT_HEADER = 64
 
 
 def _b64(b: bytes | None) -> str | None:
@@ -109,7 +115,7 @@ def export_tensors(tensors: Mapping[str, torch.Tensor], written: EventHandle | N
                      mailbox=None if mailbox is None else export_tensor(mailbox)).model_dump_json()
 
 
-def _storage(h: TensorHandle, opened: dict) -> torch.UntypedStorage:
+def _storage(h: TensorHandle, opened: dict, read_only: bool) -> torch.UntypedStorage:
     key: tuple[str, int] | tuple[str]  # (IPC handle, offset) or (shm name,): one mapping per storage
     if h.kind == "cuda":
         if h.handle is None or h.ref_counter_handle is None:
@@ -129,17 +135,37 @@ def _storage(h: TensorHandle, opened: dict) -> torch.UntypedStorage:
             raise ValueError("a CPU tensor handle needs manager and name")
         key = (h.name,)
         if key in opened:
-            opened[key]._shared_decref()
-            return opened[key]
-        manager, name = _cpu_segment(h)
+            held, view = opened[key]
+            held._shared_decref()
+            return view
+        manager, name, segment_bytes = _cpu_segment(h)
         s = torch.UntypedStorage._new_shared_filename_cpu(manager, name, h.storage_bytes)
         s._shared_decref()  # the exporter's reference for this reader, now held by the mapping
+        # read-only: a second mapping of the same pages; torch's (the reference count) goes with
+        # the opened set, the segment's pages stay while this mapping does
+        opened[key] = (s, _read_only(name, segment_bytes, h.storage_bytes) if read_only and h.storage_bytes else s)
+        return opened[key][1]
     opened[key] = s
     return s
 
 
-def _cpu_segment(h: TensorHandle) -> tuple[bytes, bytes]:
-    """(manager, name) of a CPU handle, checked against the machine before anything is mapped:
+def _read_only(name: bytes, segment_bytes: int, storage_bytes: int) -> torch.UntypedStorage:
+    if segment_bytes != storage_bytes + SEGMENT_HEADER:
+        raise ValueError(f"storage_bytes {storage_bytes} is not segment {name.decode()}'s ({segment_bytes} bytes "
+                         f"with its {SEGMENT_HEADER}-byte header)")
+    fd = os.open(SHM_DIR + name.decode(), os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        pages = mmap.mmap(fd, segment_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # not writable is the point: writes fault instead of landing
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(pages, dtype=torch.uint8, count=storage_bytes,
+                                offset=SEGMENT_HEADER).untyped_storage()
+
+
+def _cpu_segment(h: TensorHandle) -> tuple[bytes, bytes, int]:
+    """(manager, name, segment bytes) of a CPU handle, checked against the machine before anything is mapped:
     a torch segment name (no path of its own), a real segment in /dev/shm at least as large as the
     handle claims (mapping a larger claim would grow another process's segment), a socket."""
     manager, name = _raw(h.manager), _raw(h.name)
@@ -164,11 +190,12 @@ def _cpu_segment(h: TensorHandle) -> tuple[bytes, bytes]:
             raise ValueError(f"manager {sock!r} is not a socket")
     except OSError as e:
         raise ValueError(f"manager {sock!r}: {e.strerror}") from None
-    return manager, name
+    return manager, name, seg.st_size
 
 
-def open_tensor(h: TensorHandle, opened: dict | None = None) -> torch.Tensor:
-    """The tensor ``h`` describes, mapped into this process (bounds checked first)."""
+def open_tensor(h: TensorHandle, opened: dict | None = None, *, read_only: bool = False) -> torch.Tensor:
+    """The tensor ``h`` describes, mapped into this process (bounds checked first); ``read_only``:
+    a CPU tensor's pages cannot be written here (CUDA IPC has no read-only mapping)."""
     if h.dtype not in DTYPES:
         raise ValueError(f"tensor handle dtype {h.dtype!r} is not one of {sorted(DTYPES)}")
     if len(h.size) != len(h.stride) or any(s < 0 for s in h.size) or any(s < 0 for s in h.stride):
@@ -178,7 +205,7 @@ def open_tensor(h: TensorHandle, opened: dict | None = None) -> torch.Tensor:
     last = h.offset + sum((n - 1) * s for n, s in zip(h.size, h.stride, strict=True)) if all(h.size) else -1
     if (last + 1) * item > h.storage_bytes:
         raise ValueError(f"tensor handle reads past its storage ({(last + 1) * item} > {h.storage_bytes} bytes)")
-    storage = _storage(h, {} if opened is None else opened)
+    storage = _storage(h, {} if opened is None else opened, read_only)
     device = f"cuda:{h.device}" if h.kind == "cuda" else "cpu"
     t = torch.empty((0,), dtype=dtype, device=device)
     return t.set_(storage, h.offset, h.size, h.stride)
@@ -190,9 +217,9 @@ def open_tensors(blob: str | bytes, *, where: str = "the store") -> dict[str, to
     return open_set(blob, where=where)[0]
 
 
-def open_set(blob: str | bytes, *, where: str = "the store") -> OpenedSet:
+def open_set(blob: str | bytes, *, where: str = "the store", read_only: bool = False) -> OpenedSet:
     """``open_tensors``, the set's ``written`` event handle and its mailbox handle (None when
-    it has none)."""
+    it has none); ``read_only``: as ``open_tensor``'s (the mailbox is opened by its reader)."""
     try:
         handles = HandleSet.model_validate_json(blob)
     except ValidationError as e:
@@ -205,7 +232,7 @@ def open_set(blob: str | bytes, *, where: str = "the store") -> OpenedSet:
     tensors = {}
     for k, h in handles.tensors.items():
         try:
-            tensors[k] = open_tensor(h, opened)
+            tensors[k] = open_tensor(h, opened, read_only=read_only)
         except (ValueError, RuntimeError) as e:  # torch's own refusals too: the sender's fault, named
             raise ValueError(f"{where}: tensor {k[:200]!r}: {e}; refusing to map it") from None
     return OpenedSet(tensors, handles.written, handles.mailbox)

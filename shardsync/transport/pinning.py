@@ -16,13 +16,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads the pages
+
 
 class HostPins:
     def __init__(self) -> None:
         self._pinned: dict[int, int] = {}  # data pointer -> bytes
 
-    def pin(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Register the CPU storages behind ``tensors`` (not yet pinned); returns bytes pinned."""
+    def pin(self, tensors: Iterable[torch.Tensor], *, read_only: bool = False) -> int:
+        """Register the CPU storages behind ``tensors`` (not yet pinned); returns bytes pinned.
+        ``read_only``: pages mapped without write access (``cudaHostRegisterReadOnly``)."""
         if not torch.cuda.is_available():
             return 0
         cudart = torch.cuda.cudart()
@@ -34,7 +37,7 @@ class HostPins:
             ptr, nbytes = s.data_ptr(), s.nbytes()
             if not nbytes or ptr in self._pinned or t.is_pinned():
                 continue
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            err = cudart.cudaHostRegister(ptr, nbytes, HOST_REGISTER_READ_ONLY if read_only else 0)
             if int(err) != 0:  # not fatal: the copies still run, through pageable memory
                 log.warning("cudaHostRegister of %d bytes failed (%s): host copies stay pageable", nbytes, err)
                 continue

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardsync.transport.events import EventHandle
-from shardsync.transport.handles import export_tensors, open_set, open_tensor, open_tensors
+from shardsync.transport.handles import SEGMENT_HEADER, export_tensors, open_set, open_tensor, open_tensors
 from shardsync.transport.mailbox import ACK, HEADER, Mailbox
 
 
@@ -111,3 +111,43 @@ def test_crafted_cpu_handles_are_refused_before_mapping(foreign_segment: str, ch
     with pytest.raises(ValueError, match=match):
         open_tensors(json.dumps(d), where="key k")
     assert open(foreign_segment, "rb").read() == before and os.path.getsize(foreign_segment) == 4160
+
+
+def test_torch_segments_carry_the_header_read_only_opens_skip() -> None:
+    """``SEGMENT_HEADER`` is torch's: a shared storage's segment is its bytes plus the header."""
+    t = torch.arange(1000, dtype=torch.float32)
+    _, name, size = t.untyped_storage()._share_filename_cpu_()
+    assert os.stat("/dev/shm" + name.decode()).st_size == size + SEGMENT_HEADER
+
+
+def _write_read_only(blob: str, out) -> None:
+    opened = open_set(blob, read_only=True).tensors
+    out.put(("read", opened["base"].sum().item(), opened["view"].tolist()))
+    out.close()
+    out.join_thread()  # delivered before the write
+    opened["base"][0, 0] = -1.0  # faults: the pages are mapped without write access
+
+
+def test_a_read_only_open_reads_the_exporters_memory_and_cannot_write_it() -> None:
+    """The map path's engine end: it sees the exporter's bytes (and later writes to them), but a
+    write of its own kills it (SIGSEGV) instead of changing the trainer's weights."""
+    import torch.multiprocessing as mp
+
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    view = base[1:, 2:5]
+    blob = export_tensors({"base": base, "view": view})
+    base[3, 5] = 100.0  # after the export: a shared mapping sees it
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_write_read_only, args=(blob, out))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -11, p.exitcode  # SIGSEGV, the write did not land
+    assert out.get(timeout=5) == ("read", base.sum().item(), view.tolist())
+    assert base[0, 0] == 0.0
+
+
+def test_a_read_only_open_refuses_a_size_that_is_not_the_segments() -> None:
+    blob = _blob(storage_bytes=16, size=[4])  # the segment holds 32 bytes
+    with pytest.raises(ValueError, match="storage_bytes 16 is not segment"):
+        open_set(blob, read_only=True)

@@ -156,7 +156,7 @@ class Mapped:
         """Open the set at ``key``; ``peer``'s old mapping is released before the new one opens."""
         self.sets.pop(peer, None)
         self._pins.pop(peer, HostPins()).release()
-        return open_set(self.share.get(key), where=f"store key {key}")
+        return open_set(self.share.get(key), where=f"store key {key}", read_only=True)  # the engine only reads
 
     def hold(self, peer: int, generation: int, tensors: dict[str, torch.Tensor], written: EventHandle | None,
              *, pin: bool) -> None:
@@ -166,7 +166,7 @@ class Mapped:
             self.written[peer] = self.events.of_handle(written)
         if pin:
             self._pins[peer] = HostPins()
-            self._pins[peer].pin(tensors.values())
+            self._pins[peer].pin(tensors.values(), read_only=True)
         self.sets[peer] = (generation, tensors)
 
     def release(self) -> None:
