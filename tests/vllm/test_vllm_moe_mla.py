@@ -97,6 +97,10 @@ def test_engine_whose_reload_fails_is_refused_at_connect(case: str, tmp_path) ->
     """The backend's ``reload_problem`` (what ``_build`` refuses the connect with) names the cause."""
     spec, backend, dtype, says = REFUSED[case]
     refused = _reload(spec, backend, tmp_path, dtype)["refused"]
+    if case == "amx-mla" and not torch.cpu._is_amx_tile_supported():
+        # no AMX on this CPU (CI machines differ): vLLM picks CPU_MLA, whose reload works
+        assert refused is None, refused
+        return
     assert refused and all(s in refused for s in says), refused
 
 
