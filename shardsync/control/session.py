@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shardsync.control.metrics import UpdateMetrics
 from shardsync.control.wire import BeginRequest, ConnectRequest
 from shardsync.mode import Mode
 from shardsync.runtime.ledger import UpdateResult
@@ -72,7 +73,7 @@ class UpdateSession:
     offered: ConnectRequest | None = None  # accepted at connect, not yet joined
     current: Update | None = None
     last: UpdateResult | None = None
-    counters: dict[str, float] = field(default_factory=dict)
+    metrics: UpdateMetrics = field(default_factory=UpdateMetrics)  # Prometheus collectors (its own registry)
     versions_grow: bool = True
     calls: int = 0  # the last call number taken on this connection (hosted ranks: a call never runs twice)
     _was_stale: bool = field(default=False, repr=False)  # receiving into stale weights
@@ -87,9 +88,8 @@ class UpdateSession:
     def connected(self) -> bool:
         return bool(self.fingerprints)
 
-    def count(self, key: str, by: float = 1.0) -> None:
-        with self._lock:
-            self.counters[key] = self.counters.get(key, 0.0) + by
+    def __post_init__(self) -> None:
+        self.metrics.watch(lambda: self.version, lambda: float(self.stale))
 
     # -- serving --
 
@@ -194,22 +194,13 @@ class UpdateSession:
             mode = result.mode
             if result.ok:
                 self.version, self.state, self.stale_reason = result.version, State.IDLE, ""
-                key = f"updates_total_{mode.value.replace('-', '_')}"
-                self.counters[key] = self.counters.get(key, 0.0) + 1
-                for key, value in (("update_seconds_total", result.total_s),
-                                   ("update_bytes_total", result.bytes_received),
-                                   ("update_pause_seconds_total", result.pause_s),
-                                   ("update_stage_seconds_total", result.stage_s),
-                                   ("update_commit_seconds_total", result.commit_s)):
-                    self.counters[key] = self.counters.get(key, 0.0) + value
             elif kept and not self._was_stale:
                 self.state = State.IDLE
             else:
                 self.state, self.stale_reason = State.STALE, f"update {result.version} failed: {result.error}"
-            if not result.ok:
-                if mode.over_group:
-                    self.fingerprints = {}  # the sync group is broken after a failed collective
-                self.counters["updates_failed_total"] = self.counters.get("updates_failed_total", 0.0) + 1
+            if not result.ok and mode.over_group:
+                self.fingerprints = {}  # the sync group is broken after a failed collective
+            self.metrics.settled(result)
             self.last = result
             return result
 

@@ -15,7 +15,8 @@ from concurrent.futures import Future
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shardsync.control.session import Conflict, Invalid, NotConnected, NotFound, SessionError, Stale
 from shardsync.control.wire import (
@@ -36,6 +37,7 @@ from shardsync.engine.protocol import (
     LogprobsResponse,
     Span,
 )
+from shardsync.engine.served import ServingMetrics
 from shardsync.engine.updates import WeightService
 from shardsync.runtime.ledger import UpdateResult
 from shardsync.store.auth import Forbidden, Unauthorized, check_bearer
@@ -112,6 +114,8 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         return await call_next(request)
 
 
+    served = ServingMetrics(session.metrics.registry)
+
     def serve(kind: Op, args: dict) -> Future:
         try:
             return dispatcher.submit(kind, args, wait_s=request_wait_s)
@@ -128,11 +132,8 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         session.check_servable()
         t0 = time.perf_counter()
         outs, version = await wait(serve(Op.GENERATE, req.model_dump()))
-        session.count("generate_requests_total")
-        session.count("generated_tokens_total", sum(len(t) for t, _, _ in outs))
-        session.count("generate_seconds_total", time.perf_counter() - t0)
-        if any(len(spans) > 1 for _, _, spans in outs):
-            session.count("generate_spanning_total")
+        served.generated(time.perf_counter() - t0, sum(len(t) for t, _, _ in outs),
+                         spanning=any(len(spans) > 1 for _, _, spans in outs))
         return GenerateResponse(outputs=[Generation(tokens=t, logprobs=lp,
                                                     spans=[Span(version=v, first=a, last=b) for v, a, b in spans])
                                          for t, lp, spans in outs], weight_version=version)
@@ -141,7 +142,7 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
     async def logprobs(req: LogprobsRequest) -> LogprobsResponse:
         session.check_servable()
         out, version = await wait(serve(Op.SCORE, req.model_dump()))
-        session.count("logprobs_requests_total")
+        served.logprobs.inc()
         return LogprobsResponse(logprobs=out[0], weight_version=version)
 
     @app.get("/weights/version", response_model=VersionResponse)
@@ -195,17 +196,9 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
     async def checksum() -> dict:
         return await wait(service.checksum())
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> str:
-        lines = [
-            "# TYPE shardsync_weight_version gauge", f"shardsync_weight_version {session.version}",
-            "# TYPE shardsync_stale gauge", f"shardsync_stale {int(session.stale)}",
-        ]
-        for key, value in sorted(session.counters.items()):
-            lines += [f"# TYPE shardsync_{key} counter", f"shardsync_{key} {value:g}"]
-        if session.last is not None:  # every phase the ledger declares, in its order
-            lines += [f'shardsync_last_update_seconds{{phase="{phase}"}} {seconds:.6f}'
-                      for phase, seconds in session.last.phase_seconds().items()]
-        return "\n".join(lines) + "\n"
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text: the update collectors (``control/metrics.py``) and the serving ones."""
+        return Response(generate_latest(session.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
 
 from shardsync.config import SyncConfig, TransportConfig
 from shardsync.layout import MegatronParallel
@@ -148,4 +149,13 @@ def test_clients_generate_through_20_updates(staging: str, crossing: str, update
     if staging != "shard":        # 10 updates under 3 busy clients: some request was running at some update
         spanning = [r for r in got if len(r["outputs"][0]["spans"]) > 1]
         assert spanning and sum(e["crossed"] for e in engine) >= len(spanning)
-    assert 'shardsync_last_update_seconds{phase="pause"}' in metrics
+    # the engine's Prometheus text, read by prometheus_client's parser: every update counted
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    count = {s.name: s.value for f in ("shardsync_update_seconds", "shardsync_update_pause_seconds")
+             for s in families[f].samples if s.name.endswith("_count") and s.labels == {"path": "p2p"}}
+    assert count == {"shardsync_update_seconds_count": updates, "shardsync_update_pause_seconds_count": updates}
+    pause = [s for s in families["shardsync_update_phase_seconds"].samples
+             if s.name.endswith("_sum") and s.labels == {"phase": "pause"}]
+    assert pause and pause[0].value == pytest.approx(sum(e["pause_s"] for e in engine), rel=1e-6)
+    spanning_total = [s.value for s in families["shardsync_generate_spanning"].samples if s.name.endswith("_total")]
+    assert spanning_total == [sum(len(r["outputs"][0]["spans"]) > 1 for r in got)]

@@ -41,7 +41,9 @@ def test_commit_moves_idle_to_receiving_to_idle_on_the_new_version() -> None:
         s.begin(_begin(4))
     s.settle(_result(3))
     assert (s.state, s.version, s.stale) == (State.IDLE, 3, False)
-    assert s.counters["updates_total_p2p"] == 1 and s.counters["update_bytes_total"] == 10
+    sample = s.metrics.registry.get_sample_value
+    assert sample("shardsync_updates_total", {"path": "p2p", "outcome": "ok"}) == 1
+    assert sample("shardsync_update_received_bytes_total", {"path": "p2p"}) == 10
     s.check_servable()
 
 
@@ -98,7 +100,8 @@ def test_disk_pull_needs_the_served_base_and_no_connection() -> None:
         s.begin_pull(5, 3)
     s.begin_pull(5, 4)
     s.settle(_result(5, mode="delta-disk"))
-    assert s.version == 5 and s.counters["updates_total_delta_disk"] == 1
+    assert s.version == 5
+    assert s.metrics.registry.get_sample_value("shardsync_updates_total", {"path": "delta-disk", "outcome": "ok"}) == 1
 
 
 def test_a_call_runs_once_in_order_and_a_join_starts_the_count_again() -> None:
