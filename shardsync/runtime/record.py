@@ -79,6 +79,24 @@ class UpdateRecord:
                f"commit {max(e.commit_s for e in staged) * 1e3:.2f}ms{share}" if staged else "in place")
         return f" engine_pause={self.pause_s * 1e3:.2f}ms ({how})"
 
+    def metrics(self, prefix: str = "perf/", *, text: bool = True) -> dict[str, float | str]:
+        """This update as one flat dict in the names RL trainers log (slime's
+        ``perf/update_weights_time``; ``prefix="timing_s/"`` for verl's), ready for
+        ``wandb.log``; ``text=False`` keeps numbers only (tensorboard's ``add_scalars``)."""
+        name = f"{prefix}update_weights"
+        moved = sum(self.link_bytes.values()) or self.bytes_sent  # rank 0 knows every link; others their own
+        out: dict[str, float | str] = {f"{name}_time": self.total_s}
+        out.update({f"{name}_{phase}_time": s for phase, s in self.phases.items() if phase != "total"})
+        out.update({f"{name}_engine_pause_time": self.pause_s, f"{name}_bytes": moved,
+                    f"{name}_busiest_link_bytes": self.busiest_link_bytes,
+                    f"{name}_gbps": moved / self.total_s / 1e9 if self.total_s > 0 else 0.0,
+                    f"{name}_buckets": self.buckets, f"{name}_ok": float(self.ok), f"{name}_version": self.version})
+        if text:
+            out[f"{name}_path"] = self.mode
+            if self.fallback_reason:
+                out[f"{name}_fallback_reason"] = self.fallback_reason
+        return out
+
     def engines_json(self) -> list[dict[str, Any]]:
         """The engines' results as plain JSON objects (records.jsonl's ``engines``, the wire's shape)."""
         return [e.model_dump(mode="json") for e in self.engines]
