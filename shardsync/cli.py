@@ -2,7 +2,8 @@
 
 Plan what a sync moves (``plan``), watch it run end to end (``demo``: GRPO steps between a
 reference trainer and engine servers), measure transports on this machine (``bench``), or
-serve the reference rollout engine (``engine serve``).  ``shardsync COMMAND --help`` for each.
+serve the reference rollout engine (``engine serve``), draw one update per bucket
+(``timeline``).  ``shardsync COMMAND --help`` for each.
 """
 
 from __future__ import annotations
@@ -181,6 +182,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from shardsync import timeline
+
+    try:
+        items = timeline.render(args.records, version=args.version, png=args.png, trace=args.trace)
+    except ValueError as e:
+        raise SystemExit(f"shardsync timeline: {e}") from None
+    rows = sorted({s.row for s in items})
+    print(f"{len(items)} spans over {', '.join(rows)}; wrote {args.png} and {args.trace}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardsync", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,6 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("timeline", help="draw one update per bucket and rank (PNG and Chrome trace)",
+                       description="Every trainer rank's buckets (pack, transfer, unpack) and each engine's "
+                                   "receive and pause on one clock, from records written with "
+                                   "SyncConfig(detail=True, records_path='records-{rank}.jsonl').")
+    p.add_argument("records", nargs="+", help="the ranks' records files (JSON lines)")
+    p.add_argument("--version", type=int, default=None, help="the update to draw (default: the newest in all)")
+    p.add_argument("--png", default="timeline.png")
+    p.add_argument("--trace", default="timeline.json", help="Chrome trace JSON (chrome://tracing, Perfetto)")
+    p.set_defaults(func=cmd_timeline)
 
     eng = sub.add_parser("engine", help="the reference rollout engine")
     esub = eng.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")

@@ -110,7 +110,8 @@ class SyncConfig:
     relay: bool = False  # engine i forwards to engine i+1 (p2p): the trainer sends one copy
     transport: TransportConfig = field(default_factory=TransportConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
-    records_path: str | None = None  # JSON lines, one record per update (rank 0)
+    # JSON lines, one record per update: rank 0's; with "{rank}" in it, every rank's own file
+    records_path: str | None = None
     detail: bool = False  # per-bucket timings in records
 
     def __post_init__(self) -> None:

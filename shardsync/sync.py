@@ -280,7 +280,7 @@ class WeightSync:
             raise ValueError(f"mode {mode!r} not available for this connection (have "
                              f"{[m.value for m in conn.modes if not m.is_delta]}"
                              f"{'; ' + conn.fallback_reason if conn.fallback_reason else ''})")
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         self._calls += 1
         n = self._calls
         if Mode.P2P in self.programs and requested in (None, Mode.P2P):
@@ -310,11 +310,12 @@ class WeightSync:
                              {"plan": self.plan_s, "control": (t1 - t0) + (t3 - t2), "total": t3 - t0},
                              rank=self.rank, topo=conn.topo, detail=self.config.detail,
                              fallback_reason=conn.fallback_reason if path is Mode.BROADCAST else None,
-                             buckets=self.programs[path].buckets, source=self.source)
+                             buckets=self.programs[path].buckets, source=self.source, started_at=started_at)
         if self.rank == 0:
             (log.info if record.ok else log.error)("[rank 0] %s", record.summary())
-            if self.config.records_path:
-                append_jsonl(self.config.records_path, record)
+        where = self.config.records_path
+        if where and (self.rank == 0 or "{rank}" in where):  # one file per rank when the path says so
+            append_jsonl(where.format(rank=self.rank), record)
         if error is not None:
             self._synced = None  # the next update is a full one
             if done.refused:  # rank 0's word, the same on every rank: each message was answered

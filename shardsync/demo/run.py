@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from shardsync import timeline
 from shardsync.control.client import wait_healthy
 from shardsync.demo import report
 from shardsync.dtypes import torch_dtype
@@ -140,7 +141,7 @@ def _trainer(rank: int, cfg: DemoConfig, port: int, urls: list[str], results) ->
     out = Path(cfg.out)
     site = RankSite(rank=rank, init_method=f"tcp://127.0.0.1:{port}", sync_host="127.0.0.1",
                     engines=tuple(urls), delta_dir=str(out / "versions"),
-                    records_path=str(out / "records.jsonl"))
+                    records_path=str(out / "records-{rank}.jsonl"), detail=True)
     modes: tuple[str, ...] = tuple(cfg.modes)
     for result in trainer_rank(cfg, site, verify=cfg.verify):
         modes = result.modes
@@ -170,7 +171,8 @@ def run_demo(cfg: DemoConfig) -> int:
     """Parent process: engines as subprocesses, trainer ranks as spawned processes."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "records.jsonl").unlink(missing_ok=True)
+    for old in (out / "records.jsonl", *out.glob("records-*.jsonl")):
+        old.unlink(missing_ok=True)
     engines = start_engines(cfg)
     urls = [u for _, u in engines]
     world = cfg.trainer.world_size
@@ -216,7 +218,10 @@ def run_demo(cfg: DemoConfig) -> int:
             print(line)
         (out / "steps.json").write_text(json.dumps({"config": asdict(cfg), "steps": rows}, indent=2))
         report.plot(rows, modes, out / "demo.png")
-        print(f"wrote {out / 'records.jsonl'}, {out / 'steps.json'}, {out / 'demo.png'}")
+        (out / "records.jsonl").symlink_to("records-0.jsonl")  # rank 0's, where it always was
+        timeline.render(sorted(out.glob("records-*.jsonl")), png=out / "timeline.png", trace=out / "timeline.json")
+        print(f"wrote {out / 'records.jsonl'} (every rank's: records-<rank>.jsonl), {out / 'steps.json'}, "
+              f"{out / 'demo.png'}, {out / 'timeline.png'} and {out / 'timeline.json'} (the last update, per bucket)")
         if any(u["checksum_ok"] is False for r in rows for u in r["updates"].values()):
             code = 1
     except Exception as e:

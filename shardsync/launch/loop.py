@@ -48,7 +48,8 @@ class RankSite:
     sync_host: str
     engines: tuple[str, ...]
     delta_dir: str | None = None
-    records_path: str | None = None  # rank 0 appends one JSON line per update
+    records_path: str | None = None  # rank 0 appends one JSON line per update ("{rank}": every rank, its own)
+    detail: bool = False  # per-bucket times in the records (a timeline can be drawn from them)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
                                      if cfg.mode == "delta" else None,
                                      colocated=ColocatedConfig() if cfg.uses_ipc else None,
                                      control=ControlConfig(channel="vllm" if cfg.engine == "vllm" else "store"),
-                                     records_path=where.records_path if rank == 0 else None),
+                                     records_path=where.records_path, detail=where.detail),
                           trainer_group=dist.group.WORLD)
         sync.connect()
         if cfg.mode == "both":

@@ -176,6 +176,7 @@ def execute(steps: Sequence[Step], local: Mapping[str, torch.Tensor], transport:
     ``verify``: every message is followed by its ``digest`` (one more small message on the same
     link) and receivers check it before unpacking; senders and receivers must agree on it."""
     stats = Stats()
+    wall = time.time() - time.perf_counter()  # perf_counter -> wall clock (step times, with ``detail``)
     inflight: deque = deque()
     size = max((max([s.numel] + [f.numel for f in s.fill]) for s in steps), default=0)
     itemsize = torch.empty((), dtype=pool.dtype).element_size()
@@ -196,6 +197,7 @@ def execute(steps: Sequence[Step], local: Mapping[str, torch.Tensor], transport:
             drain(step, buf, local)
         t2 = time.perf_counter()
         timing.unpack_s += t2 - t1
+        timing.landed, timing.done = wall + t1, wall + t2
         stats.unpack_s += t2 - t1
         if lent:
             transport.give_back(step.comm[0], step.comm[1], base)
@@ -234,6 +236,7 @@ def execute(steps: Sequence[Step], local: Mapping[str, torch.Tensor], transport:
                 pool.put(sbase)
         t1 = time.perf_counter()
         timing.pack_s += t1 - t0
+        timing.start, timing.posted = wall + t0, wall + t1
         stats.pack_s += t1 - t0
         work: Work | None = None
         check = None  # (work, digest tensor, whether this rank checks it)

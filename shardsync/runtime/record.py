@@ -40,6 +40,7 @@ class UpdateRecord:
     delta: dict[str, Any] | None = None
     source: str = "device"  # where the trainer's weights were read from: device | host | host-pinned
     unsent_bytes: int = 0  # the trainer's tensors no engine holds (MTP layers), at the wire dtype: not moved
+    started_at: float = 0.0  # wall-clock seconds when the update began (steps' times are wall-clock too)
 
     @property
     def total_s(self) -> float:
@@ -125,11 +126,13 @@ class _Common(TypedDict):
     engines: list[UpdateResult]
     phases: dict[str, float]
     unsent_bytes: int
+    started_at: float
 
 
 def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None,
                 engines: list[UpdateResult], times: dict[str, float], *, rank: int, topo: Topology,
-                detail: bool, fallback_reason: str | None, buckets: int, source: str = "device") -> UpdateRecord:
+                detail: bool, fallback_reason: str | None, buckets: int, source: str = "device",
+                started_at: float = 0.0) -> UpdateRecord:
     """A trainer rank's record of one update: its own ``Stats``, the engines' results, and the
     control times around them.  ``unpack`` is the slowest engine's."""
     stats = stats or Stats()
@@ -138,7 +141,7 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
               **{k: v for k, v in times.items() if k != "plan"}}
     common = _Common(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
                      bytes_sent=stats.bytes_sent, engines=list(engines), phases=phases,
-                     unsent_bytes=topo.unsent_bytes)
+                     unsent_bytes=topo.unsent_bytes, started_at=started_at)
     if mode.is_delta:
         delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),
                  "engine_changed": sum(e.changed for e in engines),

@@ -9,12 +9,20 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class StepTiming:
+    """One step's seconds, and (``detail``) when each part happened: wall-clock seconds of its
+    start, its message posted (packed), landed (transfer done) and done (unpacked), so steps of
+    several ranks on one machine line up on one timeline (``timeline.py``)."""
+
     label: str
     link: str
     bytes: int
     pack_s: float = 0.0
     transfer_s: float = 0.0
     unpack_s: float = 0.0
+    start: float = 0.0
+    posted: float = 0.0
+    landed: float = 0.0
+    done: float = 0.0
 
 
 @dataclass

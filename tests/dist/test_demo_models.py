@@ -60,6 +60,14 @@ def test_glm4_demo_p2p_and_broadcast_bitwise(tmp_path) -> None:
     """GLM4 dense: post norms, fused gate_up in the checkpoint, partial interleaved rotary."""
     out, _ = _demo(tmp_path, "tiny-glm4", "--steps", "2")
     assert "bitwise checksum after every sync: ok" in out
+    # the last update on one clock: every trainer rank's buckets, as many as its record counts
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    rows = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    assert {"trainer rank 0", "trainer rank 1", "engine 0 pause"} <= set(rows.values())
+    last = json.loads((tmp_path / "records-1.jsonl").read_text().splitlines()[-1])
+    packs = [e for e in trace if e["ph"] == "X" and e["cat"] == "pack" and rows[e["pid"]] == "trainer rank 1"]
+    assert len(packs) == len(last["steps"]) > 0
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_staged_moe_updates_back_to_back_verify_what_is_served(tmp_path) -> None:
