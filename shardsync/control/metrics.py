@@ -3,15 +3,15 @@ operator graphs and alerts on - the p50/p99 of update time and of the engine's p
 bytes received; updates by outcome; the served version and whether it is stale.
 
 Each engine session observes into one ``CollectorRegistry``: its own (the reference engine
-serves it on ``/metrics``), or the host engine's, so the same ``shardsync_*`` names appear
-wherever the engine exposes its metrics.
+serves it on ``/metrics``), or, for a rank hosted in vLLM or SGLang, the process's default one
+(``process_metrics``): with ``PROMETHEUS_MULTIPROC_DIR`` set, as both engines set or honour it,
+their own ``/metrics`` reads every process's values, so the same ``shardsync_*`` names appear
+there.  Gauges are set, never computed at scrape, which multiprocess collection cannot do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from shardsync.runtime.ledger import UpdateResult
 
@@ -37,14 +37,15 @@ class UpdateMetrics:
                              "by path", ["path"], registry=r)
         self.updates = Counter("shardsync_updates", "Weight updates this engine settled, by path and outcome "
                                "(ok, failed)", ["path", "outcome"], registry=r)
-        self.version = Gauge("shardsync_weight_version", "The weight version this engine serves", registry=r)
-        self.stale = Gauge("shardsync_stale", "1 while this engine refuses generation until a full update",
-                           registry=r)
+        self.version = Gauge("shardsync_weight_version", "The weight version this engine serves", registry=r,
+                             multiprocess_mode="livemax")
+        self.stale = Gauge("shardsync_stale", "1 while this engine's weights are no version shardsync committed "
+                           "(the next update is a full one; the reference engine refuses generation meanwhile)",
+                           registry=r, multiprocess_mode="livemax")
 
-    def watch(self, version: Callable[[], float], stale: Callable[[], float]) -> None:
-        """The version and staleness gauges read ``version()`` and ``stale()`` when scraped."""
-        self.version.set_function(version)
-        self.stale.set_function(stale)
+    def state(self, version: int, stale: bool) -> None:
+        self.version.set(version)
+        self.stale.set(float(stale))
 
     def settled(self, result: UpdateResult) -> None:
         """One update's outcome; its seconds and bytes only when it committed."""
@@ -57,3 +58,15 @@ class UpdateMetrics:
         self.bytes.labels(path=path).inc(result.bytes_received)
         for phase, seconds in result.phase_seconds().items():
             self.phase.labels(phase=phase).observe(seconds)
+
+
+_PROCESS: UpdateMetrics | None = None
+
+
+def process_metrics() -> UpdateMetrics:
+    """This process's collectors in ``prometheus_client``'s default registry (created once: a
+    name is registered there at most once)."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = UpdateMetrics(REGISTRY)
+    return _PROCESS

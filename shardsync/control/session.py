@@ -73,7 +73,8 @@ class UpdateSession:
     offered: ConnectRequest | None = None  # accepted at connect, not yet joined
     current: Update | None = None
     last: UpdateResult | None = None
-    metrics: UpdateMetrics = field(default_factory=UpdateMetrics)  # Prometheus collectors (its own registry)
+    # Prometheus collectors (its own registry; a hosted engine's rank 0: the process's; None: none)
+    metrics: UpdateMetrics | None = field(default_factory=UpdateMetrics)
     versions_grow: bool = True
     calls: int = 0  # the last call number taken on this connection (hosted ranks: a call never runs twice)
     _was_stale: bool = field(default=False, repr=False)  # receiving into stale weights
@@ -89,7 +90,12 @@ class UpdateSession:
         return bool(self.fingerprints)
 
     def __post_init__(self) -> None:
-        self.metrics.watch(lambda: self.version, lambda: float(self.stale))
+        self._observed()
+
+    def _observed(self) -> None:
+        """The version and staleness gauges, after every change of either."""
+        if self.metrics is not None:
+            self.metrics.state(self.version, self.state is State.STALE)
 
     # -- serving --
 
@@ -200,7 +206,9 @@ class UpdateSession:
                 self.state, self.stale_reason = State.STALE, f"update {result.version} failed: {result.error}"
             if not result.ok and mode.over_group:
                 self.fingerprints = {}  # the sync group is broken after a failed collective
-            self.metrics.settled(result)
+            if self.metrics is not None:
+                self.metrics.settled(result)
+            self._observed()
             self.last = result
             return result
 
@@ -208,3 +216,4 @@ class UpdateSession:
         """Outside any update (a worker died): stale until a full update."""
         with self._lock:
             self.state, self.stale_reason = State.STALE, reason
+            self._observed()

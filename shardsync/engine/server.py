@@ -114,7 +114,9 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
         return await call_next(request)
 
 
-    served = ServingMetrics(session.metrics.registry)
+    assert session.metrics is not None, "the reference engine's session keeps its own collectors"
+    registry = session.metrics.registry
+    served = ServingMetrics(registry)
 
     def serve(kind: Op, args: dict) -> Future:
         try:
@@ -199,6 +201,6 @@ def create_app(dispatcher: Dispatcher, *, request_wait_s: float = 60.0, facts: d
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text: the update collectors (``control/metrics.py``) and the serving ones."""
-        return Response(generate_latest(session.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 
 from shardsync.control.hosted import LAYOUT_MISMATCH, UPDATE_FAILED, connect_body
+from shardsync.control.metrics import process_metrics
 from shardsync.control.session import Conflict, Invalid, UpdateSession
 from shardsync.control.wire import (
     MAX_VERSION,
@@ -38,7 +39,6 @@ from shardsync.receiver.connect import check_connect
 from shardsync.receiver.destination import Destination, Loader, Params, Slice
 from shardsync.receiver.receiver import Receiver, engine_rank
 from shardsync.runtime.ledger import RankReport, UpdateResult
-from shardsync.runtime.stats import Stats
 from shardsync.spec import ModelSpec
 from shardsync.store import auth
 from shardsync.store.keys import Keys
@@ -105,7 +105,8 @@ class HostedRank:
         self.engine_index = 0
         self.joined_names: set[str] = set()  # every sync this rank joined (a join is never replayed)
         # the version applied through shardsync, staleness, the connection's plans, its calls
-        self.session = UpdateSession(versions_grow=False)
+        # one rank per engine counts its updates into the host's /metrics (control/metrics.py)
+        self.session = UpdateSession(versions_grow=False, metrics=process_metrics() if self.index == 0 else None)
 
     @property
     def stale(self) -> bool:
@@ -175,7 +176,7 @@ class HostedRank:
                 log.warning("shardsync: tp%d: checksums failed: %s", self.tp_rank, e)
             return
         try:
-            report = RankReport.of(self._receive(rx, call), t0, rx.destination.name)
+            report = self._receive(rx, call, t0)
         except Exception as e:
             log.warning("shardsync: tp%d: %s %d (%s) failed: %s", self.tp_rank, call.op, call.version, call.mode, e)
             report = RankReport(ok=False, error=f"{UPDATE_FAILED}: version {call.version} on tp{self.tp_rank}: {e}; "
@@ -185,9 +186,9 @@ class HostedRank:
         except Exception as e:  # the trainer is gone: nobody to tell
             log.warning("shardsync: tp%d: cannot report update %d: %s", self.tp_rank, call.version, e)
 
-    def _receive(self, rx: Receiver, call: Call) -> Stats:
+    def _receive(self, rx: Receiver, call: Call, t0: float) -> RankReport:
         """The session accepts the call (or raises, weights untouched), the receiver runs it,
-        the session settles on its outcome."""
+        the session settles on its outcome (this rank's ledger: its metrics)."""
         mode = Mode(call.mode)
         if mode is Mode.DELTA_DISK:  # the published manifest names the base, as the reference engine reads it
             if call.root is None:
@@ -207,8 +208,9 @@ class HostedRank:
             self.session.settle(UpdateResult(version=call.version, mode=mode, ok=False,
                                              error=f"{type(e).__name__}: {e}"))
             raise
-        self.session.settle(UpdateResult(version=call.version, mode=mode, ok=True))
-        return stats
+        report = RankReport.of(stats, t0, rx.destination.name)
+        self.session.settle(UpdateResult.of(call.version, mode, [report]))
+        return report
 
     def leave(self) -> None:
         if self.receiver is not None:

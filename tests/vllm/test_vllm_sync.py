@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
 
 from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportConfig
 from shardsync.control.client import SyncError
@@ -89,9 +90,25 @@ def _trainer(rank: int, world: int, port: int, url: str, model: str, out) -> Non
     out.put((rank, res))
 
 
+def _shardsync_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """vLLM's /metrics (every process's, shardsync's workers' included), shardsync's samples."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+            if f.name.startswith("shardsync_") for s in f.samples}
+
+
 def test_p2p_broadcast_delta_match_transformers(vllm) -> None:
+    before = _shardsync_samples(vllm["url"])
     results = run_world(_trainer, TRAINER_TP, args=(TRAINER_TP, free_port(), vllm["url"], vllm["model"]),
                         timeout=400)
+    after = _shardsync_samples(vllm["url"])
+    # vLLM's own /metrics counts every update once (one rank per engine observes), by path
+    for path in ("p2p", "broadcast", "delta-p2p"):
+        ok = ("shardsync_updates_total", (("outcome", "ok"), ("path", path)))
+        count = ("shardsync_update_seconds_count", (("path", path),))
+        assert after.get(ok, 0) - before.get(ok, 0) == 1, (path, after)
+        assert after.get(count, 0) - before.get(count, 0) == 1, (path, after)
+    assert after[("shardsync_weight_version", ())] == 3
     r0 = results[0]
     assert r0["connected"] == "p2p"
     modes = [s["mode"] for s in r0["steps"]]

@@ -7,8 +7,10 @@ traps): the dev endpoints, a KV cache of 1 GiB, one bound OpenMP thread per TP w
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,13 +53,24 @@ class VllmServer:
         return env
 
 
+_METRICS_DIRS: dict[int, str] = {}  # server pid -> the Prometheus directory start() made for it
+
+
 def start(server: VllmServer, *, log_path: str | None = None, timeout_s: float = 300.0
           ) -> tuple[subprocess.Popen, str]:
-    """The running server and its URL, once ``/health`` answers (bounded)."""
+    """The running server and its URL, once ``/health`` answers (bounded).  Unless the server's
+    env names one, a fresh ``PROMETHEUS_MULTIPROC_DIR``: vLLM's ``/metrics`` then reads every
+    process's values, shardsync's from its workers included (removed by ``stop``)."""
     port = server.port or free_port(server.host)
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(server.command(port), env=server.environment(), stdout=log, stderr=subprocess.STDOUT,
+    env = server.environment()
+    made = None
+    if "PROMETHEUS_MULTIPROC_DIR" not in env:
+        made = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm-metrics-")
+    proc = subprocess.Popen(server.command(port), env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    if made is not None:
+        _METRICS_DIRS[proc.pid] = made
     url = f"http://{server.host}:{port}"
     try:
         wait_healthy(url, proc, timeout_s)
@@ -97,6 +110,7 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     import signal
 
     if proc.poll() is not None:
+        _forget_metrics(proc)
         return
     segments = mapped_segments(proc.pid)  # the group's id is the leader's pid (a new session)
     try:
@@ -114,3 +128,10 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
     for name in segments:
         Path("/dev/shm", name).unlink(missing_ok=True)
+    _forget_metrics(proc)
+
+
+def _forget_metrics(proc: subprocess.Popen) -> None:
+    made = _METRICS_DIRS.pop(proc.pid, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
