@@ -42,6 +42,7 @@ def _ints(value: str | None) -> tuple[int, ...] | None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardsync.plan.summary import summarize
+    from shardsync.progress import Progress
 
     if args.matrix:
         from shardsync.plan.matrix import render_markdown
@@ -60,7 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         engines = tuple(EngineParallel(tp=t, ep=args.engine_ep) for t in _engine_tps(args.engine_tp, args.engines))
         topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind)
         t0 = time.perf_counter()
-        report = summarize(topo, int(args.bucket_mb * 2**20))
+        report = summarize(topo, int(args.bucket_mb * 2**20), progress=Progress(f"planning {spec.name}"))
         report["plan_s"] = round(time.perf_counter() - t0, 3)
         if args.fabric:
             from shardsync.plan.fabric import fabric, lower_bounds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from shardsync.plan.bucket import make_buckets
@@ -43,11 +44,15 @@ def _broadcast(topo: Topology, budget: int) -> PathSummary:
     )
 
 
-def summarize(topo: Topology, bucket_bytes: int) -> dict:
+def summarize(topo: Topology, bucket_bytes: int, progress: Callable[[str], None] = lambda stage: None) -> dict:
+    """``progress(stage)`` after each stage (the largest presets take seconds)."""
     verdicts = check_p2p(topo)
+    progress("layouts built, p2p preconditions checked")
     paths = [_broadcast(topo, bucket_bytes)]
+    progress("broadcast plan and buckets")
     if all(v.ok for v in verdicts):
         paths.insert(0, _p2p(topo, bucket_bytes))
+        progress("p2p plan and buckets")
     return {
         "model": topo.spec.name,
         "trainer": {"kind": topo.trainer.kind, **topo.trainer.describe(),
