@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SyncConfig(detail=True, records_path='records-{rank}.jsonl').")
     p.add_argument("records", nargs="+", help="the ranks' records files (JSON lines)")
     p.add_argument("--version", type=int, default=None, help="the update to draw (default: the newest in all)")
-    p.add_argument("--png", default="timeline.png")
+    p.add_argument("--png", default="timeline.png", help="the Gantt chart (PNG)")
     p.add_argument("--trace", default="timeline.json", help="Chrome trace JSON (chrome://tracing, Perfetto)")
     p.set_defaults(func=cmd_timeline)
 
