@@ -13,6 +13,7 @@ import importlib.util
 import json
 import sys
 import time
+from dataclasses import asdict
 
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.presets import load_spec
@@ -65,11 +66,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         report["plan_s"] = round(time.perf_counter() - t0, 3)
         if args.fabric:
             from shardsync.plan.fabric import fabric, lower_bounds
+            from shardsync.plan.tuning import recommend
 
             f = fabric(args.fabric)
             bounds = lower_bounds(topo, f, int(args.bucket_mb * 2**20))
             report["fabric"] = {"name": f.name, "description": f.description,
                                 "paths": [b for b in bounds if b["path"] == "broadcast" or report["p2p_ok"]]}
+            memory = None if args.bucket_memory_mb is None else int(args.bucket_memory_mb * 2**20)
+            report["recommended_bucket"] = {
+                p["path"]: asdict(recommend(p["busiest_link_bytes"], f, memory_bytes=memory))
+                for p in report["paths"]}
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -105,6 +111,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for b in fab["paths"]:
             print(f"  {b['path']:<10} >= {b['lower_bound_s'] * 1e3:9.1f} ms   bound by {b['binds']}; "
                   f"{b['links']} links, {b['buckets']} buckets")
+        print(f"recommended bucket size on {fab['name']} (docs/tuning.md):")
+        for path, a in report["recommended_bucket"].items():
+            print(f"  {path:<10} --bucket-mb {a['bucket_bytes'] >> 20:<5} {a['messages']} messages on the busiest "
+                  f"link cost {a['message_s'] * 1e3:.2f} ms, the pipeline's fill {a['fill_s'] * 1e3:.2f} ms "
+                  f"({a['why']})")
     return 0
 
 
@@ -227,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron's make_vocab_size_divisible_by (the trainer's vocab padding)")
     p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--fabric", default=None, choices=["nvlink4", "ib400", "8x400g", "pcie5"],
+    p.add_argument("--bucket-memory-mb", type=float, default=None,
+                   help="with --fabric: buffer memory the recommended bucket size must fit (2 in flight)")
+    p.add_argument("--fabric", default=None, choices=["nvlink4", "ib400", "8x400g", "pcie5", "cpu-gloo"],
                    help="print each path's lower-bound time on this named fabric (docs/fabric.md)")
     p.add_argument("--matrix", action="store_true",
                    help="print the fallback matrix (every topology x mode -> path and why) as markdown")

@@ -27,14 +27,21 @@ class Fabric:
     gpu_gbytes_s: float  # per GPU, each direction
     node_gbytes_s: float | None = None  # NICs pooled per node (rail-agnostic), each direction
     gpus_per_node: int = 8
+    # for the bucket size (plan/tuning.py): what one message costs beyond its bytes, and how
+    # fast a rank packs a bucket (a device copy)
+    message_us: float = 20.0
+    copy_gbytes_s: float = 2000.0  # the H200's D2D copy: 7.49 GiB in 3.81 ms (docs/gpu.md)
 
 
 FABRICS: dict[str, Fabric] = {f.name: f for f in (
     Fabric("nvlink4", "NVLink 4 within one node (H100/H200 SXM): 450 GB/s per GPU each way", 450.0),
-    Fabric("ib400", "one 400 Gb/s InfiniBand NIC per GPU: 50 GB/s per GPU each way", 50.0),
+    Fabric("ib400", "one 400 Gb/s InfiniBand NIC per GPU: 50 GB/s per GPU each way", 50.0, message_us=30.0),
     Fabric("8x400g", "8 x 400 Gb/s NICs per node shared by its 8 GPUs: 400 GB/s per node each way",
-           50.0 * 8, node_gbytes_s=400.0),
+           50.0 * 8, node_gbytes_s=400.0, message_us=30.0),
     Fabric("pcie5", "PCIe 5.0 x16 per GPU (NIC or host path): 64 GB/s per GPU each way", 64.0),
+    # this repository's CI machine, fitted to `shardsync bench` (docs/tuning.md): gloo on loopback
+    Fabric("cpu-gloo", "gloo over loopback on a 2-core CPU VM (fitted, docs/tuning.md)", 1.0,
+           gpus_per_node=1 << 20, message_us=300.0, copy_gbytes_s=4.0),
 )}
 
 
