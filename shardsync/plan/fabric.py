@@ -40,8 +40,8 @@ FABRICS: dict[str, Fabric] = {f.name: f for f in (
            50.0 * 8, node_gbytes_s=400.0, message_us=30.0),
     Fabric("pcie5", "PCIe 5.0 x16 per GPU (NIC or host path): 64 GB/s per GPU each way", 64.0),
     # this repository's CI machine, fitted to `shardsync bench` (docs/tuning.md): gloo on loopback
-    Fabric("cpu-gloo", "gloo over loopback on a 2-core CPU VM (fitted, docs/tuning.md)", 1.0,
-           gpus_per_node=1 << 20, message_us=300.0, copy_gbytes_s=4.0),
+    Fabric("cpu-gloo", "gloo over loopback on a 2-core CPU VM (fitted, docs/tuning.md)", 1.5,
+           gpus_per_node=1 << 20, message_us=700.0, copy_gbytes_s=12.0),
 )}
 
 
