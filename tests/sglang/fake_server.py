@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -37,6 +39,9 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
                dtype: str, initial: dict, env: dict, conn) -> None:
     """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``."""
     os.environ.update(env)
+    from prometheus_client import values  # the fork server imported it before the directory was set:
+
+    values.ValueClass = values.get_value_class()  # choose as a process started with it would
     torch.set_num_threads(1)
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.utils.common import MultiprocessingSerializer
@@ -96,11 +101,15 @@ class FakeSglang:
         self.weight_version = "default"
         self.dead: str | None = None
         self._lock = threading.Lock()
+        # SGLang under --enable-metrics: every process writes its Prometheus values under one
+        # directory, set before they start, and the server's /metrics reads them all
+        self.metrics_dir = tempfile.mkdtemp(prefix="fake-sglang-metrics-")
+        env = {**(env or {}), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         ctx = ctx or mp.get_context("spawn")
         self._conns, self._procs = [], []
         for r in range(tp * pp):  # stage-major, as SGLang numbers its world
             mine, theirs = ctx.Pipe()
-            args = (r % tp, tp, r // tp, pp, ep, shared_fused, spec, dtype, initial, env or {}, theirs)
+            args = (r % tp, tp, r // tp, pp, ep, shared_fused, spec, dtype, initial, env, theirs)
             p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             self._conns.append(mine)
@@ -165,6 +174,16 @@ class FakeSglang:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def metrics(self) -> bytes:
+        """``/metrics`` as SGLang serves it (``add_prometheus_middleware``): a registry that
+        collects every process's values from the shared directory."""
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.metrics_dir)
+        return generate_latest(registry)
 
     # -- the routes --
 
@@ -237,6 +256,14 @@ class FakeSglang:
             def do_GET(self) -> None:
                 if server.dead:
                     return self._answer(502, {"detail": "server is down"})
+                if self.path == "/metrics":
+                    raw = server.metrics()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                    return
                 self._answer(*server._get(self.path.split("?")[0]))
 
             def do_POST(self) -> None:

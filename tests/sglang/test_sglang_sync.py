@@ -15,6 +15,7 @@ import multiprocessing as mp
 import httpx
 import pytest
 import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
 
 from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportConfig
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout
@@ -125,14 +126,26 @@ def test_expert_parallel_and_fused_shared_expert_engines() -> None:
             s.stop()
 
 
+def _updates(url: str) -> dict[str, float]:
+    """``shardsync_updates_total{outcome="ok"}`` by path, read from the server's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.labels["path"]: s.value for f in text_string_to_metric_families(text) if f.name == "shardsync_updates"
+            for s in f.samples if s.name.endswith("_total") and s.labels.get("outcome") == "ok"}
+
+
 def _sync_and_check(model: str, trainer: str, started: list[FakeSglang], engines: list[EngineParallel], *,
                     checks: int) -> None:
     """Every step lands bit for bit as SGLang's own load; ``checks``: connect checks before the join."""
     for s in started:
         s.events.clear()
+    before = [_updates(s.url) for s in started]
     world = TRAINERS[trainer].world_size
     results = run_world(_trainer, world, args=(world, free_port(), model, trainer, [s.url for s in started]),
                         timeout=400)
+    # SGLang's /metrics (every process's values, as under --enable-metrics): each update once per engine
+    for s, was in zip(started, before, strict=True):
+        now = _updates(s.url)
+        assert {p: now.get(p, 0) - was.get(p, 0) for p in now} == {"p2p": 1, "broadcast": 1, "delta-p2p": 1}, now
     r0 = results[0]
     assert r0["connected"] == "p2p", r0["fallback"]
     assert [s["mode"] for s in r0["steps"]] == ["p2p", "broadcast", "delta-p2p"]
