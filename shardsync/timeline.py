@@ -1,5 +1,5 @@
 """One update drawn on one wall clock: every trainer rank's buckets (pack, transfer, unpack)
-and each engine's receive and pause, from the ranks' records (``SyncConfig(detail=True,
+and each engine's receive, commit and pause, from the ranks' records (``SyncConfig(detail=True,
 records_path="records-{rank}.jsonl")``), as a Chrome trace (``chrome://tracing``, Perfetto)
 and a PNG, so the pipeline and its stragglers are seen rather than summed.
 
@@ -13,8 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-PHASES = ("pack", "transfer", "unpack", "receive", "pause")
-COLORS = {"pack": "#4C72B0", "transfer": "#DD8452", "unpack": "#55A868", "receive": "#8172B3", "pause": "#C44E52"}
+PHASES = ("pack", "transfer", "unpack", "receive", "commit", "pause")
+COLORS = {"pack": "#4C72B0", "transfer": "#DD8452", "unpack": "#55A868", "receive": "#8172B3", "commit": "#937860",
+          "pause": "#C44E52"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ def spans(records: Sequence[dict]) -> list[Span]:
     end = lead["phases"]["total"]
     for i, e in enumerate(lead["engines"]):
         out.append(Span(f"engine {i} receive", 0, "receive", "receive (slowest rank)", end - e["total_s"], end))
+        if e.get("commit_s"):  # a staged engine's swap (or copy) into the served weights
+            out.append(Span(f"engine {i} commit", 0, "commit", "commit", end - e["commit_s"], end))
         out.append(Span(f"engine {i} pause", 0, "pause", "not generating", end - e["pause_s"], end))
     return out
 

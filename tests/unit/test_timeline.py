@@ -13,7 +13,7 @@ from shardsync import timeline
 
 def _record(rank: int, started: float, steps: list[tuple[float, float, float, float]], version: int = 3) -> dict:
     return {"rank": rank, "version": version, "mode": "p2p", "started_at": started,
-            "phases": {"total": 0.010}, "engines": [{"total_s": 0.006, "pause_s": 0.001}] if rank == 0 else [],
+            "phases": {"total": 0.010}, "engines": [{"total_s": 0.006, "pause_s": 0.001, "commit_s": 0.0005}] if rank == 0 else [],
             "steps": [{"label": f"b{i}", "link": "t->e", "bytes": 8, "start": a, "posted": b, "landed": c, "done": d}
                       for i, (a, b, c, d) in enumerate(steps)]}
 
@@ -44,7 +44,7 @@ def test_spans_lane_the_transfers_in_flight_and_place_engines_at_the_end(tmp_pat
     assert (pause.start, pause.end) == pytest.approx((0.009, 0.010))
     trace = timeline.chrome_trace(items, version=3)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
-    assert names == {"trainer rank 0", "trainer rank 1", "engine 0 receive", "engine 0 pause"}
+    assert names == {"trainer rank 0", "trainer rank 1", "engine 0 receive", "engine 0 commit", "engine 0 pause"}
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == len(items)
 
 
