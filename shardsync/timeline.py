@@ -116,7 +116,7 @@ def draw(items: Sequence[Span], path: str | Path, *, title: str) -> None:
     ax.set_xlabel("ms since the update began")
     ax.set_title(title, fontsize=10)
     ax.legend(handles=[Patch(color=COLORS[p], label=p) for p in PHASES if any(s.phase == p for s in items)],
-              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, fontsize=8, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(PHASES), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,7 +13,8 @@ from shardsync import timeline
 
 def _record(rank: int, started: float, steps: list[tuple[float, float, float, float]], version: int = 3) -> dict:
     return {"rank": rank, "version": version, "mode": "p2p", "started_at": started,
-            "phases": {"total": 0.010}, "engines": [{"total_s": 0.006, "pause_s": 0.001, "commit_s": 0.0005}] if rank == 0 else [],
+            "phases": {"total": 0.010},
+            "engines": [{"total_s": 0.006, "pause_s": 0.001, "commit_s": 0.0005}] if rank == 0 else [],
             "steps": [{"label": f"b{i}", "link": "t->e", "bytes": 8, "start": a, "posted": b, "landed": c, "done": d}
                       for i, (a, b, c, d) in enumerate(steps)]}
 
