@@ -195,10 +195,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from shardsync import timeline
+    from shardsync.timeline import render
 
     try:
-        items = timeline.render(args.records, version=args.version, png=args.png, trace=args.trace)
+        items = render(args.records, version=args.version, png=args.png, trace=args.trace)
     except ValueError as e:
         raise SystemExit(f"shardsync timeline: {e}") from None
     rows = sorted({s.row for s in items})

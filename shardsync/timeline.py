@@ -29,8 +29,9 @@ class Span:
 
 
 def load(paths: Iterable[str | Path], version: int | None = None) -> list[dict]:
-    """Every rank's record of update ``version`` (None: the newest all files hold), by rank; of
-    several updates with one version (a demo step by two paths), the last."""
+    """Every rank's record of update ``version`` (None: the newest all files hold with bucket
+    times: delta updates carry none), by rank; of several updates with one version (a demo step
+    by two paths), the last."""
     by_rank: dict[int, dict[int, dict]] = {}
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -40,7 +41,8 @@ def load(paths: Iterable[str | Path], version: int | None = None) -> list[dict]:
     if not by_rank:
         raise ValueError("no update records in the files given")
     common = set.intersection(*(set(v) for v in by_rank.values()))
-    pick = version if version is not None else max(common, default=None)
+    timed = {v for v in common if all(recs[v]["steps"] for recs in by_rank.values())}
+    pick = version if version is not None else max(timed or common, default=None)
     if pick is None or pick not in common:
         raise ValueError(f"no update {pick} in every rank's records (all of them hold {sorted(common)})")
     return [by_rank[r][pick] for r in sorted(by_rank)]

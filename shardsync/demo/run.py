@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from shardsync import timeline
 from shardsync.control.client import wait_healthy
 from shardsync.demo import report
 from shardsync.dtypes import torch_dtype
 from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import Fsdp2Parallel, MegatronParallel
 from shardsync.store.rendezvous import free_port
+from shardsync.timeline import render as draw_timeline
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +219,13 @@ def run_demo(cfg: DemoConfig) -> int:
         (out / "steps.json").write_text(json.dumps({"config": asdict(cfg), "steps": rows}, indent=2))
         report.plot(rows, modes, out / "demo.png")
         (out / "records.jsonl").symlink_to("records-0.jsonl")  # rank 0's, where it always was
-        timeline.render(sorted(out.glob("records-*.jsonl")), png=out / "timeline.png", trace=out / "timeline.json")
+        drawn = f", {out / 'timeline.png'} and {out / 'timeline.json'} (the last full update, per bucket)"
+        try:
+            draw_timeline(sorted(out.glob("records-*.jsonl")), png=out / "timeline.png", trace=out / "timeline.json")
+        except ValueError as e:  # only delta updates (no bucket times): nothing to draw
+            drawn = f" (no timeline: {e})"
         print(f"wrote {out / 'records.jsonl'} (every rank's: records-<rank>.jsonl), {out / 'steps.json'}, "
-              f"{out / 'demo.png'}, {out / 'timeline.png'} and {out / 'timeline.json'} (the last update, per bucket)")
+              f"{out / 'demo.png'}{drawn}")
         if any(u["checksum_ok"] is False for r in rows for u in r["updates"].values()):
             code = 1
     except Exception as e:

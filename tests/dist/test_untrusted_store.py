@@ -127,9 +127,11 @@ def _trainer_under_attack(rank: int, world: int, port: int, url: str, attack: st
 
 @pytest.mark.parametrize("attack,says", [("junk", "is not signed: refused"), ("deleted", "no answer under")])
 def test_a_store_under_attack_fails_the_update_clearly_within_its_timeout(attack: str, says: str) -> None:
-    """Junk under the engine's answer keys is refused as unsigned; answers deleted as they come
-    end the wait at its bound (4 s, the store's own 5 s at most): a clear error, never a hang,
-    and the engine holds one whole version (its old one, or the new one it took in full)."""
+    """Junk under the engine's answer keys is refused as unsigned, always; an answer deleted as
+    it comes is a race the trainer may win (it read the answer first: the update is whole and
+    fine) or lose (the wait ends at its bound, 4 s, the store's own 5 s at most, naming the key).
+    Either way a clear outcome, never a hang, and the engine holds one whole version (its old
+    one, or the new one it took in full)."""
     from tests.dist._world import free_port as world_port
     from tests.dist._world import run_world
 
@@ -137,7 +139,8 @@ def test_a_store_under_attack_fails_the_update_clearly_within_its_timeout(attack
     try:
         res = run_world(_trainer_under_attack, 2, args=(2, world_port(), url, attack), timeout=120)
         for r in (0, 1):
-            assert "error" in res[r] and says in res[r]["error"], res
+            if attack == "junk" or "error" in res[r]:
+                assert "error" in res[r] and says in res[r]["error"], res
             assert res[r]["s"] < 4 + 5 + 3, res  # the wait's bound, a get's, and slack: no hang
         health = httpx.get(url + "/health", timeout=30).json()
         # stale (refusing generation) when its receive had begun: never a mix of versions

@@ -49,7 +49,8 @@ ROOMS = {"vocab": "mode", "store": "store",
          "layout": "metadata", "plan": "metadata",
          "dtypes": "metadata", "gcpause": "metadata", "sync": "trainer", "config": "trainer", "connection": "trainer",
          "fsdp2": "trainer", "launch": "programs", "demo": "programs", "bench": "programs",
-         "cli": "programs", "__main__": "programs", "": "package", "placement": "placement"}
+         "cli": "programs", "__main__": "programs", "timeline": "programs", "progress": "programs",
+         "": "package", "placement": "placement"}
 BELOW_PATHS = {"mode", "store", "metadata", "runtime", "transport", "delta"}
 # room -> the rooms it may import (besides itself)
 MAY_IMPORT: dict[str, set[str]] = {

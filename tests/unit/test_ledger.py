@@ -25,7 +25,8 @@ RANK_KEYS = ["ok", "error", "pack_s", "transfer_s", "unpack_s", "total_s", "byte
              "drain_s", "commit_s", "pause_s", "crossed"]
 RESULT_KEYS = [*RANK_KEYS, "version", "mode"]
 RECORD_KEYS = ["version", "mode", "fallback_reason", "ok", "rank", "bytes_sent", "buckets", "phases", "buffer_bytes",
-               "link_bytes", "engines", "steps", "error", "delta", "source", "unsent_bytes"]
+               "link_bytes", "engines", "steps", "error", "delta", "source", "unsent_bytes",
+               "started_at"]
 
 
 def _stats(scale: int = 1) -> Stats:
