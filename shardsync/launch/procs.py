@@ -89,9 +89,9 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
-def listening_ports() -> set[int]:
-    """Every TCP port something on this machine listens on (a run's leak check: after - before)."""
-    found = set()
+def _listeners() -> list[tuple[str, int]]:
+    """(local address in hex, as /proc shows it; port) of every listening TCP socket here."""
+    out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -99,22 +99,21 @@ def listening_ports() -> set[int]:
             continue
         for line in lines:
             fields = line.split()
-            if fields[3] == "0A":
-                found.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return found
+            if fields[3] == "0A":  # LISTEN
+                addr, port = fields[1].rsplit(":", 1)
+                out.append((addr, int(port, 16)))
+    return out
+
+
+def listening_ports() -> set[int]:
+    """Every TCP port something on this machine listens on (a run's leak check: after - before)."""
+    return {port for _, port in _listeners()}
 
 
 def listening(ports: Iterable[int]) -> dict[int, list[str]]:
     """For each of ``ports`` something listens on: the local addresses (hex, as /proc shows)."""
     wanted, found = set(ports), {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            addr, port = fields[1].rsplit(":", 1)
-            if fields[3] == "0A" and int(port, 16) in wanted:
-                found.setdefault(int(port, 16), []).append(addr)
+    for addr, port in _listeners():
+        if port in wanted:
+            found.setdefault(port, []).append(addr)
     return found
