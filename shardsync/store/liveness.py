@@ -13,8 +13,8 @@ import datetime
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -24,8 +24,6 @@ log = logging.getLogger(__name__)
 
 PERIOD_S = 0.25  # a beat every this often
 SILENT_S = 2.0  # no beat for this long: the member is gone (8 beats missed)
-# a wait polls (a timed-out store wait logs a warning each time): first quickly, then at most this often
-POLL_MAX_S = 0.002
 
 
 class Silent(RuntimeError):
@@ -58,27 +56,34 @@ class Heartbeat:
         self._thread.join(timeout=5 * self.period_s)
 
 
-@dataclass
 class Watch:
     """Trainer rank 0's view of the members' heartbeats: ``members`` maps each heartbeat key to
     who it is (as an error names it).  A member is silent once its counter has not moved for
-    ``silent_s`` of this watch's own checks."""
+    ``silent_s`` of this watch's own checks.
 
-    store: dist.Store
-    members: Mapping[str, str]
-    silent_s: float = SILENT_S
-    _seen: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)
-    _checked: float = field(default=0.0, repr=False)
+    A watched wait blocks in the store as an unwatched one does (an answer wakes it at once: no
+    polling on an update's path); the watch's own thread, on its own store connection, reads
+    the counters meanwhile and, when a member falls silent, writes a marker under the awaited
+    keys, which wakes the wait to raise ``Silent``."""
 
-    def check(self) -> None:
+    def __init__(self, store: dist.Store, members: Mapping[str, str], silent_s: float = SILENT_S) -> None:
+        self.store, self.members, self.silent_s = store, dict(members), silent_s
+        self._seen: dict[str, tuple[int, float]] = {}
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self._awaited: list[str] = []
+        self._silenced: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def check(self, store: dist.Store | None = None) -> None:
         """``Silent`` naming the first member whose counter stopped (at most one store round
-        trip per member every ``PERIOD_S``)."""
+        trip per member every ``PERIOD_S``), read through ``store`` (default: the watch's)."""
         now = time.monotonic()
         if now - self._checked < PERIOD_S:
             return
         self._checked = now
         for key, who in self.members.items():
-            count = self.store.add(key, 0)
+            count = (store or self.store).add(key, 0)
             seen = self._seen.get(key)
             if seen is None or seen[0] != count:
                 self._seen[key] = (count, now)
@@ -86,18 +91,68 @@ class Watch:
                 raise Silent(f"{who} stopped its heartbeat {now - seen[1]:.1f}s ago (its process died "
                              "or its host is unreachable)")
 
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta) -> None:
+        """``store.wait(keys, timeout)``, ended early by a silent member (``Silent``)."""
+        with self._lock:
+            self._awaited, self._silenced = list(keys), None
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=_watching, args=(weakref.ref(self),),
+                                                name="shardsync-watch", daemon=True)
+                self._thread.start()
+        try:
+            self.store.wait(list(keys), timeout)
+        finally:
+            with self._lock:
+                self._awaited, silenced = [], self._silenced
+        if silenced is not None:
+            raise Silent(silenced)
+
+    def _round(self, store: dist.Store) -> None:
+        """One check while a wait is on; a silent member's name wakes the wait."""
+        if not self._awaited:
+            return
+        try:
+            self.check(store)
+        except Silent as e:
+            with self._lock:
+                if not self._awaited:
+                    return
+                self._silenced = str(e)
+                for key in self._awaited:
+                    store.set(key, SILENCED + str(e))
+
+
+SILENCED = "\0shardsync-silent\0"  # what the watch writes under an awaited key: never a signed value
+
+
+def _watching(ref: weakref.ReferenceType[Watch]) -> None:
+    """The watch's thread, as long as its watch lives (its own connection to the store)."""
+    watch = ref()
+    if watch is None:
+        return
+    try:
+        store = watch.store.clone()  # type: ignore[attr-defined]  # TCPStore.clone: missing in torch's stubs
+    except Exception as e:  # a store without clone: the watch only times out
+        log.debug("watch: no store connection of its own (%s)", e)
+        return
+    del watch
+    while True:
+        time.sleep(PERIOD_S)
+        watch = ref()
+        if watch is None:
+            return
+        try:
+            watch._round(store)
+        except Exception as e:  # the store is gone: so is the sync; waits end at their timeout
+            log.debug("watch stops: %s", e)
+            return
+        del watch
+
 
 def wait(store: dist.Store, keys: Sequence[str], timeout: datetime.timedelta, watch: Watch | None = None) -> None:
-    """``store.wait(keys, timeout)``; with a ``watch``, polled, so a silent member ends the wait
-    (``Silent``) long before ``timeout``.  ``DistStoreError`` at the timeout, as the store's."""
+    """``store.wait(keys, timeout)``; with a ``watch`` (over this ``store``), a silent member ends
+    the wait (``Silent``) long before ``timeout``.  ``DistStoreError`` at the timeout."""
     if watch is None:
         store.wait(list(keys), timeout)
-        return
-    deadline = time.monotonic() + timeout.total_seconds()
-    pause = 5e-5
-    while not store.check(list(keys)):
-        watch.check()
-        if time.monotonic() > deadline:
-            raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds():g}s, keys: {list(keys)}")
-        time.sleep(pause)
-        pause = min(2 * pause, POLL_MAX_S)
+    else:
+        watch.wait(keys, timeout)
