@@ -32,6 +32,10 @@ def _mla(q_lora: int | None, kv_lora: int, nope: int, rope: int, v: int, nextn: 
             "v_head_dim": v, "num_nextn_predict_layers": nextn}
 
 
+def _dsa(heads: int, head_dim: int, topk: int) -> dict[str, Any]:
+    return {"index_n_heads": heads, "index_head_dim": head_dim, "index_topk": topk}
+
+
 def _sigmoid_moe(experts: int, top_k: int, inter: int, *, shared: int, dense: int, scale: float,
                  groups: tuple[int, int] = (1, 1)) -> dict[str, Any]:
     return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
@@ -112,6 +116,28 @@ _PRESET_LIST = [
             **_mla(None, 32, 32, 16, 32), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5)),
     _preset("tiny-glm4-moe-lite", "glm4_moe_lite", 256, 4, 8, 8, 64, 512, 1100, False, max_position_embeddings=2048,
             dtype="float32", **_mla(64, 32, 48, 16, 64), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, scale=1.8)),
+    # DeepSeek sparse attention: MLA plus the lightning indexer.  GLM-5: zai-org/GLM-5's config (transformers'
+    # GlmMoeDsaConfig defaults agree); GLM-5-4layer: the 4-layer GLM-5 the slime/miles examples run for small tests
+    # (3 dense + 1 MoE layer, like their other 4-layer variants); DeepSeek-V3.2: DeepSeek-V3's numbers plus the indexer
+    _preset("GLM-5", "glm_moe_dsa", 6144, 78, 64, 64, 256, 12288, 154880, False, rms_norm_eps=1e-5,
+            max_position_embeddings=202752, **_mla(2048, 512, 192, 64, 256, nextn=1),
+            **_sigmoid_moe(256, 8, 2048, shared=1, dense=3, scale=2.5), **_dsa(32, 128, 2048)),
+    _preset("GLM-5-4layer", "glm_moe_dsa", 6144, 4, 64, 64, 256, 12288, 154880, False, rms_norm_eps=1e-5,
+            max_position_embeddings=202752, **_mla(2048, 512, 192, 64, 256, nextn=1),
+            **_sigmoid_moe(256, 8, 2048, shared=1, dense=3, scale=2.5), **_dsa(32, 128, 2048)),
+    _preset("DeepSeek-V3.2", "deepseek_v32", 7168, 61, 128, 128, 192, 18432, 129280, False, rope_theta=10000.0,
+            rope_scaling=_yarn(40.0, 4096, beta_fast=32.0, beta_slow=1.0), max_position_embeddings=163840,
+            **_mla(1536, 512, 128, 64, 128, nextn=1), **_sigmoid_moe(256, 8, 2048, shared=1, dense=3, groups=(8, 4),
+                                                                  scale=2.5), **_dsa(64, 128, 2048)),
+    # tiny (CPU): a top-k smaller than the demo's sequences, so the indexer's choice matters; rms_norm_eps 1e-6:
+    # transformers fixes the latent norms' eps at 1e-6, SGLang (and shardsync) use rms_norm_eps (docs/models.md)
+    _preset("tiny-glm5", "glm_moe_dsa", 256, 4, 8, 8, 64, 512, 1100, False, max_position_embeddings=2048,
+            dtype="float32", **_mla(64, 32, 48, 16, 64, nextn=1),
+            **_sigmoid_moe(8, 2, 128, shared=1, dense=1, scale=2.5), **_dsa(8, 32, 8)),
+    _preset("tiny-deepseek-v32", "deepseek_v32", 256, 4, 8, 8, 48, 512, 1100, False, max_position_embeddings=2048,
+            dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
+            **_mla(64, 32, 32, 16, 32, nextn=1), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5),
+            **_dsa(8, 32, 8)),
     # mixture of experts
     _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
             max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),

@@ -65,9 +65,16 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     num_nextn_predict_layers: int = 0  # MTP layers the checkpoint holds after the decoder
+    # DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5): a lightning indexer per layer scores the
+    # keys and each query attends to its ``index_topk`` best; 0 heads: no indexer
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    index_shared_layers: tuple[int, ...] = ()  # layers that reuse the layer before's choice (no indexer)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
+        object.__setattr__(self, "index_shared_layers", tuple(self.index_shared_layers))
         if self.family not in FAMILIES:
             raise ValueError(
                 f"unknown model family {self.family!r}; supported: {sorted(FAMILIES)}"
@@ -137,8 +144,17 @@ class ModelSpec:
 
     @property
     def is_mla(self) -> bool:
-        """Multi-head latent attention (the family's attention block is MLA)."""
-        return self.family_table.attention.kind == "mla"
+        """Multi-head latent attention (MLA, or DSA on top of it)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_sparse_attention(self) -> bool:
+        """DeepSeek sparse attention: an indexer picks each query's keys."""
+        return self.index_n_heads > 0
+
+    def indexed_layer(self, layer: int) -> bool:
+        """Whether ``layer`` runs (and holds) its own indexer."""
+        return self.is_sparse_attention and layer not in self.index_shared_layers
 
     @property
     def is_moe(self) -> bool:

@@ -148,6 +148,49 @@ MLA = Block(
 )
 
 
+
+_I = _A + "indexer."
+_INDEX_KEY = (_I + "wk.weight", _I + "weights_proj.weight")
+
+
+def with_indexer(mla: Block) -> Block:
+    """DeepSeek sparse attention: MLA plus its lightning indexer (``wq_b`` reads the query's
+    latent, ``wk`` and ``weights_proj`` the layer input, ``k_norm`` a LayerNorm with a bias).
+    Replicated on every TP rank of every side.  SGLang holds ``weights_proj`` in bfloat16 and
+    ``k_norm`` in float32 whatever the model's dtype, and on CUDA fuses ``wk`` and
+    ``weights_proj`` into one bfloat16 ``wk_weights_proj`` when the indexer's rotary is
+    interleaved (GLM-5; variant ``indexer_fused``); vLLM always fuses them, in the model's
+    dtype.  Megatron-core holds it under ``core_attention.indexer`` (``linear_`` names),
+    replicated, in the model dtype, row for row the HF tensors from 0.19 on (0.16-0.18 put
+    each head's rotary channels last: docs/models.md)."""
+    m = "self_attention.core_attention.indexer."
+    return Block(
+        logical=(*mla.logical,
+                 T(_I + "wq_b.weight", "iq", "ql"), T(_I + "wk.weight", "id", "H"),
+                 T(_I + "k_norm.weight", "id"), T(_I + "k_norm.bias", "id"),
+                 T(_I + "weights_proj.weight", "ih", "H")),
+        kind="dsa",
+        rotary=mla.rotary,
+        megatron=(*mla.megatron,
+                  Row(m + "linear_wq_b.weight", Whole(_I + "wq_b.weight")),
+                  Row(m + "linear_wk.weight", Whole(_I + "wk.weight")),
+                  Row(m + "k_norm.weight", Whole(_I + "k_norm.weight")),
+                  Row(m + "k_norm.bias", Whole(_I + "k_norm.bias")),
+                  Row(m + "linear_weights_proj.weight", Whole(_I + "weights_proj.weight"))),
+        engine=(*mla.engine,
+                Row(_I + "wq_b.weight", Whole()),
+                Row(_I + "wk.weight", Whole(), unless=("indexer_fused", "vllm")),
+                Row(_I + "weights_proj.weight", Whole(), dtype="bfloat16", unless=("indexer_fused", "vllm")),
+                Row(_I + "wk_weights_proj.weight", Concat(_INDEX_KEY), dtype="bfloat16", variant="indexer_fused",
+                    unless="vllm"),
+                Row(_I + "wk_weights_proj.weight", Concat(_INDEX_KEY), variant="vllm"),
+                Row(_I + "k_norm.weight", Whole(), dtype="float32"),
+                Row(_I + "k_norm.bias", Whole(), dtype="float32")),
+    )
+
+
+DSA = with_indexer(MLA)
+
 def gated_mlp(*, fused_checkpoint: bool = False) -> Block:
     """The dense MLP; ``fused_checkpoint``: gate and up are one HF tensor (GLM4)."""
     if fused_checkpoint:

@@ -34,7 +34,9 @@ def dims(spec: ModelSpec) -> dict[str, int]:
             "ql": spec.q_lora_rank or 0, "kl": spec.kv_lora_rank, "kva": spec.kv_lora_rank + spec.qk_rope_head_dim,
             "qh": h * d, "kvb": h * (spec.qk_nope_head_dim + spec.v_head_dim), "hv": h * spec.v_head_dim,
             # rotary widths: a share of the head (partial rotary), or MLA's rope part
-            "rot": int(d * spec.partial_rotary_factor), "rope": spec.qk_rope_head_dim}
+            "rot": int(d * spec.partial_rotary_factor), "rope": spec.qk_rope_head_dim,
+            # sparse attention's indexer: query rows (heads x head width), key width, heads
+            "iq": spec.index_n_heads * spec.index_head_dim, "id": spec.index_head_dim, "ih": spec.index_n_heads}
 
 
 # -- logical tensors ---------------------------------------------------------------------------
@@ -160,11 +162,12 @@ class Row:
     when: Predicate = always
     dtype: str | None = None
     variant: str | None = None
-    unless: str | None = None
+    unless: str | tuple[str, ...] | None = None
 
     def exists(self, spec: ModelSpec, variants: frozenset[str]) -> bool:
+        unless = (self.unless,) if isinstance(self.unless, str) else self.unless or ()
         return (self.when(spec) and (self.variant is None or self.variant in variants)
-                and (self.unless is None or self.unless not in variants))
+                and not variants.intersection(unless))
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,9 @@ class Family:
     mlp: Block  # dense layers
     moe: Block | None = None  # sparse layers (mixture of experts)
     mtp: MtpHead | None = None  # the checkpoint's MTP layers (``num_nextn_predict_layers``)
+    # sparse attention: the block of the layers that reuse the layer before's choice (no indexer)
+    shared_attention: Block | None = None
+    index_rope_interleaved: bool = False  # the indexer's rotary on neighbouring pairs (GLM-5), else halves
     qkv_bias: bool = False
     qk_norm: bool = False
     post_norms: bool = False  # a norm after attention and after the MLP (GLM4)
@@ -223,4 +229,6 @@ class Family:
     def blocks(self, spec: ModelSpec, layer: int) -> tuple[Block, Block]:
         """The attention block and the MLP block of ``layer`` (an MTP layer's decoder layer too)."""
         sparse = self.moe is not None and spec.sparse_layer(layer)
-        return self.attention, (self.moe if sparse and self.moe is not None else self.mlp)
+        shared = self.shared_attention is not None and layer in spec.index_shared_layers
+        attention = self.shared_attention if shared and self.shared_attention is not None else self.attention
+        return attention, (self.moe if sparse and self.moe is not None else self.mlp)

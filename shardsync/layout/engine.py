@@ -81,15 +81,26 @@ ENGINE_VARIANTS: dict[str, str] = {
     "shared_fused": "the shared expert is expert E of the w13/w2 stacks (SGLang's shared-expert fusion, on by "
                     "default at EP 1 on CUDA sm80+; --disable-shared-experts-fusion turns it off)",
     "vllm": "vLLM's names (latent attention: fused_qkv_a_proj for SGLang's fused_qkv_a_proj_with_mqa; experts "
-            "under mlp.experts.routed_experts)",
+            "under mlp.experts.routed_experts; the sparse-attention indexer's wk and weights_proj as one "
+            "wk_weights_proj)",
+    "indexer_fused": "the sparse-attention indexer's wk and weights_proj as one bfloat16 wk_weights_proj (SGLang on "
+                     "CUDA when the indexer's rotary is interleaved: GLM-5; SGLANG_DISABLE_DSA_INDEXER_FUSION=1 turns "
+                     "it off)",
 }
 
 
 def variant_choices(spec: ModelSpec, par: EngineParallel) -> tuple[frozenset[str], ...]:
     """The variant sets an engine like ``par`` may hold ``spec`` in, ``par``'s own first: what a
     host tries its parameters against when they are not the planned layout."""
-    fusable = spec.shared_expert_intermediate_size == spec.moe_intermediate_size > 0 and par.ep == 1
-    return (par.variants, par.variants ^ {"shared_fused"}) if fusable else (par.variants,)
+    toggles = []
+    if spec.shared_expert_intermediate_size == spec.moe_intermediate_size > 0 and par.ep == 1:
+        toggles.append("shared_fused")
+    if spec.is_sparse_attention and spec.family_table.index_rope_interleaved and "vllm" not in par.variants:
+        toggles.append("indexer_fused")
+    choices = [par.variants]
+    for word in toggles:
+        choices += [c ^ {word} for c in choices]
+    return tuple(choices)
 
 
 def check_engine(spec: ModelSpec, par: EngineParallel) -> None:

@@ -38,7 +38,7 @@ from torch import nn
 from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
-from shardsync.models.latent import LatentAttention
+from shardsync.models.latent import Baton, LatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.spec import DTYPES, ModelSpec
@@ -50,10 +50,12 @@ Generation = tuple[list[int], list[float]]
 
 @dataclass
 class KVCache:
-    """Per-layer keys/values ``[batch, local kv heads, capacity, head_dim]``, filled to ``length``."""
+    """Per-layer keys/values ``[batch, local kv heads, capacity, head_dim]``, filled to ``length``;
+    sparse attention's indexer keys ``[batch, capacity, index_head_dim]`` per layer too."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    index_keys: list[torch.Tensor] = field(default_factory=list)
     length: int = 0
     capacity: int = field(init=False)
 
@@ -202,25 +204,31 @@ class _Experts(nn.Module):
         return self.tp.all_reduce(out).view_as(x)
 
 
-def _latent(spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP, device: torch.device) -> LatentAttention:
-    return LatentAttention(spec, prefix, tp.size, lambda name, attrs: _Leaf(rl, name, attrs, device), tp.all_reduce)
+def _latent(kind: str) -> Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton], LatentAttention]:
+    def build(spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP, device: torch.device,
+              baton: Baton) -> LatentAttention:
+        return LatentAttention(spec, prefix, tp.size, lambda name, attrs: _Leaf(rl, name, attrs, device),
+                               tp.all_reduce, kind=kind, baton=baton)
+    return build
 
 
 # the family's attention block (``Block.kind``) -> the module that computes it on one TP rank
-ATTENTION: dict[str, Callable[[ModelSpec, RankLayout, str, _TP, torch.device], _Attention | LatentAttention]] = {
-    "gqa": _Attention,
-    "mla": _latent,
+ATTENTION: dict[str, Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton],
+                              _Attention | LatentAttention]] = {
+    "gqa": lambda spec, rl, prefix, tp, device, baton: _Attention(spec, rl, prefix, tp, device),
+    **{kind: _latent(kind) for kind in ("mla", "dsa", "dsa_shared")},
 }
 
 
 class _Layer(nn.Module):
     def __init__(self, spec: ModelSpec, rl: RankLayout, layer: int, tp: _TP, ep: int,
-                 device: torch.device) -> None:
+                 device: torch.device, baton: Baton) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
         self.eps, self.index = spec.rms_norm_eps, layer
         self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
-        self.self_attn = ATTENTION[spec.family_table.attention.kind](spec, rl, p + "self_attn.", tp, device)
+        kind = spec.family_table.blocks(spec, layer)[0].kind
+        self.self_attn = ATTENTION[kind](spec, rl, p + "self_attn.", tp, device, baton)
         if spec.post_norms:  # GLM4
             self.post_self_attn_layernorm = _Leaf(rl, p + "post_self_attn_layernorm", ("weight",), device)
         self.post_attention_layernorm = _Leaf(rl, p + "post_attention_layernorm", ("weight",), device)
@@ -248,7 +256,8 @@ class _Decoder(nn.Module):
     def __init__(self, spec: ModelSpec, rl: RankLayout, tp: _TP, ep: int, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = _Leaf(rl, "model.embed_tokens", ("weight",), device)
-        self.layers = nn.ModuleList(_Layer(spec, rl, i, tp, ep, device) for i in range(spec.num_layers))
+        baton = Baton()  # sparse attention: the last indexer choice, for the layers that reuse it
+        self.layers = nn.ModuleList(_Layer(spec, rl, i, tp, ep, device, baton) for i in range(spec.num_layers))
         self.norm = _Leaf(rl, "model.norm", ("weight",), device)
 
 
@@ -343,9 +352,12 @@ class EngineModel(nn.Module):
         attn = self.model.layers[0].self_attn
         keys, values = (batch, attn.nkv, capacity, attn.k_dim), (batch, attn.nkv, capacity, attn.v_dim)
         n = self.spec.num_layers
+        index = (batch, capacity, self.spec.index_head_dim)
         return KVCache(
             keys=[torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(n)],
             values=[torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(n)],
+            index_keys=[torch.zeros(index, dtype=self.dtype, device=self.device)
+                        for _ in range(n if self.spec.is_sparse_attention else 0)],
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

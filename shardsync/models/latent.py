@@ -18,6 +18,7 @@ from torch import nn
 
 from shardsync.models.ops import apply_rope, attention, rms_norm
 from shardsync.models.parallel import Comm
+from shardsync.models.sparse import index_keys, select
 from shardsync.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -39,10 +40,12 @@ def softmax_scale(spec: ModelSpec) -> float:
 
 
 def latent_heads(spec: ModelSpec, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                 sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                 chosen: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a rank's heads: ``q`` [b, s, h(nope + rope)], ``kv`` [b, s, h(nope + v)]
     (``kv_b_proj`` of the latent), ``k_rope`` [b, s, rope] shared by the heads -> [b, s, h v].
-    Rotary on the rope channels, neighbouring pairs; keys and values cached as ``cache`` holds."""
+    Rotary on the rope channels, neighbouring pairs; keys and values cached as ``cache`` holds.
+    ``chosen`` [b, s, t]: the keys each query may see (sparse attention), besides the causal mask."""
     nope, rope, vd = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
     b, s = q.shape[0], q.shape[1]
     h = q.shape[-1] // (nope + rope)
@@ -57,17 +60,35 @@ def latent_heads(spec: ModelSpec, q: torch.Tensor, kv: torch.Tensor, k_rope: tor
         cache.keys[layer][:, :, start:start + s] = k
         cache.values[layer][:, :, start:start + s] = v
         k, v = cache.keys[layer][:, :, :start + s], cache.values[layer][:, :, :start + s]
-    out = attention(q, k, v, causal_offset=start, scale=softmax_scale(spec))
+    mask = None if chosen is None else chosen[:, None]
+    out = attention(q, k, v, causal_offset=start, mask=mask, scale=softmax_scale(spec))
     return out.transpose(1, 2).reshape(b, s, h * vd)
 
 
+class Baton:
+    """The last indexer's choice within one forward, for the layers that reuse it (GLM-5's
+    shared layers): every layer of a model holds the same baton."""
+
+    def __init__(self) -> None:
+        self.chosen: torch.Tensor | None = None
+
+    def take(self, layer: int) -> torch.Tensor:
+        if self.chosen is None:
+            raise RuntimeError(f"layer {layer} reuses the indexer choice of a layer before it, and none ran "
+                               "(a pipeline stage cannot start on a shared sparse-attention layer)")
+        return self.chosen
+
+
 class LatentAttention(nn.Module):
-    """One engine rank's MLA heads.  ``leaf(name, attrs)`` makes the parameter holders."""
+    """One engine rank's MLA heads.  ``leaf(name, attrs)`` makes the parameter holders.
+    Sparse attention: ``kind`` "dsa" runs this layer's indexer (SGLang's names, replicated) and
+    passes its choice on through ``baton``; "dsa_shared" reuses the choice of the layer before."""
 
     def __init__(self, spec: ModelSpec, prefix: str, tp_size: int, leaf: Callable[[str, tuple[str, ...]], nn.Module],
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor], *, kind: str = "mla",
+                 baton: Baton | None = None) -> None:
         super().__init__()
-        self.spec, self.all_reduce = spec, all_reduce
+        self.spec, self.all_reduce, self.kind, self.baton = spec, all_reduce, kind, baton or Baton()
         if spec.q_lora_rank is not None:
             self.fused_qkv_a_proj_with_mqa = leaf(prefix + "fused_qkv_a_proj_with_mqa", ("weight",))
             self.q_a_layernorm = leaf(prefix + "q_a_layernorm", ("weight",))
@@ -78,21 +99,47 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = leaf(prefix + "kv_a_layernorm", ("weight",))
         self.kv_b_proj = leaf(prefix + "kv_b_proj", ("weight",))
         self.o_proj = leaf(prefix + "o_proj", ("weight",))
+        if kind == "dsa":
+            self.indexer = nn.Module()
+            for name in ("wq_b", "wk", "weights_proj"):
+                self.indexer.add_module(name, leaf(f"{prefix}indexer.{name}", ("weight",)))
+            self.indexer.k_norm = leaf(prefix + "indexer.k_norm", ("weight", "bias"))
         # what a KV cache holds per layer: every local head's key (nope + rope) and value
         self.nkv, self.k_dim, self.v_dim = spec.num_heads // tp_size, spec.head_dim, spec.v_head_dim
+
+    def _choose(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor | None:
+        """Sparse attention: which keys each query sees (this layer's indexer, or the layer before's)."""
+        if self.kind == "mla":
+            return None
+        if self.kind == "dsa_shared":
+            return self.baton.take(layer)
+        ix = self.indexer
+        keys = index_keys(self.spec, x, ix.wk.weight, ix.k_norm.weight, ix.k_norm.bias, cos, sin)
+        start = 0
+        if cache is not None:
+            start, s = cache.length, x.shape[1]
+            cache.index_keys[layer][:, start:start + s] = keys
+            keys = cache.index_keys[layer][:, :start + s]
+        self.baton.chosen = select(self.spec, x, q_latent, keys, ix.wq_b.weight, ix.weights_proj.weight, cos, sin,
+                                   start)
+        return self.baton.chosen
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 layer: int) -> torch.Tensor:
         spec, eps = self.spec, self.spec.rms_norm_eps
+        q_latent = x
         if spec.q_lora_rank is None:
             q, kva = F.linear(x, self.q_proj.weight), F.linear(x, self.kv_a_proj_with_mqa.weight)
         else:
             qa, kva = F.linear(x, self.fused_qkv_a_proj_with_mqa.weight).split(
                 [spec.q_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim], dim=-1)
-            q = F.linear(rms_norm(qa, self.q_a_layernorm.weight, eps), self.q_b_proj.weight)
+            q_latent = rms_norm(qa, self.q_a_layernorm.weight, eps)
+            q = F.linear(q_latent, self.q_b_proj.weight)
         latent, k_rope = kva.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
         kv = F.linear(rms_norm(latent, self.kv_a_layernorm.weight, eps), self.kv_b_proj.weight)
-        out = latent_heads(spec, q, kv, k_rope, cos, sin, cache, layer)
+        chosen = self._choose(x, q_latent, cos, sin, cache, layer)
+        out = latent_heads(spec, q, kv, k_rope, cos, sin, cache, layer, chosen)
         return self.all_reduce(F.linear(out, self.o_proj.weight))
 
 
@@ -105,9 +152,11 @@ class TrainerLatentAttention(nn.Module):
     their output."""
 
     def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool,
-                 weights: Callable[[str, tuple[str, ...], bool], nn.Module]) -> None:
+                 weights: Callable[[str, tuple[str, ...], bool], nn.Module], *, kind: str = "mla",
+                 baton: Baton | None = None, layer: int = 0) -> None:
         super().__init__()
-        self.spec, self.tp, self.fused = spec, tp, fused
+        self.spec, self.tp, self.fused, self.kind, self.baton = spec, tp, fused, kind, baton or Baton()
+        self.layer = layer
         p = prefix + "self_attention."
         ln = ("layer_norm_weight",) if fused else ()
         if spec.q_lora_rank is not None:
@@ -122,6 +171,25 @@ class TrainerLatentAttention(nn.Module):
             if spec.q_lora_rank is not None:
                 self.q_layernorm = weights(p + "q_layernorm", ("weight",), False)
             self.kv_layernorm = weights(p + "kv_layernorm", ("weight",), False)
+        if kind == "dsa":  # megatron-core's DSA: the indexer lives in core_attention, replicated
+            self.core_attention = nn.Module()
+            ix = self.core_attention.indexer = nn.Module()
+            for name in ("linear_wq_b", "linear_wk", "k_norm", "linear_weights_proj"):  # megatron-core's order
+                attrs = ("weight", "bias") if name == "k_norm" else ("weight",)
+                ix.add_module(name, weights(f"{p}core_attention.indexer.{name}", attrs, False))
+            ix.requires_grad_(False)  # no gradient reaches it (top-k); its own training loss is not run here
+
+    def _choose(self, h: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor | None:
+        if self.kind == "mla":
+            return None
+        if self.kind == "dsa_shared":
+            return self.baton.take(self.layer)
+        ix = self.core_attention.indexer
+        keys = index_keys(self.spec, h, ix.linear_wk.weight.to(dtype), ix.k_norm.weight, ix.k_norm.bias, cos, sin)
+        self.baton.chosen = select(self.spec, h, q_latent, keys, ix.linear_wq_b.weight.to(dtype),
+                                   ix.linear_weights_proj.weight, cos, sin)
+        return self.baton.chosen
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``h``: the normed input (replicated over TP) -> the attention output, reduced."""
@@ -135,14 +203,16 @@ class TrainerLatentAttention(nn.Module):
             return out if self.fused else tp.gather_last(out)
 
         x = h if self.fused else tp.copy_to(h)
+        qa = h
         if spec.q_lora_rank is None:
             q = F.linear(x if not self.fused else tp.copy_to(h), w(self.linear_q_proj.weight))
         else:
             gain = self.linear_q_up_proj.layer_norm_weight if self.fused else self.q_layernorm.weight
             qa = rms_norm(down(self.linear_q_down_proj, x), w(gain), eps)
             q = F.linear(tp.copy_to(qa), w(self.linear_q_up_proj.weight))
+        chosen = self._choose(h, qa, cos, sin, dtype)
         latent, k_rope = down(self.linear_kv_down_proj, x).split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
         gain = self.linear_kv_up_proj.layer_norm_weight if self.fused else self.kv_layernorm.weight
         kv = F.linear(tp.copy_to(rms_norm(latent, w(gain), eps)), w(self.linear_kv_up_proj.weight))
-        out = latent_heads(spec, q, kv, tp.copy_to(k_rope), cos, sin)
+        out = latent_heads(spec, q, kv, tp.copy_to(k_rope), cos, sin, chosen=chosen)
         return tp.reduce_from(F.linear(out, w(self.linear_proj.weight)))

@@ -55,7 +55,7 @@ from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
 from shardsync.layout.logical import mtp_layers
-from shardsync.models.latent import TrainerLatentAttention
+from shardsync.models.latent import Baton, TrainerLatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.parallel import (
     Comm,
@@ -243,13 +243,22 @@ class _GqaAttention(nn.Module):
 
 @dataclass(frozen=True)
 class _AttentionKind:
-    build: Callable[[ModelSpec, str, Comm, bool, _Make], nn.Module]
+    # (spec, prefix, tp, fused norms, weights, layer, the model's baton) -> the module
+    build: Callable[[ModelSpec, str, Comm, bool, _Make, int, Baton], nn.Module]
     fuses_input_norm: bool  # under the TE spec the layer's input norm lives in the first linear
 
 
+def _latent(kind: str) -> _AttentionKind:
+    def build(spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make, layer: int,
+              baton: Baton) -> nn.Module:
+        return TrainerLatentAttention(spec, prefix, tp, fused, weights, kind=kind, baton=baton, layer=layer)
+    return _AttentionKind(build, fuses_input_norm=False)  # MLA: never fused
+
+
 # the family's attention block (``Block.kind``) -> its module under Megatron's names
-ATTENTION = {"gqa": _AttentionKind(_GqaAttention, fuses_input_norm=True),
-             "mla": _AttentionKind(TrainerLatentAttention, fuses_input_norm=False)}  # MLA: never fused
+ATTENTION = {"gqa": _AttentionKind(lambda spec, prefix, tp, fused, weights, layer, baton:
+                                   _GqaAttention(spec, prefix, tp, fused, weights), fuses_input_norm=True),
+             **{kind: _latent(kind) for kind in ("mla", "dsa", "dsa_shared")}}
 
 
 class _Layer(nn.Module):
@@ -263,14 +272,15 @@ class _Layer(nn.Module):
         self.sparse = spec.sparse_layer(layer)
         self.fused = model.par.norm_names == "fused" and not self.sparse
         self.fused_attn = model.par.norm_names == "fused"
-        kind = ATTENTION[spec.family_table.attention.kind]
+        kind = ATTENTION[spec.family_table.blocks(spec, layer)[0].kind]
         self.norm_in_attention = self.fused_attn and kind.fuses_input_norm  # the TE spec's fused norm
         if not self.norm_in_attention:
             self.input_layernorm = _Weights(tensors, prefix + "input_layernorm", ("weight",),
                                             tp_sharded=False)
         self.self_attention = kind.build(spec, prefix, self.tp, self.fused_attn,
                                          lambda name, attrs, sharded: _Weights(tensors, name, attrs,
-                                                                               tp_sharded=sharded))
+                                                                               tp_sharded=sharded),
+                                         layer, model.baton)
         self.post_norms = spec.post_norms  # GLM4: norms of the attention and MLP outputs
         if self.post_norms:
             self.post_self_attn_layernorm = _Weights(tensors, prefix + "post_self_attn_layernorm", ("weight",),
@@ -360,6 +370,10 @@ class TrainerModel(nn.Module):
             raise ValueError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
         if not 0 <= rank < par.world_size:
             raise ValueError(f"rank {rank} outside the model's {par.world_size} ranks")
+        starts = [stage[0] for stage in par.stage_layers(spec.num_layers) if stage]
+        if shared := sorted(set(starts) & set(spec.index_shared_layers)):
+            raise ValueError(f"a pipeline stage starts on layer {shared[0]}, which reuses the indexer choice of the "
+                             "layer before (sparse attention): move the stage boundary")
         self.spec, self.par, self.rank = spec, par, rank
         self.compute_dtype = compute_dtype
         self.device = torch.device(device)
@@ -386,6 +400,7 @@ class TrainerModel(nn.Module):
             self.embedding = nn.Module()
             self.embedding.word_embeddings = _Weights(
                 tensors, "embedding.word_embeddings", ("weight",), tp_sharded=True)
+        self.baton = Baton()  # sparse attention: the last indexer choice, for the layers that reuse it
         self.decoder = nn.Module()
         layers = par.stage_layers(spec.num_layers)[pp_rank]
         self.decoder.layers = nn.ModuleList(

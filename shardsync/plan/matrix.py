@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.mode import Mode
@@ -60,7 +61,7 @@ class Case:
     engine_pp: int = 1  # reported by an engine whose layout has no stages
     engine_stages: int = 1  # SGLang: pipeline stages in the engine layout
     quantization: str | None = None
-    spec_changes: tuple[tuple[str, int], ...] = ()
+    spec_changes: tuple[tuple[str, Any], ...] = ()
     note: str = ""
 
     def topology(self) -> Topology:
@@ -192,8 +193,26 @@ def mla_cases() -> list[Case]:
     ]
 
 
+def dsa_cases() -> list[Case]:
+    """Sparse attention (tiny-glm5: GLM-5's interleaved indexer rotary; tiny-deepseek-v32):
+    MLA plus an indexer replicated on every rank of every side."""
+    glm = dict(model="tiny-glm5")
+    return [
+        Case(**glm, relation="DSA, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
+             engine_ep=2, note="TP 2 EP 2 -> engine TP 2 EP 2 (the demo)"),
+        Case(model="tiny-deepseek-v32", relation="DSA heads over more TP", trainer_tp=2, trainer_pp=2,
+             engine_tps=(4,), engine_ep=4, note="PP 2 TP 2 -> engine TP 4 EP 4; indexer whole everywhere"),
+        Case(**glm, relation="GLM-5 shared indexer layers", trainer_tp=2, trainer_dp=2, trainer_ep=4, trainer_etp=1,
+             engine_tps=(2, 4), engine_ep=2, spec_changes=(("index_shared_layers", (2,)),),
+             note="layer 2 reuses layer 1's choice: no indexer tensors there"),
+        Case(**glm, relation="DSA into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+             note="vLLM fuses wk and weights_proj (wk_weights_proj)"),
+    ]
+
+
 def build(cases: list[Case] | None = None) -> list[Entry]:
-    cases = list(grid_cases()) + extra_cases() + moe_cases() + mla_cases() if cases is None else cases
+    cases = (list(grid_cases()) + extra_cases() + moe_cases() + mla_cases() + dsa_cases()
+             if cases is None else cases)
     return [Entry(c, tuple(check_p2p(c.topology()))) for c in cases]
 
 
@@ -237,7 +256,9 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
     grid = [e for e in entries if not e.case.note]
     extra = [e for e in entries if e.case.note and not PRESETS[e.case.model].is_moe]
     moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe and not PRESETS[e.case.model].is_mla]
-    mla = [e for e in entries if e.case.note and PRESETS[e.case.model].is_mla]
+    mla = [e for e in entries if e.case.note and PRESETS[e.case.model].is_mla
+           and not PRESETS[e.case.model].is_sparse_attention]
+    dsa = [e for e in entries if e.case.note and PRESETS[e.case.model].is_sparse_attention]
     counts = {p: sum(_cell(e, "auto") == p for e in grid) for p in ("p2p", "broadcast", "refused")}
     out = [
         "# Fallback matrix",
@@ -295,6 +316,14 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
         "over TP on every side, the down projections whole on the engines, experts as above.",
         "",
         *_table(mla, with_note=True),
+        "",
+        "## Sparse attention (DSA)",
+        "",
+        "GLM-5- and DeepSeek-V3.2-shaped models (`tiny-glm5`, `tiny-deepseek-v32`): latent attention",
+        "as above plus each layer's indexer, replicated on every rank of every side (SGLang holds",
+        "`weights_proj` in bfloat16 and `k_norm` in float32; vLLM fuses `wk` and `weights_proj`).",
+        "",
+        *_table(dsa, with_note=True),
         "",
     ]
     return "\n".join(out)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shardsync.layout import Layout, MegatronParallel
 from shardsync.models.engine import EngineModel
 from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
-from shardsync.models.weights import load_rank, random_source
+from shardsync.models.weights import TensorSource, load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import ModelSpec
 from shardsync.presets import PRESETS
@@ -86,14 +86,14 @@ def _reference(spec: ModelSpec, inp: dict[str, torch.Tensor], dp: int) -> dict[s
 # --- transformers (in process) ----------------------------------------------------------------
 
 
-def _hf_model(spec: ModelSpec):
-    """transformers' Qwen3-MoE from the same random source (experts stacked as it holds them)."""
+def _hf_model(spec: ModelSpec, source: TensorSource | None = None):
+    """transformers' model from the same random source (or ``source``; experts stacked as it holds them)."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**spec.to_hf_config())
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                          dtype=torch.float32)
-    src = random_source(spec, SEED)
+    src = source or random_source(spec, SEED)
     E = spec.num_experts
     with torch.no_grad():  # GLM4-MoE's e_score_correction_bias is a buffer there
         for name, param in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if "e_score" in n)]:

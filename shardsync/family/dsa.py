@@ -1,0 +1,70 @@
+"""DeepSeek sparse attention families: DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) and GLM-5
+(``GlmMoeDsaForCausalLM``): DeepSeek-V3's latent attention, experts and MTP layer, plus a
+lightning indexer per layer that picks each query's keys.  GLM-5's indexer turns neighbouring
+rotary pairs, DeepSeek-V3.2's halves; GLM-5 may let a layer reuse the layer before's choice
+(``indexer_types`` "shared": that layer holds no indexer).  SGLang 0.5.23 serves both with
+its DeepSeek classes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from shardsync.family.blocks import DSA, MLA, MOE, MTP, gated_mlp
+from shardsync.family.fields import (
+    first_k_dense,
+    indexer_dims,
+    latent_dims,
+    read_dsa,
+    read_mla,
+    read_sigmoid_moe,
+    write_dsa,
+    write_mla,
+    write_sigmoid_moe,
+)
+from shardsync.family.table import Family
+
+if TYPE_CHECKING:
+    from shardsync.spec import ModelSpec
+
+
+def _read(cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg.get("attention_bias"):
+        raise ValueError("latent attention with attention_bias=true is not supported")
+    if cfg.get("index_k_norm_type", "layernorm") != "layernorm" or (cfg.get("index_kpool") or 1) > 1:
+        raise ValueError("an indexer with an RMS key norm or a key pool (index_k_norm_type, index_kpool) is not "
+                         "supported")
+    return {**read_mla(cfg), **read_sigmoid_moe(cfg), **read_dsa(cfg)}
+
+
+def _check(spec: ModelSpec) -> str | None:
+    return latent_dims(spec) or first_k_dense(spec) or indexer_dims(spec)
+
+
+def _check_v32(spec: ModelSpec) -> str | None:
+    if spec.index_shared_layers:
+        return "DeepSeek-V3.2 runs the indexer on every layer (index_shared_layers must be empty)"
+    return _check(spec)
+
+
+def _write_v32(spec: ModelSpec) -> dict[str, Any]:
+    own = write_dsa(spec)
+    del own["indexer_types"]  # not a DeepSeek-V3.2 config key
+    return {**write_mla(spec), **write_sigmoid_moe(spec), **own}
+
+
+def _write_glm5(spec: ModelSpec) -> dict[str, Any]:
+    k = len(spec.mlp_only_layers)
+    return {**write_mla(spec), **write_sigmoid_moe(spec), **write_dsa(spec),
+            "mlp_layer_types": ["dense"] * k + ["sparse"] * (spec.num_layers - k),
+            "indexer_rope_interleave": True}  # what GLM-5's config says and SGLang reads
+
+
+# a shared layer: latent attention over the keys the layer before chose
+SHARED_DSA = dataclasses.replace(MLA, kind="dsa_shared")
+
+DEEPSEEK_V32 = Family("deepseek_v32", "DeepseekV32ForCausalLM", DSA, gated_mlp(), MOE, mtp=MTP,
+                      rope_interleaved=True, read=_read, write=_write_v32, check=_check_v32)
+GLM_MOE_DSA = Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", DSA, gated_mlp(), MOE, mtp=MTP, shared_attention=SHARED_DSA,
+                     rope_interleaved=True, index_rope_interleaved=True,
+                     read=_read, write=_write_glm5, check=_check)
