@@ -39,6 +39,11 @@ CASES = [
     # the P2P examples' 64-node run: 32 trainer + 32 rollout nodes
     ("Kimi-K2", MegatronParallel(tp=8, pp=4, dp=8, ep=32, etp=1, pp_layers=(16, 15, 15, 15)),
      (EngineParallel(tp=16, ep=16),) * 16),
+    # sparse attention: the examples' GLM-5 run (16 + 16 nodes; published 58.3 s broadcast, 8.48 s per-shard)
+    ("GLM-5", MegatronParallel(tp=4, pp=4, dp=8, ep=32, etp=1, pp_layers=(20, 20, 20, 18)),
+     (EngineParallel(tp=8, ep=8),) * 16),
+    ("DeepSeek-V3.2", MegatronParallel(tp=1, pp=16, dp=16, ep=16, etp=1, pp_layers=(4,) * 15 + (1,)),
+     (EngineParallel(tp=32, ep=32),) * 8),
 ]
 
 

@@ -7,7 +7,8 @@
 
 Without CUDA (``--size auto``) every recipe runs the tiny variant of its family on CPU
 (Qwen3 -> tiny-qwen3, Llama -> tiny-llama, Qwen2.5 -> tiny-qwen2, Qwen3-MoE -> tiny-qwen3-moe,
-GLM4-MoE -> tiny-glm4-moe, DeepSeek-V3 / Kimi-K2 -> tiny-deepseek-v3, GLM-4.7-Flash -> tiny-glm4-moe-lite)
+GLM4-MoE -> tiny-glm4-moe, DeepSeek-V3 / Kimi-K2 -> tiny-deepseek-v3, GLM-4.7-Flash -> tiny-glm4-moe-lite,
+GLM-5 / GLM-5-4layer -> tiny-glm5, DeepSeek-V3.2 -> tiny-deepseek-v32)
 with a CPU-sized topology.
 Environment knobs: ``SHARDSYNC_BUCKET_MB`` (bucket size, MiB) and ``SHARDSYNC_SKIP_VERIFY=1``
 (skip the bitwise checksum after each update).  See docs/examples.md and docs/ray.md.
@@ -100,6 +101,19 @@ RECIPES = {r.model: r for r in (
            Topo(1, 2, (2,), trainer_dp=2, trainer_ep=2, engine_ep=2)),
     Recipe("GLM-4.7-Flash", "tiny-glm4-moe-lite",
            Topo(4, 1, (4,), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=4),
+           Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
+    # sparse attention.  GLM-5: the examples' 16 + 16 nodes, trainer TP4 PP4 EP32 (CP 2 counted as DP: it holds the
+    # same weights), last stage 18 layers; engines one per node TP8 EP8 (the examples' SGLang runs DP attention with
+    # EP 64, a layout the engine tables do not hold yet).  GLM-5-4layer: their one-node run, TP4 EP8 -> TP8 EP8
+    Recipe("GLM-5", "tiny-glm5",
+           Topo(4, 4, (8,) * 16, trainer_dp=8, trainer_ep=32, trainer_etp=1, engine_ep=8, pp_layers=(20, 20, 20, 18)),
+           Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
+    Recipe("GLM-5-4layer", "tiny-glm5",
+           Topo(4, 1, (8,), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8),
+           Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
+    Recipe("DeepSeek-V3.2", "tiny-deepseek-v32",
+           Topo(1, 16, (32,) * 8, trainer_dp=16, trainer_ep=16, trainer_etp=1, engine_ep=32,
+                pp_layers=(4,) * 15 + (1,)),
            Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
 )}
 

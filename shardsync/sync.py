@@ -343,7 +343,7 @@ class WeightSync:
         conn, group = self._live()
         lay = conn.topo.trainer_layout
         mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, torch_dtype(conn.topo.wire_dtype),
-                               conn.topo.raw_dtypes)
+                               conn.topo.check_dtypes)
         self._calls += 1
         sums = RankSums.of(mine)
         parts = self.ranks.gather(group.store, conn.keys.check(self._calls, "sums"), sums, RankSums)

@@ -78,6 +78,23 @@ class Topology:
         return {n: d for n, d in per_engine[0].items() if all(other.get(n) == d for other in per_engine[1:])}
 
     @cached_property
+    def check_dtypes(self) -> dict[str, str]:
+        """The dtype a verify hashes each logical tensor in, where not the wire's: its own for
+        the raw ones, and the narrowest an engine holds it in where that is narrower than the
+        wire (SGLang's bfloat16 indexer ``weights_proj`` in a float32 sync): the engine holds
+        the trainer's value rounded as its own loader rounds it, and is checked so."""
+        wire = dtype_itemsize(self.wire_dtype)
+        narrow: dict[str, str] = {}
+        for lay in self.engine_layouts:
+            for rank in lay.ranks:
+                held = {t.name: t.dtype for t in rank.tensors if dtype_itemsize(t.dtype) < wire}
+                for p in rank.pieces:
+                    d = held.get(p.local)
+                    if d and dtype_itemsize(d) <= dtype_itemsize(narrow.get(p.logical, d)):
+                        narrow[p.logical] = d
+        return {**narrow, **self.raw_dtypes}
+
+    @cached_property
     def engine_held(self) -> frozenset[str]:
         """The logical tensors some engine holds (what a sync moves and a verify compares)."""
         return frozenset(p.logical for lay in self.engine_layouts for r in lay.ranks for p in r.pieces)

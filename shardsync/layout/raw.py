@@ -43,3 +43,16 @@ def raw_dtypes(spec: ModelSpec, megatron: frozenset[str], engine: frozenset[str]
 def width(raw: str | None, wire: str) -> int:
     """Wire elements one element takes: 1 when cast to the wire, its bytes over the wire's when raw."""
     return 1 if raw is None else torch_dtype(raw).itemsize // torch_dtype(wire).itemsize
+
+
+def narrow_dtypes(spec: ModelSpec, engine: frozenset[str], wire: str) -> dict[str, str]:
+    """Logical tensor -> the dtype an engine (layout variants ``engine``) holds it in, for those
+    it holds narrower than ``wire`` (SGLang's bfloat16 indexer ``weights_proj``)."""
+    width = torch_dtype(wire).itemsize
+    out: dict[str, str] = {}
+    for layer in (*range(spec.num_layers), *mtp_layers(spec)):
+        for block in layer_blocks(spec, layer):
+            for source, dtype in _typed(block.engine, spec, engine).items():
+                if torch_dtype(dtype).itemsize < width:
+                    out[f"model.layers.{layer}.{source}"] = dtype
+    return out

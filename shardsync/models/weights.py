@@ -25,15 +25,23 @@ TensorSource = Callable[[str], torch.Tensor]
 
 
 def random_source(spec: ModelSpec, seed: int = 0, *, std: float = 0.02) -> TensorSource:
-    """Deterministic random logical tensors: norms near 1, everything else N(0, std)."""
+    """Deterministic random logical tensors: norms near 1, everything else N(0, std); a tensor an
+    engine holds narrower than float32 (SGLang's bfloat16 indexer ``weights_proj``) holds values
+    that dtype represents, as a checkpoint in it would."""
+    from shardsync.layout.raw import narrow_dtypes
+
+    narrow = narrow_dtypes(spec, frozenset(), "float32")
+
     def get(name: str) -> torch.Tensor:
         shape = logical_shape(spec, name)
         digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         t = torch.randn(shape, generator=g, dtype=torch.float32)
         if name.endswith("norm.weight"):
-            return 1.0 + 0.1 * t
-        return t * (std * 5 if name.endswith(".bias") else std)
+            t = 1.0 + 0.1 * t
+        else:
+            t = t * (std * 5 if name.endswith(".bias") else std)
+        return t.to(torch_dtype(narrow[name])).float() if name in narrow else t
     return get
 
 

@@ -69,7 +69,7 @@ class Receiver:
         self._views: dict[int, tuple[object, Mapping[str, torch.Tensor]]] = {}  # id(mapping) -> views
         self.group: SyncGroup | None = None
         self.programs: dict[Mode, Program] = {}
-        self.raw: dict[str, str] = {}
+        self.check_dtypes: dict[str, str] = {}
         self._disk = DiskApply(self.rank_layout)
         self.sync_rank: int | None = None
 
@@ -101,7 +101,7 @@ class Receiver:
         returns this rank's sync rank.  A join that fails leaves the current connection as
         it was and releases what it built."""
         topo = topology_from_connect(req, self.dtype_name)
-        self.raw = topo.raw_dtypes  # the tensors that move (and are checked) as their own bits
+        self.check_dtypes = topo.check_dtypes  # the tensors checked in their own (or the engine's) dtype
         if topo.engines[req.engine_index].whole != self.whole:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
                              f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")
@@ -217,7 +217,7 @@ class Receiver:
         would read the storage served before the last swap)."""
         meta = self._meta
         served = {n: addressed(t, meta[n]) if n in meta else t for n, t in self.destination.served().items()}
-        return piece_checksums(self.rank_layout, served, self.layout.logical, self.dtype, self.raw)
+        return piece_checksums(self.rank_layout, served, self.layout.logical, self.dtype, self.check_dtypes)
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""

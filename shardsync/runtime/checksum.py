@@ -59,7 +59,7 @@ def piece_checksums(rank: RankLayout, tensors: Mapping[str, torch.Tensor],
                     logical: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
                     raw: Mapping[str, str] | None = None) -> dict[BoxKey, int]:
     """Checksums of every piece a rank holds, keyed by its logical box: in ``dtype``, the
-    logical tensors that move as their own bits (``raw``) in theirs."""
+    logical tensors ``raw`` names (``Topology.check_dtypes``: raw ones, narrower engine ones) in theirs."""
     out: dict[BoxKey, int] = {}
     raw = raw or {}
     for p in rank.pieces:

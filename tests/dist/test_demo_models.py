@@ -41,6 +41,8 @@ def _p2p_lighter(rows: list) -> bool:
     ("tiny-qwen3-moe", ("--trainer-tp", "1", "--trainer-dp", "2", "--trainer-ep", "2"), "TP1 PP1 DP2 EP2 ETP1"),
     # latent attention: the topology
     ("tiny-deepseek-v3", ("--trainer-tp", "2", "--trainer-ep", "2", "--trainer-etp", "1"), "TP2 PP1 DP1 EP2 ETP1"),
+    # sparse attention (GLM-5 shape): the indexer replicated everywhere, weights_proj bfloat16 on the engine
+    ("tiny-glm5", ("--trainer-tp", "2", "--trainer-ep", "2", "--trainer-etp", "1"), "TP2 PP1 DP1 EP2 ETP1"),
 ])
 def test_expert_parallel_demo_p2p_and_broadcast_bitwise(tmp_path, model: str, trainer: tuple[str, ...],
                                                         banner: str) -> None:

@@ -2,8 +2,8 @@
 ``GlmMoeDsaForCausalLM`` / ``DeepseekV32ForCausalLM`` (the indexer's top-k smaller than the
 sequence, so its choice shapes every layer; the trainer's gradients too), GLM-5's shared layers,
 parallel worlds against the TP 1 runs, and a KV-cached decode (the indexer's keys cached) against
-full recomputation.  The source's ``weights_proj`` is bfloat16-representable: SGLang's layout,
-which the reference engine holds, keeps it in bfloat16."""
+full recomputation.  ``random_source`` gives ``weights_proj`` bfloat16-representable values:
+SGLang's layout, which the reference engine holds, keeps it in bfloat16."""
 
 from __future__ import annotations
 
@@ -33,12 +33,10 @@ WORLD, WORLD_TIMEOUT_S = 2, 240
 
 
 def _source(spec: ModelSpec) -> TensorSource:
-    base = random_source(spec, SEED)
-
-    def get(name: str) -> torch.Tensor:
-        t = base(name)
-        return t.to(torch.bfloat16).float() if name.endswith("indexer.weights_proj.weight") else t
-    return get
+    src = random_source(spec, SEED)
+    w = src("model.layers.1.self_attn.indexer.weights_proj.weight")
+    assert torch.equal(w, w.to(torch.bfloat16).float())  # what the engine holds, exactly
+    return src
 
 
 def _ids(spec: ModelSpec) -> torch.Tensor:

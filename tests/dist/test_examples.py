@@ -54,6 +54,10 @@ def test_list():
                         ("GLM-4.7-Flash", "tiny-glm4-moe-lite")):
         assert rows[model]["tiny"] == tiny and rows[model]["cpu_engine_ep"] == 2
     assert rows["DeepSeek-V3"]["nodes"] == rows["Kimi-K2"]["nodes"] == 64
+    # sparse attention: GLM-5 as the examples run it (16 + 16 nodes), its 4-layer variant on one node
+    for model, tiny in (("GLM-5", "tiny-glm5"), ("GLM-5-4layer", "tiny-glm5"), ("DeepSeek-V3.2", "tiny-deepseek-v32")):
+        assert rows[model]["tiny"] == tiny and rows[model]["cpu_engine_ep"] == 2
+    assert (rows["GLM-5"]["nodes"], rows["GLM-5-4layer"]["nodes"]) == (32, 2)
 
 
 def test_prepare_random_tiny(tiny_ckpt):

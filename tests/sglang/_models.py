@@ -16,6 +16,8 @@ MODELS = {  # HF architecture -> SGLang module
     "LlamaForCausalLM": "sglang.srt.models.llama",
     "Qwen3MoeForCausalLM": "sglang.srt.models.qwen3_moe",
     "DeepseekV3ForCausalLM": "sglang.srt.models.deepseek_v2",
+    "DeepseekV32ForCausalLM": "sglang.srt.models.deepseek_v2",
+    "GlmMoeDsaForCausalLM": "sglang.srt.models.glm4_moe",  # SGLang's DeepSeek class under GLM's name
 }
 # tensors SGLang derives from loaded ones after loading (MLA: w_kc / w_vc from kv_b_proj), per module
 DERIVED = ("w_kc", "w_vc")
@@ -26,12 +28,17 @@ def _specs():
     # SGLang's Qwen3-MoE makes every layer sparse and its lm_head its own (it reads neither
     # ``mlp_only_layers`` nor ``tie_word_embeddings``; released Qwen3-MoE checkpoints use neither)
     moe = PRESETS["tiny-qwen3-moe"].replace(mlp_only_layers=(), tie_word_embeddings=False)
+    # SGLang's CPU rotary takes DeepSeek's yarn only (it asserts a scaling dict): GLM-5's default rope
+    # becomes yarn here, which changes no parameter
+    glm5 = PRESETS["tiny-glm5"].replace(rope_scaling=PRESETS["tiny-deepseek-v3"].rope_scaling)
     return {**{m: PRESETS[m] for m in ("tiny-qwen3", "tiny-qwen2", "tiny-llama")}, "tiny-qwen3-moe": moe,
-            "tiny-deepseek-v3": PRESETS["tiny-deepseek-v3"]}
+            "tiny-deepseek-v3": PRESETS["tiny-deepseek-v3"], "tiny-deepseek-v32": PRESETS["tiny-deepseek-v32"],
+            "tiny-glm5": glm5}
 
 
 # q/k norms; bias + tied embeddings; 4 KV heads; experts (triton layout); latent attention, shared
-# experts, a sigmoid router and the derived w_kc / w_vc
+# experts, a sigmoid router and the derived w_kc / w_vc; sparse attention's indexer (DeepSeek-V3.2's
+# and GLM-5's)
 SPECS = _specs()
 MLA = tuple(m for m, s in SPECS.items() if s.is_mla)
 
@@ -83,10 +90,13 @@ def publish_rank(tp_rank: int, tp_size: int, dtype: str, loaders: tuple[str, ...
 
 def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.float32,
           loaders: tuple[str, ...] = (), pp_rank: int = 0, pp_size: int = 1, ep_size: int = 1,
-          shared_fused: bool = False) -> torch.nn.Module:
+          shared_fused: bool = False, indexer_fused: bool = False) -> torch.nn.Module:
     """SGLang's model of ``hf_config`` as TP rank ``tp_rank`` of stage ``pp_rank`` holds it
     (weights uninitialized); ``shared_fused``: the shared expert fused into the routed ones, as
-    SGLang decides on CUDA sm80+ at EP 1 (forced here, the layout only: CPU cannot run it)."""
+    SGLang decides on CUDA sm80+ at EP 1; ``indexer_fused``: the sparse-attention indexer's
+    ``wk_weights_proj``, as SGLang decides on CUDA for an interleaved indexer rotary (both forced
+    here, the layout only: CPU cannot run them)."""
+    import sglang.srt.layers.attention.dsa.dsa_indexer as indexer
     import sglang.srt.layers.rotary_embedding.base as rope
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
     from sglang.srt.runtime_context import get_model
@@ -96,13 +106,16 @@ def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.floa
     (arch,) = hf_config.architectures
     cls = getattr(importlib.import_module(MODELS[arch]), arch)
     shared = SharedExpertsConfig(num_fused_shared_experts=int(shared_fused))
-    before = torch.get_default_dtype()
+    before, cuda, sms = torch.get_default_dtype(), indexer._is_cuda, indexer.resolve_num_sms
     torch.set_default_dtype(dtype)
+    if indexer_fused:  # the gate SGLang reads at construction; the SM count its CUDA path asks for
+        indexer._is_cuda, indexer.resolve_num_sms = True, lambda: 132
     try:
         with torch.device("cpu"), get_model().override(shared_experts=shared):
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(before)
+        indexer._is_cuda, indexer.resolve_num_sms = cuda, sms
     model.shared_experts_config = shared  # as SGLang's loader keeps it on the model
     return model.eval()
 

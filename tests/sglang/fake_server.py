@@ -35,7 +35,7 @@ ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_stru
 }
 
 
-def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: int, shared_fused: bool, spec,
+def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: int, variants: frozenset[str], spec,
                dtype: str, initial: dict, env: dict, conn) -> None:
     """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``."""
     os.environ.update(env)
@@ -47,9 +47,9 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
     from sglang.srt.utils.common import MultiprocessingSerializer
 
     dt = getattr(torch, dtype)
-    stage = dict(pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size)
-    model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,), shared_fused=shared_fused,
-                          **stage)
+    stage = dict(pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size, shared_fused="shared_fused" in variants,
+                 indexer_fused="indexer_fused" in variants)
+    model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,), **stage)
     _models.sglang_load(model, initial)
     updater = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=[ENTRY],
                             get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None,
@@ -70,9 +70,8 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
                 updater.end_weight_update(run_post_load=arg)
                 conn.send(("ok", None))
             elif op == "compare":  # what SGLang's own loader makes of these full tensors, bit for bit
-                ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt,
-                                                        shared_fused=shared_fused, **stage), arg)
-                _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,), **stage)
+                ref = _models.sglang_load(_models.build(_models.hf_config(spec), tp_rank, tp_size, dt, **stage), arg)
+                _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,), pp_rank, pp_size, ep_size)
                 want = {**dict(ref.named_parameters()), **_models.derived(ref)}
                 got = {**dict(model.named_parameters()), **_models.derived(model)}
                 bad = [n for n in want if n not in got or not torch.equal(got[n].data, want[n].data)]
@@ -86,10 +85,12 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
 
 class FakeSglang:
     """One SGLang server of ``tp`` x ``pp`` ranks serving ``spec``, started with shardsync's loader
-    (experts over ``ep``; ``shared_fused``: the shared expert fused, as SGLang does on CUDA)."""
+    (experts over ``ep``; ``variants``: what SGLang fuses on CUDA, forced: ``shared_fused``, the
+    shared expert among the routed ones; ``indexer_fused``, the indexer's ``wk_weights_proj``)."""
 
-    def __init__(self, spec, tp: int, initial: dict, *, pp: int = 1, ep: int = 1, shared_fused: bool = False,
-                 dtype: str = "float32", env: dict | None = None, ctx=None) -> None:
+    def __init__(self, spec, tp: int, initial: dict, *, pp: int = 1, ep: int = 1,
+                 variants: frozenset[str] = frozenset(), dtype: str = "float32", env: dict | None = None,
+                 ctx=None) -> None:
         from sglang.srt.server_args import ServerArgs
 
         self.spec, self.tp, self.pp, self.dtype = spec, tp, pp, dtype
@@ -109,7 +110,7 @@ class FakeSglang:
         self._conns, self._procs = [], []
         for r in range(tp * pp):  # stage-major, as SGLang numbers its world
             mine, theirs = ctx.Pipe()
-            args = (r % tp, tp, r // tp, pp, ep, shared_fused, spec, dtype, initial, env, theirs)
+            args = (r % tp, tp, r // tp, pp, ep, variants, spec, dtype, initial, env, theirs)
             p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             self._conns.append(mine)

@@ -1,10 +1,12 @@
 """shardsync's engine layout is SGLang's: for tiny Qwen3, Qwen2 (bias, tied embeddings),
-Llama, Qwen3-MoE (triton backend) and DeepSeek-V3 (latent attention, shared experts) at TP 1,
+Llama, Qwen3-MoE (triton backend), DeepSeek-V3 (latent attention, shared experts), DeepSeek-V3.2
+and GLM-5 (sparse attention's indexer: bf16 ``weights_proj``, fp32 ``k_norm``) at TP 1,
 2 and 4, at PP 2 (TP 1 and 2) and, for the MoE models, at EP 2 and 4, every rank's
 ``named_parameters()`` has shardsync's names, shapes and dtype, and SGLang's own
 ``load_weights`` of the full HF tensors equals shardsync's ``load_rank`` of them bit for bit
 (padded vocab rows zero).  SGLang's shared-expert fusion (forced on: CPU would not choose it)
-is the ``shared_fused`` layout variant, and SGLang's host finds it from the parameters.  At
+is the ``shared_fused`` layout variant, its fused indexer key (forced likewise) ``indexer_fused``,
+and SGLang's host finds them from the parameters.  At
 TP 1 SGLang's forward on those parameters matches ``transformers``."""
 
 from __future__ import annotations
@@ -68,6 +70,27 @@ def test_fused_shared_expert_is_the_shared_fused_variant(tp) -> None:
         host = SglangHost(m)  # what SGLang's rank finds its parameters are, before any trainer plans
         assert host.problem is None and host.variants == {"shared_fused"}
         assert host.rank is not None and host.rank.layout_reason is None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_indexer_key_is_the_indexer_fused_variant(tp) -> None:
+    """GLM-5 on CUDA: SGLang holds the indexer's ``wk`` and ``weights_proj`` as one bfloat16
+    ``wk_weights_proj`` (``wk`` rounded too, in a float32 model): the ``indexer_fused`` variant,
+    bit for bit its own load, found from the parameters by SGLang's host."""
+    spec = SPECS["tiny-glm5"]
+    source = random_source(spec, seed=5)
+    full = {n: source(n) for n in logical_tensors(spec)}
+    fused = engine_layout(spec, EngineParallel(tp=tp, variants=frozenset({"indexer_fused"})))
+    for r in range(tp):
+        m = _models.sglang_load(_models.build(_models.hf_config(spec), r, tp, indexer_fused=True), full)
+        key = dict(m.named_parameters())["model.layers.1.self_attn.indexer.wk_weights_proj.weight"]
+        assert key.dtype == torch.bfloat16
+        assert live_difference(engine_layout(spec, EngineParallel(tp=tp)).ranks[r], m, "SGLang") is not None
+        assert live_difference(fused.ranks[r], m, "SGLang") is None
+        mine = load_rank(fused, r, source)
+        assert [n for n, p in m.named_parameters() if not torch.equal(p.data.flatten(), mine[n].flatten())] == []
+        host = SglangHost(m)
+        assert host.problem is None and host.variants == {"indexer_fused"}
 
 
 def test_tied_lm_head_is_the_embedding() -> None:

@@ -108,18 +108,20 @@ def test_sync_equals_sglang_own_loader_bit_for_bit(servers, trainer) -> None:
     _sync_and_check(model, trainer, started, [EngineParallel(tp=tp, pp=pp) for tp, pp in ENGINES], checks=1)
 
 
-def test_expert_parallel_and_fused_shared_expert_engines() -> None:
-    """DeepSeek-V3 into SGLang at TP 2 EP 2 and at TP 2 with its shared expert fused: the fused
-    engine refuses the first plan naming its variant, the trainer plans again, p2p lands in place."""
-    model = "tiny-deepseek-v3"
+@pytest.mark.parametrize(("model", "fused"), [("tiny-deepseek-v3", {"shared_fused"}),
+                                             ("tiny-glm5", {"shared_fused", "indexer_fused"})])
+def test_expert_parallel_and_fused_engines(model: str, fused: set[str]) -> None:
+    """Latent and sparse attention into SGLang at TP 2 EP 2 and at TP 2 with what it fuses on CUDA
+    (the shared expert; GLM-5's indexer key): the fused engine refuses the first plan naming its
+    variant, the trainer plans again, p2p lands in place."""
     spec = _models.SPECS[model]
     initial = {n: version_source(spec, 0)(n) for n in logical_tensors(spec)}
     env = {"SHARDSYNC_TOKEN": TOKEN}
+    variants = frozenset(fused)
     started = [FakeSglang(spec, 2, initial, ep=2, env=env, ctx=_ctx()),
-               FakeSglang(spec, 2, initial, shared_fused=True, env=env, ctx=_ctx())]
+               FakeSglang(spec, 2, initial, variants=variants, env=env, ctx=_ctx())]
     try:
-        _sync_and_check(model, "tp2ep2", started, [EngineParallel(tp=2, ep=2),
-                                                   EngineParallel(tp=2, variants=frozenset({"shared_fused"}))],
+        _sync_and_check(model, "tp2ep2", started, [EngineParallel(tp=2, ep=2), EngineParallel(tp=2, variants=variants)],
                         checks=2)
     finally:
         for s in started:
