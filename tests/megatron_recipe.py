@@ -20,9 +20,12 @@ def architecture(spec: ModelSpec) -> dict[str, Any]:
 def mla_architecture(spec: ModelSpec) -> dict[str, Any]:
     """MLATransformerConfig's latent attention fields (megatron-core's ``qk_head_dim`` is the
     nope part).  Rotary: plain ``rope`` (yarn's numerics are the GPU check's business)."""
+    dsa = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=spec.index_n_heads,
+               dsa_indexer_head_dim=spec.index_head_dim, dsa_indexer_topk=spec.index_topk,
+               dsa_indexer_loss_coeff=0.0) if spec.is_sparse_attention else {}
     return dict(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
                 qk_head_dim=spec.qk_nope_head_dim, qk_pos_emb_head_dim=spec.qk_rope_head_dim,
-                v_head_dim=spec.v_head_dim, rope_type="rope", qk_layernorm=True)
+                v_head_dim=spec.v_head_dim, rope_type="rope", qk_layernorm=True, **dsa)
 
 
 def _common(spec: ModelSpec) -> dict[str, Any]:

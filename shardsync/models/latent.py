@@ -158,6 +158,13 @@ class TrainerLatentAttention(nn.Module):
         self.spec, self.tp, self.fused, self.kind, self.baton = spec, tp, fused, kind, baton or Baton()
         self.layer = layer
         p = prefix + "self_attention."
+        if kind == "dsa":  # megatron-core's DSA: the indexer lives in core_attention (built first), replicated
+            self.core_attention = nn.Module()
+            ix = self.core_attention.indexer = nn.Module()
+            for name in ("linear_wq_b", "linear_wk", "k_norm", "linear_weights_proj"):  # megatron-core's order
+                attrs = ("weight", "bias") if name == "k_norm" else ("weight",)
+                ix.add_module(name, weights(f"{p}core_attention.indexer.{name}", attrs, False))
+            ix.requires_grad_(False)  # no gradient reaches it (top-k); its own training loss is not run here
         ln = ("layer_norm_weight",) if fused else ()
         if spec.q_lora_rank is not None:
             self.linear_q_down_proj = weights(p + "linear_q_down_proj", ("weight",), not fused)
@@ -171,13 +178,6 @@ class TrainerLatentAttention(nn.Module):
             if spec.q_lora_rank is not None:
                 self.q_layernorm = weights(p + "q_layernorm", ("weight",), False)
             self.kv_layernorm = weights(p + "kv_layernorm", ("weight",), False)
-        if kind == "dsa":  # megatron-core's DSA: the indexer lives in core_attention, replicated
-            self.core_attention = nn.Module()
-            ix = self.core_attention.indexer = nn.Module()
-            for name in ("linear_wq_b", "linear_wk", "k_norm", "linear_weights_proj"):  # megatron-core's order
-                attrs = ("weight", "bias") if name == "k_norm" else ("weight",)
-                ix.add_module(name, weights(f"{p}core_attention.indexer.{name}", attrs, False))
-            ix.requires_grad_(False)  # no gradient reaches it (top-k); its own training loss is not run here
 
     def _choose(self, h: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor | None:

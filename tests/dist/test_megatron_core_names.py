@@ -65,6 +65,45 @@ class _NoCoreAttention:
         return torch.nn.Identity()
 
 
+class _DuplicatedLinear:
+    """A stand-in for transformer_engine's TELinear in ``parallel_mode="duplicated"`` (TE is not
+    installed here): the full ``[out, in]`` weight on every TP rank, as TE holds it."""
+
+    def __new__(cls, input_size: int, output_size: int, *, parallel_mode: str, config, **kwargs):
+        import torch
+
+        assert parallel_mode == "duplicated", parallel_mode
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        return module
+
+
+class _KeyNorm:
+    """A stand-in for TENorm as the DSA indexer's key LayerNorm (weight and bias)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        import torch
+
+        return torch.nn.LayerNorm(hidden_size, eps=eps)
+
+
+def _sparse_core_attention():
+    """megatron-core 0.16.1's own DSA core attention and indexer (its spec helper needs TE, and its
+    dispatcher does not know ``dsa`` before 0.18), with the TE pieces stood in."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexer,
+        DSAIndexerSubmodules,
+        DSAttention,
+        DSAttentionSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=_DuplicatedLinear, linear_wk=_DuplicatedLinear, k_norm=_KeyNorm,
+        linear_weights_proj=_DuplicatedLinear))
+    return ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
+
+
 def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, post_process: bool):
     """A real mcore GPTModel for ``spec`` with the flags a Qwen2/Qwen3/Llama/Qwen3-MoE trainer uses."""
     import torch
@@ -97,8 +136,9 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
         # This stage's slice of the per-layer dense/MoE local specs (config.moe_layer_freq).
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         if spec.is_mla:  # stand-in: the local DotProductAttention refuses MLA's k_channels (no parameters)
+            core = _sparse_core_attention() if spec.is_sparse_attention else _NoCoreAttention
             for layer in layer_spec.layer_specs:
-                layer.submodules.self_attention.submodules.core_attention = _NoCoreAttention
+                layer.submodules.self_attention.submodules.core_attention = core
     else:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     scaling = spec.rope_scaling or {}
@@ -233,6 +273,9 @@ MOE_WORLDS = (
     ("tiny-deepseek-v3-q-proj", 1, 2, 2, 2, 1),
     ("tiny-glm4-moe-lite", 2, 1, 1, 1, 2),
     ("tiny-glm4-moe+mtp", 2, 2, 1, 2, 1),  # GLM-4.5's MTP layer (grouped-query attention) on the last stage
+    # sparse attention: megatron-core's own DSA indexer under core_attention, replicated over TP
+    ("tiny-glm5", 2, 1, 1, 2, 1),
+    ("tiny-deepseek-v32", 1, 2, 1, 1, 1),
 )
 # worlds of a preset with fields changed (GLM-4.5-Air's checkpoint has an MTP layer; its tiny preset not)
 CHANGED = {"tiny-glm4-moe+mtp": ("tiny-glm4-moe", {"num_nextn_predict_layers": 1})}
