@@ -68,7 +68,7 @@ def _whole_once(coverage: dict[tuple[int, str], torch.Tensor], key: tuple[int, s
     return key in coverage and bool((coverage[key] == 1).all())
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topologies())
 def test_every_fused_engine_tensor_arrives_whole_within_one_update(topo: Topology) -> None:
     """p2p: the buckets to an engine rank write every element of each of its fused tensors exactly
