@@ -43,6 +43,14 @@ def _sigmoid_moe(experts: int, top_k: int, inter: int, *, shared: int, dense: in
             "router": "sigmoid", "n_group": groups[0], "topk_group": groups[1], "routed_scaling_factor": scale}
 
 
+def _next(nk: int, nv: int, d: int) -> dict[str, Any]:
+    """Qwen3-Next-80B-A3B's linear attention and experts (512 of 512 rows, top-10, a 512-row gated shared one)."""
+    return {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "full_attention_interval": 4, "linear_num_key_heads": nk,
+            "linear_num_value_heads": nv, "linear_key_head_dim": d, "linear_value_head_dim": d,
+            "linear_conv_kernel_dim": 4}
+
+
 def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: int, V: int,
             tied: bool, **extra: Any) -> ModelSpec:
     base: dict[str, Any] = {"rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, **FAMILIES[family].defaults, **extra}
@@ -138,6 +146,15 @@ _PRESET_LIST = [
             dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
             **_mla(64, 32, 32, 16, 32, nextn=1), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5),
             **_dsa(8, 32, 8)),
+    # gated DeltaNet hybrids: Qwen3-Next-80B-A3B as slime's script and the published config give it (every layer
+    # MoE; rope theta 1e7: slime's; some third-party copies say 5e6); tiny: 4 key heads (engine TP up to 4)
+    _preset("Qwen3-Next-80B-A3B", "qwen3_next", 2048, 48, 16, 2, 256, 5120, 151936, False,
+            max_position_embeddings=262144, rope_theta=10_000_000.0, partial_rotary_factor=0.25, **_next(16, 32, 128)),
+    _preset("tiny-qwen3-next", "qwen3_next", 256, 4, 4, 2, 64, 512, 1100, False, max_position_embeddings=2048,
+            dtype="float32", partial_rotary_factor=0.25, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128, full_attention_interval=4,
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_conv_kernel_dim=4),
     # mixture of experts
     _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
             max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),

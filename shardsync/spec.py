@@ -71,6 +71,14 @@ class ModelSpec:
     index_head_dim: int = 0
     index_topk: int = 0
     index_shared_layers: tuple[int, ...] = ()  # layers that reuse the layer before's choice (no indexer)
+    # gated DeltaNet hybrids (Qwen3-Next): every ``full_attention_interval``-th layer is full attention,
+    # the others linear attention with these key/value heads and a causal conv; 0: not a hybrid
+    full_attention_interval: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
@@ -151,6 +159,10 @@ class ModelSpec:
     def is_sparse_attention(self) -> bool:
         """DeepSeek sparse attention: an indexer picks each query's keys."""
         return self.index_n_heads > 0
+
+    def linear_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is a linear-attention (gated DeltaNet) layer of a hybrid."""
+        return self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
 
     def indexed_layer(self, layer: int) -> bool:
         """Whether ``layer`` runs (and holds) its own indexer."""

@@ -220,26 +220,29 @@ def gated_mlp(*, fused_checkpoint: bool = False) -> Block:
 
 
 _EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
-_SHARED = "mlp.shared_experts."
-_SHARED_GATE_UP = Fused((Part(_SHARED + "gate_proj.weight"), Part(_SHARED + "up_proj.weight")))
-_SHARED_MLP = (_SHARED + "gate_proj.weight", _SHARED + "up_proj.weight", _SHARED + "down_proj.weight")
+_SHARED = "mlp.shared_experts."  # Megatron's, whatever the checkpoint calls it
 
 
-def moe(*, router_dtype: str | None = None) -> Block:
+def moe(*, router_dtype: str | None = None, shared: str = _SHARED, shared_gate: bool = False) -> Block:
     """The mixture-of-experts MLP.  Engines hold a sigmoid router's score-correction bias in
     float32 (SGLang and vLLM alike) and, for some families, the router weight too
     (``router_dtype``); megatron-core keeps the bias (``expert_bias``, a buffer) in float32 and
     the router weight in the model dtype.  Held float32 on both sides, the bias moves as its
-    own bits under a bfloat16 sync (``layout/raw.py``)."""
+    own bits under a bfloat16 sync (``layout/raw.py``).  ``shared``: the checkpoint's prefix of
+    the shared expert (Qwen3-Next: ``mlp.shared_expert.``); ``shared_gate``: a sigmoid gate
+    ``mlp.shared_expert_gate [1, H]`` scales it (megatron-core's ``shared_experts.gate_weight``)."""
+    gate_up = Fused((Part(shared + "gate_proj.weight"), Part(shared + "up_proj.weight")))
+    mlp = (shared + "gate_proj.weight", shared + "up_proj.weight", shared + "down_proj.weight")
     return Block(
         logical=(
             T("post_attention_layernorm.weight", "H"),
             T("mlp.gate.weight", "E", "H"),
             T("mlp.gate.e_score_correction_bias", "E", when=expert_bias),
             PerExpert((T(_EXPERT[0], "Fe", "H"), T(_EXPERT[1], "Fe", "H"), T(_EXPERT[2], "H", "Fe"))),
-            T(_SHARED + "gate_proj.weight", "Fs", "H", when=shared_experts),
-            T(_SHARED + "up_proj.weight", "Fs", "H", when=shared_experts),
-            T(_SHARED + "down_proj.weight", "H", "Fs", when=shared_experts),
+            T(mlp[0], "Fs", "H", when=shared_experts),
+            T(mlp[1], "Fs", "H", when=shared_experts),
+            T(mlp[2], "H", "Fs", when=shared_experts),
+            *((T("mlp.shared_expert_gate.weight", "one", "H", when=shared_experts),) if shared_gate else ()),
         ),
         megatron=(
             # the norm cannot fuse into the router: always its own module
@@ -249,17 +252,20 @@ def moe(*, router_dtype: str | None = None) -> Block:
             Row("mlp.router.expert_bias", Whole("mlp.gate.e_score_correction_bias"), when=expert_bias,
                 dtype="float32"),
             Row("mlp.experts", ExpertMlps(*_EXPERT)),
-            Row(_SHARED + "linear_fc1.weight", _SHARED_GATE_UP, when=shared_experts),
-            Row(_SHARED + "linear_fc2.weight", Split(_SHARED + "down_proj.weight", dim=1), when=shared_experts),
+            Row(_SHARED + "linear_fc1.weight", gate_up, when=shared_experts),
+            Row(_SHARED + "linear_fc2.weight", Split(mlp[2], dim=1), when=shared_experts),
+            *((Row(_SHARED + "gate_weight", Whole("mlp.shared_expert_gate.weight"), when=shared_experts),)
+              if shared_gate else ()),
         ),
         engine=(
             Row("post_attention_layernorm.weight", Whole()),
             Row("mlp.gate.weight", Whole(), dtype=router_dtype),
             Row("mlp.gate.e_score_correction_bias", Whole(), when=expert_bias, dtype="float32"),
-            Row("mlp.experts", ExpertStacks(*_EXPERT, shared=_SHARED_MLP), unless="vllm"),
-            Row("mlp.experts.routed_experts", ExpertStacks(*_EXPERT, shared=_SHARED_MLP), variant="vllm"),
-            Row(_SHARED + "gate_up_proj.weight", _SHARED_GATE_UP, when=shared_experts, unless="shared_fused"),
-            Row(_SHARED + "down_proj.weight", Split(dim=1), when=shared_experts, unless="shared_fused"),
+            Row("mlp.experts", ExpertStacks(*_EXPERT, shared=mlp), unless="vllm"),
+            Row("mlp.experts.routed_experts", ExpertStacks(*_EXPERT, shared=mlp), variant="vllm"),
+            Row(shared + "gate_up_proj.weight", gate_up, when=shared_experts, unless="shared_fused"),
+            Row(shared + "down_proj.weight", Split(dim=1), when=shared_experts, unless="shared_fused"),
+            *((Row("mlp.shared_expert_gate.weight", Whole(), when=shared_experts),) if shared_gate else ()),
         ),
     )
 

@@ -36,7 +36,19 @@ def dims(spec: ModelSpec) -> dict[str, int]:
             # rotary widths: a share of the head (partial rotary), or MLA's rope part
             "rot": int(d * spec.partial_rotary_factor), "rope": spec.qk_rope_head_dim,
             # sparse attention's indexer: query rows (heads x head width), key width, heads
-            "iq": spec.index_n_heads * spec.index_head_dim, "id": spec.index_head_dim, "ih": spec.index_n_heads}
+            "iq": spec.index_n_heads * spec.index_head_dim, "id": spec.index_head_dim, "ih": spec.index_n_heads,
+            # gated attention: every head's query and gate rows (Qwen3-Next's q_proj)
+            "q2": 2 * h * d, **_linear_dims(spec)}
+
+
+def _linear_dims(spec: ModelSpec) -> dict[str, int]:
+    """Gated DeltaNet (linear attention): key rows (heads x key dim), value rows, the fused
+    checkpoint projections' rows, the conv channels ([q | k | v]), value heads, a value head's
+    width, the conv kernel."""
+    nk, nv, dk, dv = (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
+                      spec.linear_value_head_dim)
+    return {"lq": nk * dk, "2lq": 2 * nk * dk, "lvd": nv * dv, "lqkvz": 2 * nk * dk + 2 * nv * dv, "lba": 2 * nv,
+            "lconv": 2 * nk * dk + nv * dv, "lnv": nv, "ldv": dv, "lkern": spec.linear_conv_kernel_dim, "one": 1}
 
 
 # -- logical tensors ---------------------------------------------------------------------------
@@ -76,6 +88,21 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Row blocks of a logical tensor, in ``dims`` symbols (or digits): ``size`` rows at ``start``;
+    with ``groups``, that many such blocks, block g at ``start + g * stride``.  Split over TP, a
+    rank takes its share of the one block's rows, or its share of the groups (each whole): the
+    conv channels ``[q | k | v]`` of its heads, or Megatron's per-group parts of an interleaved
+    checkpoint projection."""
+
+    name: str
+    size: str
+    start: str = "0"
+    groups: str | None = None
+    stride: str | None = None
+
+
+@dataclass(frozen=True)
 class Whole:
     """Held whole on every rank (norms, routers, MLA's down projections)."""
 
@@ -94,9 +121,9 @@ class Split:
 @dataclass(frozen=True)
 class Fused:
     """Each part split over the tensor-parallel ranks, the rank's slices stacked along dim 0
-    (``gate_up_proj``, Megatron's ``linear_fc1``)."""
+    (``gate_up_proj``, Megatron's ``linear_fc1``; parts of unequal rows: ``Rows``)."""
 
-    parts: tuple[Part, ...]
+    parts: tuple[Part | Rows, ...]
 
 
 @dataclass(frozen=True)
@@ -110,17 +137,21 @@ class Concat:
 @dataclass(frozen=True)
 class QkvGroups:
     """Megatron's fused QKV: per query group its q heads, k head, v head, globally; a rank
-    holds one contiguous window."""
+    holds one contiguous window.  ``gate``: the checkpoint's ``q_proj`` holds each head's query
+    and output gate (Qwen3-Next), Megatron's group its q heads, then their gates, then k and v."""
 
     suffix: str  # weight | bias
+    gate: bool = False
 
 
 @dataclass(frozen=True)
 class QkvHeads:
     """An engine's fused QKV: ``[q (my heads) | k | v (my kv heads)]``, kv heads replicated
-    over consecutive ranks when TP exceeds them."""
+    over consecutive ranks when TP exceeds them.  ``gate``: each head's q rows are the
+    checkpoint's query and output gate, kept interleaved (SGLang, vLLM)."""
 
     suffix: str
+    gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,6 +241,9 @@ class Family:
     mtp: MtpHead | None = None  # the checkpoint's MTP layers (``num_nextn_predict_layers``)
     # sparse attention: the block of the layers that reuse the layer before's choice (no indexer)
     shared_attention: Block | None = None
+    # hybrids: the block of the linear-attention layers (``ModelSpec.linear_layer``)
+    linear_attention: Block | None = None
+    norm_offset: float = 0.0  # norms scale by (offset + weight): 1.0 for zero-centred ones (Qwen3-Next)
     index_rope_interleaved: bool = False  # the indexer's rotary on neighbouring pairs (GLM-5), else halves
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -229,6 +263,9 @@ class Family:
     def blocks(self, spec: ModelSpec, layer: int) -> tuple[Block, Block]:
         """The attention block and the MLP block of ``layer`` (an MTP layer's decoder layer too)."""
         sparse = self.moe is not None and spec.sparse_layer(layer)
-        shared = self.shared_attention is not None and layer in spec.index_shared_layers
-        attention = self.shared_attention if shared and self.shared_attention is not None else self.attention
+        attention = self.attention
+        if self.shared_attention is not None and layer in spec.index_shared_layers:
+            attention = self.shared_attention
+        if self.linear_attention is not None and spec.linear_layer(layer):
+            attention = self.linear_attention
         return attention, (self.moe if sparse and self.moe is not None else self.mlp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from shardsync.family.table import Concat, Fused, Part, Row, Split, Whole
+from shardsync.family.table import Concat, Fused, Part, Row, Rows, Split, Whole, dims
 from shardsync.layout.piece import Box, Piece, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
@@ -43,12 +43,25 @@ class Cut:
     def hf(self) -> str:
         return f"model.layers.{self.layer}."
 
-    def part(self, part: Part) -> Segment:
-        """This rank's slice of ``part`` (its rows split over the TP ranks)."""
+    def part(self, part: Part | Rows) -> list[Segment]:
+        """This rank's slice of ``part``: its share of the part's rows, or of its groups."""
         name = self.hf + part.name
-        rows = self.logical[name][0] // part.count
-        n = rows // self.tp
-        return Segment(name, part.index * rows + self.rank * n, n)
+        if isinstance(part, Part):
+            rows = self.logical[name][0] // part.count
+            n = rows // self.tp
+            return [Segment(name, part.index * rows + self.rank * n, n)]
+        sym = dims(self.spec)
+
+        def num(s: str) -> int:
+            return int(s) if s.isdigit() else sym[s]
+
+        start, size = num(part.start), num(part.size)
+        if part.groups is None:
+            n = size // self.tp
+            return [Segment(name, start + self.rank * n, n)]
+        groups, stride = num(part.groups), num(part.stride or part.size)
+        mine = groups // self.tp
+        return [Segment(name, start + g * stride, size) for g in range(self.rank * mine, (self.rank + 1) * mine)]
 
 
 Own = Callable[[Row, str, Cut], list[Local]]
@@ -77,7 +90,7 @@ def cut_rows(rows: Iterable[Row], c: Cut, own: Own) -> list[tuple[Local, str | N
             cols = c.logical[srcs[0]][1:]
             made = [Local(name, (sum(s.length for s in segs), *cols), stacked(name, segs, c.logical, 0))]
         elif isinstance(kind, Fused):
-            segs = [c.part(p) for p in kind.parts]
+            segs = [seg for p in kind.parts for seg in c.part(p)]
             cols = c.logical[segs[0].logical][1:]
             made = [Local(name, (sum(s.length for s in segs), *cols), stacked(name, segs, c.logical, 0))]
         else:

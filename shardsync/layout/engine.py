@@ -120,6 +120,9 @@ def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
         (spec.intermediate_size % t == 0 or not dense_layers,
          f"intermediate_size={spec.intermediate_size} not divisible by tp={t}"),
+        (spec.linear_num_key_heads % t == 0 and spec.linear_num_value_heads % t == 0,
+         f"linear attention's key heads ({spec.linear_num_key_heads}) and value heads "
+         f"({spec.linear_num_value_heads}) must be divisible by tp={t} (SGLang and vLLM split them by heads)"),
     ]
     if spec.is_moe:
         rules += [
@@ -153,12 +156,13 @@ def _own(par: EngineParallel):
         spec, kind, r, H = c.spec, row.kind, c.rank, c.spec.hidden_size
         if isinstance(kind, QkvHeads):
             d, nq = spec.head_dim, spec.num_heads // par.tp
+            qd = (1 + kind.gate) * d  # a head's q rows: its query, and its output gate when gated
             k0, nkv = par.kv_heads(spec.num_kv_heads, r)
             attn = c.hf + "self_attn."
-            segs = [Segment(attn + "q_proj." + kind.suffix, r * nq * d, nq * d),
+            segs = [Segment(attn + "q_proj." + kind.suffix, r * nq * qd, nq * qd),
                     Segment(attn + "k_proj." + kind.suffix, k0 * d, nkv * d),
                     Segment(attn + "v_proj." + kind.suffix, k0 * d, nkv * d)]
-            rows = (nq + 2 * nkv) * d
+            rows = nq * qd + 2 * nkv * d
             return [Local(name, (rows, H) if kind.suffix == "weight" else (rows,), stacked(name, segs, c.logical, 0))]
         if isinstance(kind, ExpertStacks):
             n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.moe_tp

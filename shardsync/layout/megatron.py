@@ -168,13 +168,20 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
     par.stage_layers(spec.num_layers)
 
 
-def qkv_segments(spec: ModelSpec, layer: int, suffix: str) -> list[Segment]:
-    """Global fused QKV rows: per query group, its q heads, then its k head, then its v head."""
+def qkv_segments(spec: ModelSpec, layer: int, suffix: str, gate: bool = False) -> list[Segment]:
+    """Global fused QKV rows: per query group, its q heads, then its k head, then its v head.
+    ``gate``: the checkpoint's q_proj holds each head's query then its gate (``2d`` rows a head);
+    Megatron's group holds its q heads, then their gates, then k and v."""
     d, p = spec.head_dim, spec.heads_per_group
     pre = f"model.layers.{layer}.self_attn."
+    q = pre + "q_proj." + suffix
     segs = []
     for g in range(spec.num_kv_heads):
-        segs.append(Segment(pre + "q_proj." + suffix, g * p * d, p * d))
+        if gate:
+            heads = range(g * p, (g + 1) * p)
+            segs += [Segment(q, 2 * d * i, d) for i in heads] + [Segment(q, 2 * d * i + d, d) for i in heads]
+        else:
+            segs.append(Segment(q, g * p * d, p * d))
         segs.append(Segment(pre + "k_proj." + suffix, g * d, d))
         segs.append(Segment(pre + "v_proj." + suffix, g * d, d))
     return segs
@@ -186,10 +193,11 @@ def _own(par: MegatronParallel, ep_rank: int, etp_rank: int):
     def cut(row: Row, name: str, c: Cut) -> list[Local]:
         spec, kind, H = c.spec, row.kind, c.spec.hidden_size
         if isinstance(kind, QkvGroups):
-            rows = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim // c.tp
+            rows = ((1 + kind.gate) * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim // c.tp
             shape = (rows, H) if kind.suffix == "weight" else (rows,)
             win = (c.rank * rows, (c.rank + 1) * rows)
-            return [Local(name, shape, stacked(name, qkv_segments(spec, c.layer, kind.suffix), c.logical, 0, win))]
+            segs = qkv_segments(spec, c.layer, kind.suffix, kind.gate)
+            return [Local(name, shape, stacked(name, segs, c.logical, 0, win))]
         if isinstance(kind, ExpertMlps):
             n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.expert_tp
             lo, fc1, fc2 = etp_rank * f, *EXPERT_NAMES[par.expert_names]

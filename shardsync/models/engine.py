@@ -228,6 +228,10 @@ class _Layer(nn.Module):
         self.eps, self.index = spec.rms_norm_eps, layer
         self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
         kind = spec.family_table.blocks(spec, layer)[0].kind
+        if kind not in ATTENTION:
+            raise NotImplementedError(f"{spec.name}: the reference engine does not compute {kind} attention (layer "
+                                      f"{layer}) yet; shardsync plans and syncs this family, the reference models "
+                                      f"run {sorted(ATTENTION)}")
         self.self_attn = ATTENTION[kind](spec, rl, p + "self_attn.", tp, device, baton)
         if spec.post_norms:  # GLM4
             self.post_self_attn_layernorm = _Leaf(rl, p + "post_self_attn_layernorm", ("weight",), device)

@@ -272,7 +272,12 @@ class _Layer(nn.Module):
         self.sparse = spec.sparse_layer(layer)
         self.fused = model.par.norm_names == "fused" and not self.sparse
         self.fused_attn = model.par.norm_names == "fused"
-        kind = ATTENTION[spec.family_table.blocks(spec, layer)[0].kind]
+        name = spec.family_table.blocks(spec, layer)[0].kind
+        if name not in ATTENTION:
+            raise NotImplementedError(f"{spec.name}: the reference trainer does not compute {name} attention (layer "
+                                      f"{layer}) yet; shardsync plans and syncs this family, the reference models "
+                                      f"run {sorted(ATTENTION)}")
+        kind = ATTENTION[name]
         self.norm_in_attention = self.fused_attn and kind.fuses_input_norm  # the TE spec's fused norm
         if not self.norm_in_attention:
             self.input_layernorm = _Weights(tensors, prefix + "input_layernorm", ("weight",),

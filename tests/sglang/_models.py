@@ -18,9 +18,14 @@ MODELS = {  # HF architecture -> SGLang module
     "DeepseekV3ForCausalLM": "sglang.srt.models.deepseek_v2",
     "DeepseekV32ForCausalLM": "sglang.srt.models.deepseek_v2",
     "GlmMoeDsaForCausalLM": "sglang.srt.models.glm4_moe",  # SGLang's DeepSeek class under GLM's name
+    "Qwen3NextForCausalLM": "sglang.srt.models.qwen3_next",
 }
-# tensors SGLang derives from loaded ones after loading (MLA: w_kc / w_vc from kv_b_proj), per module
-DERIVED = ("w_kc", "w_vc")
+# model types whose SGLang class reads SGLang's own config class (Qwen3-Next: its layers_block_type,
+# from full_attention_interval; transformers' class has no such field)
+CONFIGS = {"qwen3_next": ("sglang.srt.configs.qwen3_next", "Qwen3NextConfig")}
+# tensors SGLang derives from loaded ones after loading (MLA: w_kc / w_vc from kv_b_proj; zero-centred
+# norms: gemma_weight = weight + 1, a buffer), per module
+DERIVED = ("w_kc", "w_vc", "gemma_weight")
 
 def _specs():
     from shardsync.presets import PRESETS
@@ -33,13 +38,14 @@ def _specs():
     glm5 = PRESETS["tiny-glm5"].replace(rope_scaling=PRESETS["tiny-deepseek-v3"].rope_scaling)
     return {**{m: PRESETS[m] for m in ("tiny-qwen3", "tiny-qwen2", "tiny-llama")}, "tiny-qwen3-moe": moe,
             "tiny-deepseek-v3": PRESETS["tiny-deepseek-v3"], "tiny-deepseek-v32": PRESETS["tiny-deepseek-v32"],
-            "tiny-glm5": glm5}
+            "tiny-glm5": glm5, "tiny-qwen3-next": PRESETS["tiny-qwen3-next"]}
 
 
 # q/k norms; bias + tied embeddings; 4 KV heads; experts (triton layout); latent attention, shared
 # experts, a sigmoid router and the derived w_kc / w_vc; sparse attention's indexer (DeepSeek-V3.2's
-# and GLM-5's)
+# and GLM-5's); Qwen3-Next's gated DeltaNet and gated attention
 SPECS = _specs()
+NO_PP = {"tiny-qwen3-next"}  # SGLang's Qwen3-Next asserts a single pipeline stage
 MLA = tuple(m for m, s in SPECS.items() if s.is_mla)
 
 
@@ -48,7 +54,7 @@ def derived(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, module in model.named_modules():
         for attr in DERIVED:
-            t = module.__dict__.get(attr)
+            t = module.__dict__.get(attr, module._buffers.get(attr))
             if isinstance(t, torch.Tensor):
                 out[f"{name}.{attr}"] = t
     return out
@@ -98,6 +104,7 @@ def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.floa
     here, the layout only: CPU cannot run them)."""
     import sglang.srt.layers.attention.dsa.dsa_indexer as indexer
     import sglang.srt.layers.rotary_embedding.base as rope
+    import sglang.srt.models.qwen2_moe as qwen2_moe
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
     from sglang.srt.runtime_context import get_model
 
@@ -107,15 +114,20 @@ def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.floa
     cls = getattr(importlib.import_module(MODELS[arch]), arch)
     shared = SharedExpertsConfig(num_fused_shared_experts=int(shared_fused))
     before, cuda, sms = torch.get_default_dtype(), indexer._is_cuda, indexer.resolve_num_sms
+    device_module, moe_cuda = torch.get_device_module, qwen2_moe._is_cuda
+    qwen2_moe._is_cuda = shared_fused  # Qwen3-Next's sparse block fuses its shared expert on CUDA only
     torch.set_default_dtype(dtype)
     if indexer_fused:  # the gate SGLang reads at construction; the SM count its CUDA path asks for
         indexer._is_cuda, indexer.resolve_num_sms = True, lambda: 132
+    # stand-in: Qwen3-Next's gated norm asks the accelerator module for its current device
+    torch.get_device_module = lambda *args, **kwargs: torch.cpu
     try:
         with torch.device("cpu"), get_model().override(shared_experts=shared):
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(before)
         indexer._is_cuda, indexer.resolve_num_sms = cuda, sms
+        torch.get_device_module, qwen2_moe._is_cuda = device_module, moe_cuda
     model.shared_experts_config = shared  # as SGLang's loader keeps it on the model
     return model.eval()
 
@@ -133,7 +145,12 @@ def hf_config(spec):
     import transformers
 
     cfg = spec.to_hf_config()
-    out = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    fields = {k: v for k, v in cfg.items() if k != "architectures"}
+    if cfg["model_type"] in CONFIGS:
+        module, name = CONFIGS[cfg["model_type"]]
+        out = getattr(importlib.import_module(module), name)(**fields)
+    else:
+        out = transformers.AutoConfig.for_model(**fields)
     out.architectures = list(cfg["architectures"])
     return out
 

@@ -29,7 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("model", MODELS)
 def test_sglang_parameters_are_shardsync_engine_layout(model, dtype) -> None:
-    spec, dt = SPECS[model], DTYPES[dtype]
+    # the checkpoint in the served dtype, as deployed (SGLang builds Qwen3-Next's gated norm in the checkpoint's)
+    spec, dt = SPECS[model].replace(dtype=dtype), DTYPES[dtype]
     seeded = random_source(spec, seed=7)
 
     def source(name: str) -> torch.Tensor:  # the trainer's tensors, in the model dtype
@@ -38,6 +39,8 @@ def test_sglang_parameters_are_shardsync_engine_layout(model, dtype) -> None:
     full = {n: source(n) for n in logical_tensors(spec)}
     worlds = ((1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1)) + (((2, 1, 2), (4, 1, 4)) if spec.is_moe else ())
     for tp, pp, ep in worlds:
+        if pp > 1 and model in _models.NO_PP:
+            continue
         lay = engine_layout(spec, EngineParallel(tp=tp, pp=pp, ep=ep, dtype=dtype))
         for i in range(tp * pp):  # stage-major
             m = _models.build(_models.hf_config(spec), i % tp, tp, dt, pp_rank=i // tp, pp_size=pp, ep_size=ep)
@@ -52,9 +55,10 @@ def test_sglang_parameters_are_shardsync_engine_layout(model, dtype) -> None:
                 assert tuple(kc.shape) == (heads, spec.qk_nope_head_dim, spec.kv_lora_rank), (tp, kc.shape)
 
 
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-qwen3-next"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_fused_shared_expert_is_the_shared_fused_variant(tp) -> None:
-    spec = SPECS["tiny-deepseek-v3"]
+def test_fused_shared_expert_is_the_shared_fused_variant(tp, model) -> None:
+    spec = SPECS[model]
     source = random_source(spec, seed=5)
     full = {n: source(n) for n in logical_tensors(spec)}
     fused = engine_layout(spec, EngineParallel(tp=tp, variants=frozenset({"shared_fused"})))
@@ -101,8 +105,9 @@ def test_tied_lm_head_is_the_embedding() -> None:
     assert "lm_head.weight" not in dict(m.named_parameters())
 
 
-# latent attention needs SGLang's MLA KV pool and backend, not built here: its forward is not compared
-@pytest.mark.parametrize("model", [m for m in MODELS if m not in _models.MLA])
+# latent attention needs SGLang's MLA KV pool and backend, the gated DeltaNet its mamba state pools: not built
+# here, so only grouped-query attention's forward is compared
+@pytest.mark.parametrize("model", [m for m in MODELS if SPECS[m].family_table.attention.kind == "gqa"])
 def test_sglang_forward_matches_transformers_at_tp1(model) -> None:
     spec = SPECS[model]
     source = random_source(spec, seed=11)

@@ -41,6 +41,19 @@ log = logging.getLogger(__name__)
 MOE_BACKENDS = ("auto", "triton")
 
 
+def refresh_derived(model: torch.nn.Module) -> int:
+    """Recompute what SGLang derives from loaded norms and its own loader refreshes, which an
+    in-place write leaves stale: ``GemmaRMSNorm.gemma_weight`` = weight + 1 (Qwen3-Next's
+    zero-centred norms; SGLang's fused CUDA norm paths read it).  Returns how many it refreshed."""
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    norms = [m for m in model.modules() if isinstance(m, GemmaRMSNorm)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.refresh_gemma_weight()
+    return len(norms)
+
+
 def moe_backend() -> str:
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
@@ -224,3 +237,5 @@ class SglangHost:
         post = getattr(self.model, "post_load_weights", None)
         if call.op == "update" and not rank.stale and callable(post):
             post()  # SGLang runs it only when no load ran in the session; a custom loader counts as one
+        if call.op == "update" and not rank.stale:
+            refresh_derived(self.model)

@@ -1,0 +1,84 @@
+"""The blocks of the gated DeltaNet hybrids (Qwen3-Next): the linear-attention layer and the
+full-attention layer with an output gate.  Sources: docs/notes/qwen3_next_sources.md (transformers,
+megatron-core, slime) and qwen3_next_engines.md (SGLang, vLLM).
+
+The checkpoint's ``in_proj_qkvz`` / ``in_proj_ba`` interleave per key-head group (group j: q_j,
+k_j, then v and z of its value heads; b then a); both engines split them over TP by whole groups
+and keep that order (a contiguous row block: ``Split``).  The conv channels are ``[q | k | v]``,
+not interleaved: a rank holds its heads' channels of each (``Fused`` of ``Rows``).  ``A_log`` is
+float32 on the engines.  Megatron: slime's layer (an HF-style module replicated on every TP rank
+under ``self_attention.``); megatron-core's own ``GatedDeltaNet`` (per rank ``[q|k|v|z|b|a]``,
+``out_norm`` stored minus one) is not held yet.  Full attention: ``q_proj`` holds each head's query
+then its gate; SGLang names the layer's tensors without ``self_attn.``, vLLM with it."""
+
+from __future__ import annotations
+
+from shardsync.family.table import Block, Fused, QkvGroups, QkvHeads, Row, Rows, Split, T, Whole
+
+_L = "linear_attn."
+_CONV = _L + "conv1d.weight"
+_LINEAR_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+                   "out_proj.weight")
+
+GATED_DELTANET = Block(
+    logical=(
+        T("input_layernorm.weight", "H"),
+        T(_L + "in_proj_qkvz.weight", "lqkvz", "H"),
+        T(_L + "in_proj_ba.weight", "lba", "H"),
+        T(_CONV, "lconv", "one", "lkern"),
+        T(_L + "dt_bias", "lnv"),
+        T(_L + "A_log", "lnv"),
+        T(_L + "norm.weight", "ldv"),
+        T(_L + "out_proj.weight", "H", "lvd"),
+    ),
+    kind="gdn",
+    megatron=(
+        Row("self_attention.input_layernorm.weight", Whole("input_layernorm.weight")),
+        *(Row("self_attention." + _L + t, Whole(_L + t)) for t in _LINEAR_TENSORS),
+    ),
+    engine=(
+        Row("input_layernorm.weight", Whole()),
+        Row(_L + "in_proj_qkvz.weight", Split()),
+        Row(_L + "in_proj_ba.weight", Split()),
+        Row(_CONV, Fused((Rows(_CONV, "lq"), Rows(_CONV, "lq", start="lq"), Rows(_CONV, "lvd", start="2lq")))),
+        Row(_L + "dt_bias", Split()),
+        Row(_L + "A_log", Split(), dtype="float32"),
+        Row(_L + "norm.weight", Whole()),
+        Row(_L + "out_proj.weight", Split(dim=1)),
+    ),
+)
+
+_A = "self_attn."
+
+
+def _engine(name: str, kind: Whole | Split | QkvHeads) -> tuple[Row, Row]:
+    """SGLang's row (no ``self_attn.`` level) and vLLM's (with it) of one attention tensor."""
+    return Row(name, kind, unless="vllm"), Row(_A + name, kind, variant="vllm")
+
+
+GATED_GQA = Block(
+    logical=(
+        T("input_layernorm.weight", "H"),
+        T(_A + "q_proj.weight", "q2", "H"),
+        T(_A + "k_proj.weight", "kv", "H"),
+        T(_A + "v_proj.weight", "kv", "H"),
+        T(_A + "q_norm.weight", "d"),
+        T(_A + "k_norm.weight", "d"),
+        T(_A + "o_proj.weight", "H", "q"),
+    ),
+    kind="gqa_gated",
+    megatron=(
+        Row("{attn_norm}", Whole("input_layernorm.weight")),
+        Row("self_attention.linear_qkv.weight", QkvGroups("weight", gate=True)),
+        Row("self_attention.q_layernorm.weight", Whole(_A + "q_norm.weight")),
+        Row("self_attention.k_layernorm.weight", Whole(_A + "k_norm.weight")),
+        Row("self_attention.linear_proj.weight", Split(_A + "o_proj.weight", dim=1)),
+    ),
+    engine=(
+        Row("input_layernorm.weight", Whole()),
+        *_engine("qkv_proj.weight", QkvHeads("weight", gate=True)),
+        *_engine("q_norm.weight", Whole(_A + "q_norm.weight")),
+        *_engine("k_norm.weight", Whole(_A + "k_norm.weight")),
+        *_engine("o_proj.weight", Split(_A + "o_proj.weight", dim=1)),
+    ),
+)
