@@ -44,6 +44,8 @@ CASES = [
      (EngineParallel(tp=8, ep=8),) * 16),
     ("DeepSeek-V3.2", MegatronParallel(tp=1, pp=16, dp=16, ep=16, etp=1, pp_layers=(4,) * 15 + (1,)),
      (EngineParallel(tp=32, ep=32),) * 8),
+    # gated DeltaNet hybrid on one node
+    ("Qwen3-Next-80B-A3B", MegatronParallel(tp=2, dp=4, ep=8, etp=1), (EngineParallel(tp=4, ep=4),) * 2),
 ]
 
 

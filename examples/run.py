@@ -8,7 +8,8 @@
 Without CUDA (``--size auto``) every recipe runs the tiny variant of its family on CPU
 (Qwen3 -> tiny-qwen3, Llama -> tiny-llama, Qwen2.5 -> tiny-qwen2, Qwen3-MoE -> tiny-qwen3-moe,
 GLM4-MoE -> tiny-glm4-moe, DeepSeek-V3 / Kimi-K2 -> tiny-deepseek-v3, GLM-4.7-Flash -> tiny-glm4-moe-lite,
-GLM-5 / GLM-5-4layer -> tiny-glm5, DeepSeek-V3.2 -> tiny-deepseek-v32)
+GLM-5 / GLM-5-4layer -> tiny-glm5, DeepSeek-V3.2 -> tiny-deepseek-v32, Qwen3-Next-80B-A3B -> tiny-qwen3-next:
+planned and listed, not runnable on CPU yet: the reference models have no gated DeltaNet forward)
 with a CPU-sized topology.
 Environment knobs: ``SHARDSYNC_BUCKET_MB`` (bucket size, MiB) and ``SHARDSYNC_SKIP_VERIFY=1``
 (skip the bitwise checksum after each update).  See docs/examples.md and docs/ray.md.
@@ -110,6 +111,11 @@ RECIPES = {r.model: r for r in (
            Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
     Recipe("GLM-5-4layer", "tiny-glm5",
            Topo(4, 1, (8,), trainer_dp=2, trainer_ep=8, trainer_etp=1, engine_ep=8),
+           Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
+    # gated DeltaNet hybrid: the trainer on one node, TP2 EP8 (DP 4) ->
+    # two engines TP4 EP4 (the linear-attention heads split by whole key-head groups)
+    Recipe("Qwen3-Next-80B-A3B", "tiny-qwen3-next",
+           Topo(2, 1, (4, 4), trainer_dp=4, trainer_ep=8, trainer_etp=1, engine_ep=4),
            Topo(2, 1, (2,), trainer_ep=2, trainer_etp=1, engine_ep=2)),
     Recipe("DeepSeek-V3.2", "tiny-deepseek-v32",
            Topo(1, 16, (32,) * 8, trainer_dp=16, trainer_ep=16, trainer_etp=1, engine_ep=32,

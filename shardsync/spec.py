@@ -285,7 +285,7 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=head_dim,
-        intermediate_size=cfg["intermediate_size"],
+        intermediate_size=cfg.get("intermediate_size", 0),  # all-MoE families may omit it (their reader fills it)
         vocab_size=cfg["vocab_size"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),

@@ -1,4 +1,4 @@
-"""The blocks of the gated DeltaNet hybrids (Qwen3-Next): the linear-attention layer and the
+"""The blocks of the gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): the linear-attention layer and the
 full-attention layer with an output gate.  Sources: docs/notes/qwen3_next_sources.md (transformers,
 megatron-core, slime) and qwen3_next_engines.md (SGLang, vLLM).
 
@@ -13,40 +13,63 @@ then its gate; SGLang names the layer's tensors without ``self_attn.``, vLLM wit
 
 from __future__ import annotations
 
-from shardsync.family.table import Block, Fused, QkvGroups, QkvHeads, Row, Rows, Split, T, Whole
+from shardsync.family.table import Block, Fused, Part, QkvGroups, QkvHeads, Row, Rows, Split, T, Whole
 
 _L = "linear_attn."
 _CONV = _L + "conv1d.weight"
-_LINEAR_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
-                   "out_proj.weight")
+_REST = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 
-GATED_DELTANET = Block(
-    logical=(
-        T("input_layernorm.weight", "H"),
-        T(_L + "in_proj_qkvz.weight", "lqkvz", "H"),
-        T(_L + "in_proj_ba.weight", "lba", "H"),
-        T(_CONV, "lconv", "one", "lkern"),
-        T(_L + "dt_bias", "lnv"),
-        T(_L + "A_log", "lnv"),
-        T(_L + "norm.weight", "ldv"),
-        T(_L + "out_proj.weight", "H", "lvd"),
-    ),
-    kind="gdn",
-    megatron=(
-        Row("self_attention.input_layernorm.weight", Whole("input_layernorm.weight")),
-        *(Row("self_attention." + _L + t, Whole(_L + t)) for t in _LINEAR_TENSORS),
-    ),
-    engine=(
-        Row("input_layernorm.weight", Whole()),
-        Row(_L + "in_proj_qkvz.weight", Split()),
-        Row(_L + "in_proj_ba.weight", Split()),
-        Row(_CONV, Fused((Rows(_CONV, "lq"), Rows(_CONV, "lq", start="lq"), Rows(_CONV, "lvd", start="2lq")))),
-        Row(_L + "dt_bias", Split()),
-        Row(_L + "A_log", Split(), dtype="float32"),
-        Row(_L + "norm.weight", Whole()),
-        Row(_L + "out_proj.weight", Split(dim=1)),
-    ),
-)
+
+def gated_deltanet(*, interleaved: bool) -> Block:
+    """The linear-attention layer.  ``interleaved`` (Qwen3-Next): the checkpoint fuses q, k, v, z in
+    ``in_proj_qkvz`` and b, a in ``in_proj_ba``, per key-head group; the engines' rank holds whole
+    groups in that order.  Otherwise (Qwen3.5) the checkpoint holds ``in_proj_qkv`` ([q | k | v]),
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` and the engines stack a rank's heads of each:
+    ``[q | k | v | z]`` and ``[b | a]``."""
+    qkv = _L + "in_proj_qkv.weight"
+    own: tuple[T, ...]
+    qkvz: Split | Fused
+    ba: Split | Fused
+    if interleaved:
+        own = (T(_L + "in_proj_qkvz.weight", "lqkvz", "H"), T(_L + "in_proj_ba.weight", "lba", "H"))
+        qkvz, ba = Split(), Split()
+    else:
+        own = (T(qkv, "lconv", "H"), T(_L + "in_proj_z.weight", "lvd", "H"),
+               T(_L + "in_proj_b.weight", "lnv", "H"), T(_L + "in_proj_a.weight", "lnv", "H"))
+        qkvz = Fused((Rows(qkv, "lq"), Rows(qkv, "lq", start="lq"), Rows(qkv, "lvd", start="2lq"),
+                      Part(_L + "in_proj_z.weight")))
+        ba = Fused((Part(_L + "in_proj_b.weight"), Part(_L + "in_proj_a.weight")))
+    projections = tuple(t.name.removeprefix(_L) for t in own)
+    return Block(
+        logical=(
+            T("input_layernorm.weight", "H"),
+            *own,
+            T(_CONV, "lconv", "one", "lkern"),
+            T(_L + "dt_bias", "lnv"),
+            T(_L + "A_log", "lnv"),
+            T(_L + "norm.weight", "ldv"),
+            T(_L + "out_proj.weight", "H", "lvd"),
+        ),
+        kind="gdn",
+        megatron=(
+            Row("self_attention.input_layernorm.weight", Whole("input_layernorm.weight")),
+            *(Row("self_attention." + _L + t, Whole(_L + t)) for t in (*projections, *_REST)),
+        ),
+        engine=(
+            Row("input_layernorm.weight", Whole()),
+            Row(_L + "in_proj_qkvz.weight", qkvz),
+            Row(_L + "in_proj_ba.weight", ba),
+            Row(_CONV, Fused((Rows(_CONV, "lq"), Rows(_CONV, "lq", start="lq"), Rows(_CONV, "lvd", start="2lq")))),
+            Row(_L + "dt_bias", Split()),
+            Row(_L + "A_log", Split(), dtype="float32"),
+            Row(_L + "norm.weight", Whole()),
+            Row(_L + "out_proj.weight", Split(dim=1)),
+        ),
+    )
+
+
+GATED_DELTANET = gated_deltanet(interleaved=True)
+GATED_DELTANET_SEPARATE = gated_deltanet(interleaved=False)
 
 _A = "self_attn."
 

@@ -1,14 +1,15 @@
 """Qwen2 (attention biases), Qwen3 (q/k norms), Qwen3-MoE (softmax router, no shared
 expert, ``mlp_only_layers`` and ``decoder_sparse_step`` choose the dense layers) and Qwen3-Next
-(the gated DeltaNet hybrid: three linear-attention layers to one gated full-attention layer,
-zero-centred norms, a gated shared expert; ``family/linear.py``)."""
+and Qwen3.5-MoE (the gated DeltaNet hybrids: three linear-attention layers to one gated
+full-attention layer, zero-centred norms, a gated shared expert; ``family/linear.py``; Qwen3.5's
+checkpoint keeps the linear projections apart, and every layer is MoE)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from shardsync.family.blocks import GQA, MOE, gated_mlp, moe
-from shardsync.family.linear import GATED_DELTANET, GATED_GQA
+from shardsync.family.linear import GATED_DELTANET, GATED_DELTANET_SEPARATE, GATED_GQA
 from shardsync.family.table import Family
 
 if TYPE_CHECKING:
@@ -77,3 +78,26 @@ def _check_next(spec: ModelSpec) -> str | None:
 QWEN3_NEXT = Family("qwen3_next", "Qwen3NextForCausalLM", GATED_GQA, gated_mlp(),
                     moe(shared="mlp.shared_expert.", shared_gate=True), linear_attention=GATED_DELTANET,
                     qk_norm=True, norm_offset=1.0, read=_read_next, write=_write_next, check=_check_next)
+
+
+def _read_next_35(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5-MoE's text config: no dense layers (no ``intermediate_size``), the top-k always
+    renormalized (no ``norm_topk_prob``)."""
+    own = _read_next({**cfg, "norm_topk_prob": True})
+    return {**own, "intermediate_size": cfg.get("intermediate_size") or cfg["moe_intermediate_size"]}
+
+
+def _write_next_35(spec: ModelSpec) -> dict[str, Any]:
+    """Qwen3.5's rotary is multimodal (sections of the rotary half for time, height and width,
+    interleaved); on text every section sees the same position, so it is the 1-D partial rotary.
+    The config carries the sections as the released ones do (SGLang's rotary requires them)."""
+    half = round(spec.head_dim * spec.partial_rotary_factor) // 2
+    first = -(-half // 3)
+    return {**_write_next(spec), "rope_parameters": {
+        "rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": spec.partial_rotary_factor,
+        "mrope_section": [first, first, half - 2 * first], "mrope_interleaved": True}}
+
+
+QWEN3_5_MOE = Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", GATED_GQA, gated_mlp(),
+                     moe(shared="mlp.shared_expert.", shared_gate=True), linear_attention=GATED_DELTANET_SEPARATE,
+                     qk_norm=True, norm_offset=1.0, read=_read_next_35, write=_write_next_35, check=_check_next)

@@ -210,8 +210,27 @@ def dsa_cases() -> list[Case]:
     ]
 
 
+def linear_cases() -> list[Case]:
+    """Gated DeltaNet hybrids (tiny-qwen3-next: 4 key heads, 8 value heads; tiny-qwen3.5-moe: the
+    projections apart in the checkpoint): linear-attention heads split by whole key-head groups."""
+    nxt = dict(model="tiny-qwen3-next")
+    return [
+        Case(**nxt, relation="hybrid, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
+             engine_ep=2, note="TP 2 EP 2 -> engine TP 2 EP 2"),
+        Case(**nxt, relation="linear heads over TP 4", trainer_tp=2, trainer_dp=2, trainer_ep=4, trainer_etp=1,
+             engine_tps=(4,), engine_ep=4, note="one key-head group per engine rank"),
+        Case(**nxt, relation="linear heads not dividing TP", trainer_tp=2, engine_tps=(4,), engine_ep=4,
+             spec_changes=(("linear_num_key_heads", 2), ("linear_num_value_heads", 4)),
+             note="the engine refuses TP 4 for 2 key heads"),
+        Case(model="tiny-qwen3.5-moe", relation="Qwen3.5: projections apart", trainer_tp=2, trainer_pp=2,
+             engine_tps=(2, 4), engine_ep=2, note="PP 2 TP 2 -> engines TP 2 and 4, EP 2"),
+        Case(**nxt, relation="hybrid into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+             note="vLLM names the attention self_attn.*"),
+    ]
+
+
 def build(cases: list[Case] | None = None) -> list[Entry]:
-    cases = (list(grid_cases()) + extra_cases() + moe_cases() + mla_cases() + dsa_cases()
+    cases = (list(grid_cases()) + extra_cases() + moe_cases() + mla_cases() + dsa_cases() + linear_cases()
              if cases is None else cases)
     return [Entry(c, tuple(check_p2p(c.topology()))) for c in cases]
 
@@ -255,7 +274,9 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
     entries = build() if entries is None else entries
     grid = [e for e in entries if not e.case.note]
     extra = [e for e in entries if e.case.note and not PRESETS[e.case.model].is_moe]
-    moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe and not PRESETS[e.case.model].is_mla]
+    moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe and not PRESETS[e.case.model].is_mla
+           and not PRESETS[e.case.model].full_attention_interval]
+    hybrid = [e for e in entries if e.case.note and PRESETS[e.case.model].full_attention_interval]
     mla = [e for e in entries if e.case.note and PRESETS[e.case.model].is_mla
            and not PRESETS[e.case.model].is_sparse_attention]
     dsa = [e for e in entries if e.case.note and PRESETS[e.case.model].is_sparse_attention]
@@ -324,6 +345,15 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
         "`weights_proj` in bfloat16 and `k_norm` in float32; vLLM fuses `wk` and `weights_proj`).",
         "",
         *_table(dsa, with_note=True),
+        "",
+        "## Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5)",
+        "",
+        "`tiny-qwen3-next` and `tiny-qwen3.5-moe`: three linear-attention layers to one gated",
+        "full-attention layer; engines split the linear-attention heads by whole key-head groups (the",
+        "checkpoint's interleaved projections stay in order; Qwen3.5's are stacked per rank), Megatron",
+        "holds slime's linear-attention module whole on every TP rank.",
+        "",
+        *_table(hybrid, with_note=True),
         "",
     ]
     return "\n".join(out)

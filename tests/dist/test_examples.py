@@ -58,6 +58,7 @@ def test_list():
     for model, tiny in (("GLM-5", "tiny-glm5"), ("GLM-5-4layer", "tiny-glm5"), ("DeepSeek-V3.2", "tiny-deepseek-v32")):
         assert rows[model]["tiny"] == tiny and rows[model]["cpu_engine_ep"] == 2
     assert (rows["GLM-5"]["nodes"], rows["GLM-5-4layer"]["nodes"]) == (32, 2)
+    assert rows["Qwen3-Next-80B-A3B"]["tiny"] == "tiny-qwen3-next" and rows["Qwen3-Next-80B-A3B"]["nodes"] == 2
 
 
 def test_prepare_random_tiny(tiny_ckpt):

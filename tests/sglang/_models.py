@@ -19,10 +19,12 @@ MODELS = {  # HF architecture -> SGLang module
     "DeepseekV32ForCausalLM": "sglang.srt.models.deepseek_v2",
     "GlmMoeDsaForCausalLM": "sglang.srt.models.glm4_moe",  # SGLang's DeepSeek class under GLM's name
     "Qwen3NextForCausalLM": "sglang.srt.models.qwen3_next",
+    "Qwen3_5MoeForCausalLM": "sglang.srt.models.qwen3_5_text",  # the text model of the Qwen3.5 checkpoints
 }
 # model types whose SGLang class reads SGLang's own config class (Qwen3-Next: its layers_block_type,
 # from full_attention_interval; transformers' class has no such field)
-CONFIGS = {"qwen3_next": ("sglang.srt.configs.qwen3_next", "Qwen3NextConfig")}
+CONFIGS = {"qwen3_next": ("sglang.srt.configs.qwen3_next", "Qwen3NextConfig"),
+           "qwen3_5_moe_text": ("sglang.srt.configs.qwen3_5", "Qwen3_5MoeTextConfig")}
 # tensors SGLang derives from loaded ones after loading (MLA: w_kc / w_vc from kv_b_proj; zero-centred
 # norms: gemma_weight = weight + 1, a buffer), per module
 DERIVED = ("w_kc", "w_vc", "gemma_weight")
@@ -38,7 +40,8 @@ def _specs():
     glm5 = PRESETS["tiny-glm5"].replace(rope_scaling=PRESETS["tiny-deepseek-v3"].rope_scaling)
     return {**{m: PRESETS[m] for m in ("tiny-qwen3", "tiny-qwen2", "tiny-llama")}, "tiny-qwen3-moe": moe,
             "tiny-deepseek-v3": PRESETS["tiny-deepseek-v3"], "tiny-deepseek-v32": PRESETS["tiny-deepseek-v32"],
-            "tiny-glm5": glm5, "tiny-qwen3-next": PRESETS["tiny-qwen3-next"]}
+            "tiny-glm5": glm5, "tiny-qwen3-next": PRESETS["tiny-qwen3-next"],
+            "tiny-qwen3.5-moe": PRESETS["tiny-qwen3.5-moe"]}
 
 
 # q/k norms; bias + tied embeddings; 4 KV heads; experts (triton layout); latent attention, shared

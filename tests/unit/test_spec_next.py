@@ -21,6 +21,7 @@ from shardsync.presets import PRESETS
 from shardsync.spec import spec_from_config
 
 TINY = PRESETS["tiny-qwen3-next"]
+TINY35 = PRESETS["tiny-qwen3.5-moe"]
 L0, L3 = "model.layers.0.", "model.layers.3."
 
 
@@ -31,27 +32,39 @@ def _rows(rank, local: str, logical: str) -> list[int]:
     return [r for p in pieces for r in range(p.offsets[0], p.offsets[0] + p.sizes[0])]
 
 
-def test_the_preset_has_the_published_size() -> None:
-    assert abs(PRESETS["Qwen3-Next-80B-A3B"].num_parameters() / 1e9 - 79.7) < 0.1  # "80B"
+@pytest.mark.parametrize(("name", "billions"), [("Qwen3-Next-80B-A3B", 79.7), ("Qwen3.5-35B-A3B", 34.7)])
+def test_presets_have_the_published_size(name: str, billions: float) -> None:
+    assert abs(PRESETS[name].num_parameters() / 1e9 - billions) < 0.1  # "80B", "35B"
 
 
-def test_logical_tensors_are_transformers_tensors() -> None:
+def test_qwen35_preset_is_transformers_defaults() -> None:
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in TINY.to_hf_config().items() if k != "architectures"})
+    theirs = spec_from_config(transformers.AutoConfig.for_model("qwen3_5_moe_text").to_dict(), "x")
+    ours = PRESETS["Qwen3.5-35B-A3B"]
+    assert theirs.replace(name=ours.name, rope_theta=ours.rope_theta,
+                          max_position_embeddings=ours.max_position_embeddings, dtype=ours.dtype) == ours
+
+
+@pytest.mark.parametrize(("spec", "arch"), [(TINY, "Qwen3NextForCausalLM"), (TINY35, "Qwen3_5MoeForCausalLM")],
+                         ids=lambda x: getattr(x, "name", x))
+def test_logical_tensors_are_transformers_tensors(spec, arch: str) -> None:
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in spec.to_hf_config().items() if k != "architectures"})
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    assert type(model).__name__ == "Qwen3NextForCausalLM"
+    assert type(model).__name__ == arch
     assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     theirs = {n: tuple(t.shape) for n, t in model.state_dict().items()
               if not n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))}
-    ours = {n: s for n, s in model_tensors(TINY).items() if ".mlp.experts." not in n}
+    ours = {n: s for n, s in model_tensors(spec).items() if ".mlp.experts." not in n}
     assert ours == theirs
-    assert sum(".mlp.experts." in n for n in model_tensors(TINY)) == 3 * TINY.num_experts * TINY.num_layers
+    assert sum(".mlp.experts." in n for n in model_tensors(spec)) == 3 * spec.num_experts * spec.num_layers
 
 
 def test_config_round_trip_and_layer_types() -> None:
-    for spec in (TINY, PRESETS["Qwen3-Next-80B-A3B"]):
+    for spec in (TINY, PRESETS["Qwen3-Next-80B-A3B"], TINY35, PRESETS["Qwen3.5-35B-A3B"]):
         assert spec_from_config(spec.to_hf_config(), spec.name) == spec
     bad = {**TINY.to_hf_config(), "layer_types": ["linear_attention", "full_attention"] * 2}
     assert spec_from_config(bad, "x").full_attention_interval == 2  # an interval: read as one
@@ -79,6 +92,24 @@ def test_engine_ranks_hold_whole_groups_in_checkpoint_order(tp: int) -> None:
         qkv = _rows(rank, L3 + "qkv_proj.weight", L3 + "self_attn.q_proj.weight")
         h = spec.num_heads // tp  # each head's query then gate, as q_proj holds them
         assert qkv == list(range(r * h * 2 * spec.head_dim, (r + 1) * h * 2 * spec.head_dim))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_qwen35_engine_ranks_stack_their_heads_of_each_projection(tp: int) -> None:
+    """Qwen3.5's checkpoint keeps q, k, v (one tensor), z, b and a apart: a rank stacks its heads'
+    rows of each, ``[q | k | v | z]`` and ``[b | a]``."""
+    lay = engine_layout(TINY35, EngineParallel(tp=tp))
+    build_plan(full_layout(TINY35), lay)
+    a = L0 + "linear_attn."
+    lq, lv, nv = 4 * 32, 8 * 32, 8
+    for r, rank in enumerate(lay.ranks):
+        q, v = lq // tp, lv // tp
+        assert _rows(rank, a + "in_proj_qkvz.weight", a + "in_proj_qkv.weight") == [
+            *range(r * q, (r + 1) * q), *range(lq + r * q, lq + (r + 1) * q),
+            *range(2 * lq + r * v, 2 * lq + (r + 1) * v)]
+        assert _rows(rank, a + "in_proj_qkvz.weight", a + "in_proj_z.weight") == list(range(r * v, (r + 1) * v))
+        b = nv // tp
+        assert _rows(rank, a + "in_proj_ba.weight", a + "in_proj_a.weight") == list(range(r * b, (r + 1) * b))
 
 
 def test_vllm_names_keep_self_attn_and_the_engines_refuse_split_heads() -> None:
