@@ -51,6 +51,13 @@ def _next(nk: int, nv: int, d: int) -> dict[str, Any]:
             "linear_conv_kernel_dim": 4}
 
 
+# the tiny hybrids' linear attention and experts: 4 key heads (engine TP up to 4), 8 experts
+_TINY_HYBRID: dict[str, Any] = {
+    "partial_rotary_factor": 0.25, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128, "full_attention_interval": 4, "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8, "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4}
+
+
 def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: int, V: int,
             tied: bool, **extra: Any) -> ModelSpec:
     base: dict[str, Any] = {"rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, **FAMILIES[family].defaults, **extra}
@@ -151,20 +158,14 @@ _PRESET_LIST = [
     _preset("Qwen3-Next-80B-A3B", "qwen3_next", 2048, 48, 16, 2, 256, 5120, 151936, False,
             max_position_embeddings=262144, rope_theta=10_000_000.0, partial_rotary_factor=0.25, **_next(16, 32, 128)),
     _preset("tiny-qwen3-next", "qwen3_next", 256, 4, 4, 2, 64, 512, 1100, False, max_position_embeddings=2048,
-            dtype="float32", partial_rotary_factor=0.25, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=128, shared_expert_intermediate_size=128, full_attention_interval=4,
-            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-            linear_conv_kernel_dim=4),
+            dtype="float32", **_TINY_HYBRID),
     # Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults; slime's qwen3.5-35B-A3B.sh gives
     # rope theta 1e7; max positions 262144 from third-party copies of its config): separate linear projections
     _preset("Qwen3.5-35B-A3B", "qwen3_5_moe_text", 2048, 40, 16, 2, 256, 512, 248320, False,
             max_position_embeddings=262144, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
             **{**_next(16, 32, 128), "num_experts": 256, "num_experts_per_tok": 8}),
     _preset("tiny-qwen3.5-moe", "qwen3_5_moe_text", 256, 4, 4, 2, 64, 128, 1100, False, max_position_embeddings=2048,
-            dtype="float32", partial_rotary_factor=0.25, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=128, shared_expert_intermediate_size=128, full_attention_interval=4,
-            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-            linear_conv_kernel_dim=4),
+            dtype="float32", **_TINY_HYBRID),
     # mixture of experts
     _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
             max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),

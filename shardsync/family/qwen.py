@@ -42,6 +42,12 @@ _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_di
            "linear_conv_kernel_dim")
 
 
+def _linear_fields(spec: ModelSpec) -> dict[str, int]:
+    return {"linear_num_key_heads": spec.linear_num_key_heads, "linear_num_value_heads": spec.linear_num_value_heads,
+            "linear_key_head_dim": spec.linear_key_head_dim, "linear_value_head_dim": spec.linear_value_head_dim,
+            "linear_conv_kernel_dim": spec.linear_conv_kernel_dim}
+
+
 def _read_next(cfg: dict[str, Any]) -> dict[str, Any]:
     """SGLang reads only ``full_attention_interval`` (its ``layers_block_type``); a ``layer_types``
     that no interval gives is refused rather than served differently."""
@@ -61,7 +67,7 @@ def _read_next(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _write_next(spec: ModelSpec) -> dict[str, Any]:
     kinds = ["linear_attention" if spec.linear_layer(i) else "full_attention" for i in range(spec.num_layers)]
-    return {**_write_moe(spec), **{k: getattr(spec, k) for k in _LINEAR},
+    return {**_write_moe(spec), **_linear_fields(spec),
             "full_attention_interval": spec.full_attention_interval, "layer_types": kinds,
             "shared_expert_intermediate_size": spec.shared_expert_intermediate_size}
 

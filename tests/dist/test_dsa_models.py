@@ -21,7 +21,15 @@ from shardsync.presets import PRESETS
 from shardsync.spec import ModelSpec
 from tests.dist._compare import rel, to_hf
 from tests.dist._world import free_port, run_world
-from tests.dist.test_moe_models import SEED, STEP_ATOL, TrainerCase, _batch, _hf_grads, _hf_model, _trainer_case
+from tests.dist.test_moe_models import (
+    SEED,
+    TrainerCase,
+    _batch,
+    _hf_grads,
+    _hf_model,
+    _trainer_case,
+    assert_trainer_world,
+)
 
 SPECS = ("tiny-glm5", "tiny-deepseek-v32")
 SHARED = PRESETS["tiny-glm5"].replace(name="tiny-glm5-shared", index_shared_layers=(2,))
@@ -142,12 +150,7 @@ def world() -> dict[int, dict[Any, Any]]:
 @pytest.mark.parametrize(("case", "name"), [(c, n) for c in TRAINER_CASES for n in c.specs],
                          ids=lambda x: x.label if isinstance(x, TrainerCase) else x)
 def test_trainer_worlds_match_tp1(world, case: TrainerCase, name: str) -> None:
-    for r in range(case.par.world_size):
-        got = world[r][case.label, name]
-        assert got["logits"] <= RTOL and got["loss"] <= 1e-5, (r, got["logits"], got["loss"])
-        worst = max(got["grads"].items(), key=lambda kv: kv[1])
-        assert worst[1] <= 1e-4, (r, worst)
-        assert got["norm"] <= 1e-5 and got["step"] <= STEP_ATOL, (r, got["norm"], got["step"])
+    assert_trainer_world(world, case, name, RTOL)
 
 
 @pytest.mark.parametrize(("tp", "ep", "name"), [(tp, ep, n) for tp, ep in ENGINE_CASES for n in SPECS])

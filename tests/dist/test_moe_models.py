@@ -162,6 +162,17 @@ def test_engine_matches_transformers(name: str) -> None:
 # --- the parallel worlds ----------------------------------------------------------------------
 
 
+def assert_trainer_world(world, case: TrainerCase, name: str, rtol: float) -> None:
+    """Every rank of a trainer world against the TP 1 run: logits, loss, every gradient, the grad
+    norm and the optimizer step (the latent and sparse attention tests share it)."""
+    for r in range(case.par.world_size):
+        got = world[r][case.label, name]
+        assert got["logits"] <= rtol and got["loss"] <= 1e-5, (r, got["logits"], got["loss"])
+        worst = max(got["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-4, (r, worst)
+        assert got["norm"] <= 1e-5 and got["step"] <= STEP_ATOL, (r, got["norm"], got["step"])
+
+
 def _trainer_case(spec: ModelSpec, case: TrainerCase, groups, inp, refs) -> dict[str, Any]:
     par, rank = case.par, groups.rank
     model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
