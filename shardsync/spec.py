@@ -135,6 +135,10 @@ class ModelSpec:
         return self.family_table.post_norms
 
     @property
+    def norm_offset(self) -> float:
+        return self.family_table.norm_offset
+
+    @property
     def fused_gate_up(self) -> bool:
         return self.family_table.fused_gate_up
 

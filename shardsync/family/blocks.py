@@ -19,6 +19,7 @@ from shardsync.family.table import (
     QkvGroups,
     QkvHeads,
     Row,
+    SharedExpert,
     Split,
     T,
     Whole,
@@ -252,10 +253,11 @@ def moe(*, router_dtype: str | None = None, shared: str = _SHARED, shared_gate: 
             Row("mlp.router.expert_bias", Whole("mlp.gate.e_score_correction_bias"), when=expert_bias,
                 dtype="float32"),
             Row("mlp.experts", ExpertMlps(*_EXPERT)),
-            Row(_SHARED + "linear_fc1.weight", gate_up, when=shared_experts),
-            Row(_SHARED + "linear_fc2.weight", Split(mlp[2], dim=1), when=shared_experts),
+            # SharedExpertMLP's own parameter: before its linears in named_parameters()
             *((Row(_SHARED + "gate_weight", Whole("mlp.shared_expert_gate.weight"), when=shared_experts),)
               if shared_gate else ()),
+            Row(_SHARED + "linear_fc1.weight", gate_up, when=shared_experts),
+            Row(_SHARED + "linear_fc2.weight", Split(mlp[2], dim=1), when=shared_experts),
         ),
         engine=(
             Row("post_attention_layernorm.weight", Whole()),
@@ -267,6 +269,7 @@ def moe(*, router_dtype: str | None = None, shared: str = _SHARED, shared_gate: 
             Row(shared + "down_proj.weight", Split(dim=1), when=shared_experts, unless="shared_fused"),
             *((Row("mlp.shared_expert_gate.weight", Whole(), when=shared_experts),) if shared_gate else ()),
         ),
+        shared=SharedExpert(shared.removeprefix("mlp.").rstrip("."), gated=shared_gate),
     )
 
 

@@ -17,7 +17,8 @@ from shardsync.family.table import Block, Fused, Part, QkvGroups, QkvHeads, Row,
 
 _L = "linear_attn."
 _CONV = _L + "conv1d.weight"
-_REST = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+_OWN = ("dt_bias", "A_log")  # the layer module's own parameters: first in named_parameters()
+_REST = ("conv1d.weight", "norm.weight", "out_proj.weight")
 
 
 def gated_deltanet(*, interleaved: bool) -> Block:
@@ -50,18 +51,18 @@ def gated_deltanet(*, interleaved: bool) -> Block:
             T(_L + "norm.weight", "ldv"),
             T(_L + "out_proj.weight", "H", "lvd"),
         ),
-        kind="gdn",
+        kind="gdn" if interleaved else "gdn_stacked",
         megatron=(
             Row("self_attention.input_layernorm.weight", Whole("input_layernorm.weight")),
-            *(Row("self_attention." + _L + t, Whole(_L + t)) for t in (*projections, *_REST)),
+            *(Row("self_attention." + _L + t, Whole(_L + t)) for t in (*_OWN, *projections, *_REST)),
         ),
         engine=(
             Row("input_layernorm.weight", Whole()),
+            Row(_L + "dt_bias", Split()),
+            Row(_L + "A_log", Split(), dtype="float32"),
             Row(_L + "in_proj_qkvz.weight", qkvz),
             Row(_L + "in_proj_ba.weight", ba),
             Row(_CONV, Fused((Rows(_CONV, "lq"), Rows(_CONV, "lq", start="lq"), Rows(_CONV, "lvd", start="2lq")))),
-            Row(_L + "dt_bias", Split()),
-            Row(_L + "A_log", Split(), dtype="float32"),
             Row(_L + "norm.weight", Whole()),
             Row(_L + "out_proj.weight", Split(dim=1)),
         ),

@@ -202,6 +202,16 @@ class Row:
 
 
 @dataclass(frozen=True)
+class SharedExpert:
+    """A mixture-of-experts block's shared expert as the engine holds it: the module under
+    ``mlp.`` (``shared_experts``, Qwen3-Next's ``shared_expert``) and whether a sigmoid gate
+    (``mlp.shared_expert_gate``) scales its output."""
+
+    module: str = "shared_experts"
+    gated: bool = False
+
+
+@dataclass(frozen=True)
 class Block:
     """A part of a decoder layer in every layout: logical tensors and each layout's rows,
     in parameter order."""
@@ -211,6 +221,7 @@ class Block:
     engine: tuple[Row, ...]
     kind: str = ""  # attention blocks: the module the reference models build for it (``gqa``, ``mla``)
     rotary: str = "rot"  # attention blocks: the ``dims`` symbol of the channels rotary turns
+    shared: SharedExpert = SharedExpert()  # mixture-of-experts blocks: the shared expert's engine module
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from torch import nn
 from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
+from shardsync.models.deltanet import DeltaState, DeltaWeights, deltanet
 from shardsync.models.latent import Baton, LatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
@@ -50,12 +51,15 @@ Generation = tuple[list[int], list[float]]
 
 @dataclass
 class KVCache:
-    """Per-layer keys/values ``[batch, local kv heads, capacity, head_dim]``, filled to ``length``;
-    sparse attention's indexer keys ``[batch, capacity, index_head_dim]`` per layer too."""
+    """Per-layer keys/values ``[batch, local kv heads, capacity, head_dim]``, filled to ``length``
+    (empty on linear-attention layers); sparse attention's indexer keys ``[batch, capacity,
+    index_head_dim]`` per layer too; linear attention's carried state per layer (None before
+    the first step and on other layers)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     index_keys: list[torch.Tensor] = field(default_factory=list)
+    linear: list[DeltaState | None] = field(default_factory=list)
     length: int = 0
     capacity: int = field(init=False)
 
@@ -106,22 +110,30 @@ class _TP:
         return x
 
 
+def _hold(module: nn.Module, rl: RankLayout, prefix: str, attrs: Sequence[str], device: torch.device) -> None:
+    """Register the parameters ``<prefix>.<attr>`` on ``module`` with the layout's shape and dtype (zeroed)."""
+    for attr in attrs:
+        meta = rl.tensor(f"{prefix}.{attr}")
+        data = torch.zeros(meta.stored, dtype=torch_dtype(meta.dtype), device=device)
+        module.register_parameter(attr, nn.Parameter(data, requires_grad=False))
+
+
 class _Leaf(nn.Module):
     """Holds the parameters ``<prefix>.<attr>`` with the layout's shape and dtype (zeroed)."""
 
     def __init__(self, rl: RankLayout, prefix: str, attrs: Sequence[str], device: torch.device) -> None:
         super().__init__()
-        for attr in attrs:
-            meta = rl.tensor(f"{prefix}.{attr}")
-            data = torch.zeros(meta.stored, dtype=torch_dtype(meta.dtype), device=device)
-            self.register_parameter(attr, nn.Parameter(data, requires_grad=False))
+        _hold(self, rl, prefix, attrs, device)
 
 
 class _Attention(nn.Module):
+    """Grouped-query attention on one rank's heads.  ``gate`` (Qwen3-Next): each head's q rows
+    are its query then its output gate; the output is scaled by the gate's sigmoid."""
+
     def __init__(self, spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP,
-                 device: torch.device) -> None:
+                 device: torch.device, *, gate: bool = False) -> None:
         super().__init__()
-        self.spec, self.tp = spec, tp
+        self.spec, self.tp, self.gate = spec, tp, gate
         qkv_attrs = ("weight", "bias") if spec.qkv_bias else ("weight",)
         self.qkv_proj = _Leaf(rl, prefix + "qkv_proj", qkv_attrs, device)
         if spec.qk_norm:
@@ -130,7 +142,7 @@ class _Attention(nn.Module):
         self.o_proj = _Leaf(rl, prefix + "o_proj", ("weight",), device)
         d = spec.head_dim
         self.nq = spec.num_heads // tp.size
-        self.nkv = (self.qkv_proj.weight.shape[0] // d - self.nq) // 2
+        self.nkv = (self.qkv_proj.weight.shape[0] // d - self.nq * (2 if gate else 1)) // 2
         self.k_dim = self.v_dim = d  # what a KV cache holds per kv head
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -138,11 +150,16 @@ class _Attention(nn.Module):
         b, s, _ = x.shape
         d, eps = self.spec.head_dim, self.spec.rms_norm_eps
         qkv = F.linear(x, self.qkv_proj.weight, getattr(self.qkv_proj, "bias", None))
-        q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
+        nq = self.nq * (2 if self.gate else 1)
+        q, k, v = qkv.split([nq * d, self.nkv * d, self.nkv * d], dim=-1)
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+        gate = None
+        if self.gate:
+            q, gate = q.view(b, s, self.nq, 2 * d).chunk(2, dim=-1)
         if self.spec.qk_norm:
-            q = rms_norm(q, self.q_norm.weight, eps)
-            k = rms_norm(k, self.k_norm.weight, eps)
+            off = self.spec.norm_offset
+            q = rms_norm(q, self.q_norm.weight, eps, off)
+            k = rms_norm(k, self.k_norm.weight, eps, off)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = (apply_rope(t, cos, sin, self.spec.rope_interleaved) for t in (q, k))
         start = 0
@@ -154,7 +171,39 @@ class _Attention(nn.Module):
             v = cache.values[layer][:, :, :start + s]
         out = attention(q, k, v, causal_offset=start)
         out = out.transpose(1, 2).reshape(b, s, self.nq * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, s, -1))
         return self.tp.all_reduce(F.linear(out, self.o_proj.weight))
+
+
+class _LinearAttention(nn.Module):
+    """One rank's gated DeltaNet (``linear_attn``, ``models.deltanet``): whole key-head groups,
+    ``out_proj`` row-parallel.  ``interleaved``: the rank's projections keep the checkpoint's
+    per-group order (Qwen3-Next), else they stack ``[q | k | v | z]`` and ``[b | a]`` (Qwen3.5)."""
+
+    nkv = k_dim = v_dim = 0  # nothing in the KV cache: the cache carries its state (``KVCache.linear``)
+
+    def __init__(self, spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP, device: torch.device, *,
+                 interleaved: bool) -> None:
+        super().__init__()
+        self.spec, self.tp, self.interleaved = spec, tp, interleaved
+        _hold(self, rl, prefix.removesuffix("."), ("dt_bias", "A_log"), device)
+        self.in_proj_qkvz = _Leaf(rl, prefix + "in_proj_qkvz", ("weight",), device)
+        self.in_proj_ba = _Leaf(rl, prefix + "in_proj_ba", ("weight",), device)
+        self.conv1d = _Leaf(rl, prefix + "conv1d", ("weight",), device)
+        self.norm = _Leaf(rl, prefix + "norm", ("weight",), device)
+        self.out_proj = _Leaf(rl, prefix + "out_proj", ("weight",), device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                layer: int) -> torch.Tensor:
+        weights = DeltaWeights(self.in_proj_qkvz.weight, self.in_proj_ba.weight, self.conv1d.weight,
+                               self.get_parameter("dt_bias"), self.get_parameter("A_log"), self.norm.weight,
+                               self.out_proj.weight)
+        state = cache.linear[layer] if cache is not None else None
+        out, state = deltanet(self.spec, x, weights, interleaved=self.interleaved, state=state)
+        if cache is not None:
+            cache.linear[layer] = state
+        return self.tp.all_reduce(out)
 
 
 class _MLP(nn.Module):
@@ -183,8 +232,17 @@ class _Experts(nn.Module):
         self.gate = _Leaf(rl, prefix + "gate", ("weight", "e_score_correction_bias") if self.sigmoid else ("weight",),
                           device)
         self.experts = _Leaf(rl, prefix + "experts", ("w13_weight", "w2_weight"), device)
+        # the shared expert under the family's engine name, and its sigmoid gate (Qwen3-Next)
+        self.shared: tuple[_MLP, _Leaf | None] | None = None
         if spec.shared_expert_intermediate_size:
-            self.shared_experts = _MLP(rl, prefix + "shared_experts.", tp, device, reduce=False)
+            where = spec.family_table.moe.shared if spec.family_table.moe is not None else None
+            assert where is not None
+            mlp = _MLP(rl, f"{prefix}{where.module}.", tp, device, reduce=False)
+            self.add_module(where.module, mlp)
+            gate = _Leaf(rl, prefix + "shared_expert_gate", ("weight",), device) if where.gated else None
+            if gate is not None:
+                self.add_module("shared_expert_gate", gate)
+            self.shared = (mlp, gate)
         self.first = tp.rank // (tp.size // ep) * self.experts.w13_weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,8 +257,10 @@ class _Experts(nn.Module):
                 gate, up = F.linear(flat[tok], w13[k]).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, w2[k])
                 out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        if self.spec.shared_expert_intermediate_size:  # its TP partial joins the same all-reduce
-            out = out + self.shared_experts(flat)
+        if self.shared is not None:  # its TP partial joins the same all-reduce
+            mlp, gate = self.shared
+            y = mlp(flat)
+            out = out + (y * torch.sigmoid(F.linear(flat, gate.weight)) if gate is not None else y)
         return self.tp.all_reduce(out).view_as(x)
 
 
@@ -212,11 +272,33 @@ def _latent(kind: str) -> Callable[[ModelSpec, RankLayout, str, _TP, torch.devic
     return build
 
 
+_AttentionModule = _Attention | LatentAttention | _LinearAttention
+
+
+@dataclass(frozen=True)
+class _AttentionKind:
+    # (spec, rank layout, prefix of its tensors, tp, device, the model's baton) -> the module
+    build: Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton], _AttentionModule]
+    module: str  # the layer's attribute holding it; "": its tensors sit on the layer itself
+
+
+def _gqa(gate: bool) -> Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton], _AttentionModule]:
+    return lambda spec, rl, prefix, tp, device, baton: _Attention(spec, rl, prefix, tp, device, gate=gate)
+
+
+def _gdn(interleaved: bool) -> Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton], _AttentionModule]:
+    return lambda spec, rl, prefix, tp, device, baton: _LinearAttention(spec, rl, prefix, tp, device,
+                                                                        interleaved=interleaved)
+
+
 # the family's attention block (``Block.kind``) -> the module that computes it on one TP rank
-ATTENTION: dict[str, Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton],
-                              _Attention | LatentAttention]] = {
-    "gqa": lambda spec, rl, prefix, tp, device, baton: _Attention(spec, rl, prefix, tp, device),
-    **{kind: _latent(kind) for kind in ("mla", "dsa", "dsa_shared")},
+ATTENTION: dict[str, _AttentionKind] = {
+    "gqa": _AttentionKind(_gqa(False), "self_attn"),
+    # SGLang's Qwen3-Next / Qwen3.5 attention layer holds its tensors itself (no ``self_attn.``)
+    "gqa_gated": _AttentionKind(_gqa(True), ""),
+    "gdn": _AttentionKind(_gdn(True), "linear_attn"),
+    "gdn_stacked": _AttentionKind(_gdn(False), "linear_attn"),
+    **{kind: _AttentionKind(_latent(kind), "self_attn") for kind in ("mla", "dsa", "dsa_shared")},
 }
 
 
@@ -225,14 +307,23 @@ class _Layer(nn.Module):
                  device: torch.device, baton: Baton) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
-        self.eps, self.index = spec.rms_norm_eps, layer
+        self.eps, self.offset, self.index = spec.rms_norm_eps, spec.norm_offset, layer
         self.input_layernorm = _Leaf(rl, p + "input_layernorm", ("weight",), device)
         kind = spec.family_table.blocks(spec, layer)[0].kind
         if kind not in ATTENTION:
             raise NotImplementedError(f"{spec.name}: the reference engine does not compute {kind} attention (layer "
                                       f"{layer}) yet; shardsync plans and syncs this family, the reference models "
                                       f"run {sorted(ATTENTION)}")
-        self.self_attn = ATTENTION[kind](spec, rl, p + "self_attn.", tp, device, baton)
+        where = ATTENTION[kind]
+        attn = where.build(spec, rl, f"{p}{where.module}." if where.module else p, tp, device, baton)
+        if where.module:
+            self.add_module(where.module, attn)
+        else:  # the attention's leaves are the layer's own; the module only computes
+            for name, leaf in attn.named_children():
+                self.add_module(name, leaf)
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCache | None, int], torch.Tensor] = \
+            attn.forward
+        self.kv = (attn.nkv, attn.k_dim, attn.v_dim)  # what the KV cache holds per layer
         if spec.post_norms:  # GLM4
             self.post_self_attn_layernorm = _Leaf(rl, p + "post_self_attn_layernorm", ("weight",), device)
         self.post_attention_layernorm = _Leaf(rl, p + "post_attention_layernorm", ("weight",), device)
@@ -244,11 +335,11 @@ class _Layer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None) -> torch.Tensor:
-        a = self.self_attn(rms_norm(h, self.input_layernorm.weight, self.eps), cos, sin, cache, self.index)
+        a = self.attend(rms_norm(h, self.input_layernorm.weight, self.eps, self.offset), cos, sin, cache, self.index)
         if self.post_norms:
             a = rms_norm(a, self.post_self_attn_layernorm.weight, self.eps)
         h = h + a
-        m = self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps))
+        m = self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps, self.offset))
         if self.post_norms:
             m = rms_norm(m, self.post_mlp_layernorm.weight, self.eps)
         return h + m
@@ -353,15 +444,15 @@ class EngineModel(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``capacity`` positions."""
-        attn = self.model.layers[0].self_attn
-        keys, values = (batch, attn.nkv, capacity, attn.k_dim), (batch, attn.nkv, capacity, attn.v_dim)
+        kv = [layer.kv for layer in self.model.layers]
         n = self.spec.num_layers
         index = (batch, capacity, self.spec.index_head_dim)
         return KVCache(
-            keys=[torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(n)],
-            values=[torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(n)],
+            keys=[torch.zeros(batch, h, capacity, k, dtype=self.dtype, device=self.device) for h, k, _ in kv],
+            values=[torch.zeros(batch, h, capacity, v, dtype=self.dtype, device=self.device) for h, _, v in kv],
             index_keys=[torch.zeros(index, dtype=self.dtype, device=self.device)
                         for _ in range(n if self.spec.is_sparse_attention else 0)],
+            linear=[None] * n,
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -395,7 +486,7 @@ class EngineModel(nn.Module):
             h = layer(h, cos, sin, cache)
         if cache is not None:
             cache.length += s
-        h = rms_norm(h, self.model.norm.weight, self.spec.rms_norm_eps)
+        h = rms_norm(h, self.model.norm.weight, self.spec.rms_norm_eps, self.spec.norm_offset)
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
         logits = self.tp.all_gather_last(F.linear(h, head.weight))
         return logits[..., : self.spec.vocab_size].float()

@@ -13,11 +13,14 @@ import torch.nn.functional as F
 from shardsync.spec import ModelSpec
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm/Qwen*RMSNorm: normalize in fp32, cast back, then scale."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """HF LlamaRMSNorm/Qwen*RMSNorm: normalize in fp32, cast back, then scale.  ``offset``: a
+    zero-centred norm (Qwen3-Next, Gemma) scales by ``offset + weight`` in fp32, then casts."""
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (offset + weight.float())).to(dtype)
     return weight * h.to(dtype)
 
 

@@ -55,6 +55,7 @@ from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
 from shardsync.layout.logical import mtp_layers
+from shardsync.models.deltanet import DeltaWeights, deltanet
 from shardsync.models.latent import Baton, TrainerLatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.parallel import (
@@ -166,8 +167,10 @@ class _Experts(nn.Module):
             self._local = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in self.experts.local_experts]
         for p in self.experts.parameters():
             p.expert = True  # Megatron's allreduce=False: reduced over the expert-DP group
-        if spec.shared_expert_intermediate_size:  # a dense gated MLP split over TP
-            self.shared_experts = nn.Module()
+        self.shared_gate = spec.family_table.moe is not None and spec.family_table.moe.shared.gated
+        if spec.shared_expert_intermediate_size:  # a dense gated MLP split over TP (its gate replicated)
+            self.shared_experts = _Weights(tensors, prefix + "shared_experts",
+                                           ("gate_weight",) if self.shared_gate else (), tp_sharded=False)
             for fc in ("linear_fc1", "linear_fc2"):
                 setattr(self.shared_experts, fc, _Weights(tensors, f"{prefix}shared_experts.{fc}", ("weight",),
                                                           tp_sharded=True))
@@ -196,17 +199,23 @@ class _Experts(nn.Module):
         if self.spec.shared_expert_intermediate_size:
             s = self.shared_experts
             gate, up = F.linear(self.tp.copy_to(flat), s.linear_fc1.weight.to(dtype)).chunk(2, dim=-1)
-            out = out + self.tp.reduce_from(F.linear(F.silu(gate) * up, s.linear_fc2.weight.to(dtype)))
+            y = self.tp.reduce_from(F.linear(F.silu(gate) * up, s.linear_fc2.weight.to(dtype)))
+            if self.shared_gate:  # computed whole on every TP rank from the replicated input
+                y = y * torch.sigmoid(F.linear(flat, s.gate_weight.to(dtype)))
+            out = out + y
         return out.view_as(h)
 
 
 class _GqaAttention(nn.Module):
     """Grouped-query attention under Megatron's names: the fused QKV column-parallel (its input
-    norm fused in as ``layer_norm_weight`` under the TE spec), ``linear_proj`` row-parallel."""
+    norm fused in as ``layer_norm_weight`` under the TE spec), ``linear_proj`` row-parallel.
+    ``gate`` (``attention_output_gate``): each group's rows hold its q heads, then their output
+    gates, then k and v; the output is scaled by the gates' sigmoid."""
 
-    def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make) -> None:
+    def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make, *,
+                 gate: bool = False) -> None:
         super().__init__()
-        self.spec, self.tp, self.fused = spec, tp, fused
+        self.spec, self.tp, self.fused, self.gate = spec, tp, fused, gate
         p = prefix + "self_attention."
         norm = ("layer_norm_weight",) if fused else ()
         self.linear_qkv = weights(p + "linear_qkv", (*norm, "weight", *(("bias",) if spec.qkv_bias else ())), True)
@@ -224,21 +233,56 @@ class _GqaAttention(nn.Module):
             return weight.to(dtype)
 
         b, s, _ = x.shape
-        d, p, eps = spec.head_dim, spec.heads_per_group, spec.rms_norm_eps
-        h = tp.copy_to(rms_norm(x, w(qkv.layer_norm_weight), eps) if self.fused else x)
+        d, p, eps, off = spec.head_dim, spec.heads_per_group, spec.rms_norm_eps, spec.norm_offset
+        h = tp.copy_to(rms_norm(x, w(qkv.layer_norm_weight), eps, off) if self.fused else x)
         fused = F.linear(h, w(qkv.weight), w(qkv.bias) if spec.qkv_bias else None)
-        # Local rows are whole query groups: [q heads of group, k, v] per group (LAYOUTS §4.2).
-        q, k, v = fused.view(b, s, self.groups, p + 2, d).split([p, 1, 1], dim=3)
+        # Local rows are whole query groups: [q heads of group, (their gates,) k, v] per group (LAYOUTS §4.2).
+        g = p if self.gate else 0
+        q, gate, k, v = fused.view(b, s, self.groups, p + g + 2, d).split([p, g, 1, 1], dim=3)
         q = q.reshape(b, s, self.groups * p, d)
         k, v = k.reshape(b, s, self.groups, d), v.reshape(b, s, self.groups, d)
         if spec.qk_norm:
             # Replicated gains applied to this rank's heads only: their grads sum over TP.
-            q = rms_norm(q, w(tp.copy_to(self.q_layernorm.weight)), eps)
-            k = rms_norm(k, w(tp.copy_to(self.k_layernorm.weight)), eps)
+            q = rms_norm(q, w(tp.copy_to(self.q_layernorm.weight)), eps, off)
+            k = rms_norm(k, w(tp.copy_to(self.k_layernorm.weight)), eps, off)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = (apply_rope(t, cos, sin, spec.rope_interleaved) for t in (q, k))
         out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
+        if self.gate:
+            out = out * torch.sigmoid(gate.reshape(b, s, -1))
         return tp.reduce_from(F.linear(out, w(self.linear_proj.weight)))
+
+
+class _LinearAttention(nn.Module):
+    """slime's linear-attention layer under ``self_attention.``: transformers' gated DeltaNet
+    (``models.deltanet``), its input norm inside, **replicated** on every TP rank and computed
+    whole there (no TP communication: every rank's gradients are the same).  ``interleaved``:
+    Qwen3-Next's fused per-group projections, else Qwen3.5's four (stacked here)."""
+
+    def __init__(self, spec: ModelSpec, prefix: str, weights: _Make, *, interleaved: bool) -> None:
+        super().__init__()
+        self.spec, self.interleaved = spec, interleaved
+        p = prefix + "self_attention."
+        self.input_layernorm = weights(p + "input_layernorm", ("weight",), False)
+        self.linear_attn = weights(p + "linear_attn", ("dt_bias", "A_log"), False)
+        self.projections = ("in_proj_qkvz", "in_proj_ba") if interleaved else (
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        for name in (*self.projections, "conv1d", "norm", "out_proj"):
+            self.linear_attn.add_module(name, weights(f"{p}linear_attn.{name}", ("weight",), False))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x``: the layer input (this module holds the norm)."""
+        spec, la = self.spec, self.linear_attn
+
+        def w(name: str) -> torch.Tensor:
+            return la.get_submodule(name).get_parameter("weight").to(dtype)
+
+        h = rms_norm(x, self.input_layernorm.get_parameter("weight").to(dtype), spec.rms_norm_eps, spec.norm_offset)
+        proj = [w(name) for name in self.projections]
+        qkvz, ba = (proj[0], proj[1]) if self.interleaved else (torch.cat(proj[:2]), torch.cat(proj[2:]))
+        weights = DeltaWeights(qkvz, ba, w("conv1d"), la.get_parameter("dt_bias"), la.get_parameter("A_log"),
+                               w("norm"), w("out_proj"))
+        return deltanet(spec, h, weights, interleaved=self.interleaved)[0]
 
 
 @dataclass(frozen=True)
@@ -246,6 +290,7 @@ class _AttentionKind:
     # (spec, prefix, tp, fused norms, weights, layer, the model's baton) -> the module
     build: Callable[[ModelSpec, str, Comm, bool, _Make, int, Baton], nn.Module]
     fuses_input_norm: bool  # under the TE spec the layer's input norm lives in the first linear
+    owns_input_norm: bool = False  # the layer's input norm lives in the module under either spec
 
 
 def _latent(kind: str) -> _AttentionKind:
@@ -255,9 +300,22 @@ def _latent(kind: str) -> _AttentionKind:
     return _AttentionKind(build, fuses_input_norm=False)  # MLA: never fused
 
 
+def _gqa(gate: bool) -> _AttentionKind:
+    def build(spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make, layer: int,
+              baton: Baton) -> nn.Module:
+        return _GqaAttention(spec, prefix, tp, fused, weights, gate=gate)
+    return _AttentionKind(build, fuses_input_norm=True)
+
+
+def _gdn(interleaved: bool) -> _AttentionKind:
+    def build(spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make, layer: int,
+              baton: Baton) -> nn.Module:
+        return _LinearAttention(spec, prefix, weights, interleaved=interleaved)
+    return _AttentionKind(build, fuses_input_norm=False, owns_input_norm=True)
+
+
 # the family's attention block (``Block.kind``) -> its module under Megatron's names
-ATTENTION = {"gqa": _AttentionKind(lambda spec, prefix, tp, fused, weights, layer, baton:
-                                   _GqaAttention(spec, prefix, tp, fused, weights), fuses_input_norm=True),
+ATTENTION = {"gqa": _gqa(False), "gqa_gated": _gqa(True), "gdn": _gdn(True), "gdn_stacked": _gdn(False),
              **{kind: _latent(kind) for kind in ("mla", "dsa", "dsa_shared")}}
 
 
@@ -278,7 +336,8 @@ class _Layer(nn.Module):
                                       f"{layer}) yet; shardsync plans and syncs this family, the reference models "
                                       f"run {sorted(ATTENTION)}")
         kind = ATTENTION[name]
-        self.norm_in_attention = self.fused_attn and kind.fuses_input_norm  # the TE spec's fused norm
+        # the TE spec's fused norm, or one the attention module always holds
+        self.norm_in_attention = kind.owns_input_norm or (self.fused_attn and kind.fuses_input_norm)
         if not self.norm_in_attention:
             self.input_layernorm = _Weights(tensors, prefix + "input_layernorm", ("weight",),
                                             tp_sharded=False)
@@ -312,20 +371,20 @@ class _Layer(nn.Module):
             return weight.to(dtype)
 
         eps = spec.rms_norm_eps
-        h = x if self.norm_in_attention else rms_norm(x, w(self.input_layernorm.weight), eps)
+        h = x if self.norm_in_attention else rms_norm(x, w(self.input_layernorm.weight), eps, spec.norm_offset)
         a = self.self_attention(h, cos, sin, dtype)
         return self._mlp(x + (rms_norm(a, w(self.post_self_attn_layernorm.weight), eps) if self.post_norms else a))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        tp, dtype, mlp, eps = self.tp, self.dtype, self.mlp, self.spec.rms_norm_eps
+        tp, dtype, mlp, eps, off = self.tp, self.dtype, self.mlp, self.spec.rms_norm_eps, self.spec.norm_offset
 
         def w(weight: torch.Tensor) -> torch.Tensor:
             return weight.to(dtype)
 
         if self.sparse:  # the exchange completes the activation gradient: no TP copy here
-            return x + mlp(rms_norm(x, w(self.pre_mlp_layernorm.weight), eps))
+            return x + mlp(rms_norm(x, w(self.pre_mlp_layernorm.weight), eps, off))
         norm = mlp.linear_fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight
-        h = tp.copy_to(rms_norm(x, w(norm), eps))
+        h = tp.copy_to(rms_norm(x, w(norm), eps, off))
         gate, up = F.linear(h, w(mlp.linear_fc1.weight)).chunk(2, dim=-1)
         m = tp.reduce_from(F.linear(F.silu(gate) * up, w(mlp.linear_fc2.weight)))
         return x + (rms_norm(m, w(self.post_mlp_layernorm.weight), eps) if self.post_norms else m)
@@ -496,7 +555,7 @@ class TrainerModel(nn.Module):
             self.pp.send(h.detach(), self.pp.rank + 1)
             return h_in, h
         return h_in, rms_norm(h, self._cast(self.decoder.final_layernorm.weight),
-                              self.spec.rms_norm_eps)
+                              self.spec.rms_norm_eps, self.spec.norm_offset)
 
     def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of this rank's vocab shard; padded vocab columns are -inf."""

@@ -1,4 +1,5 @@
-"""``shardsync demo`` on the newer families (mixture of experts, GLM4 dense, latent attention).
+"""``shardsync demo`` on the newer families (mixture of experts, GLM4 dense, latent, sparse and linear
+attention).
 Mixture of experts: GRPO with the trainer's experts spread over its DP ranks (EP 2) into an
 engine holding them EP 2 inside its TP group, synced by p2p and by broadcast, every update
 checked bitwise and by the engine re-scoring the batch."""
@@ -43,6 +44,8 @@ def _p2p_lighter(rows: list) -> bool:
     ("tiny-deepseek-v3", ("--trainer-tp", "2", "--trainer-ep", "2", "--trainer-etp", "1"), "TP2 PP1 DP1 EP2 ETP1"),
     # sparse attention (GLM-5 shape): the indexer replicated everywhere, weights_proj bfloat16 on the engine
     ("tiny-glm5", ("--trainer-tp", "2", "--trainer-ep", "2", "--trainer-etp", "1"), "TP2 PP1 DP1 EP2 ETP1"),
+    # gated DeltaNet hybrid: linear attention replicated on the trainer, key-head groups split on the engine
+    ("tiny-qwen3-next", ("--trainer-tp", "2", "--trainer-ep", "2", "--trainer-etp", "1"), "TP2 PP1 DP1 EP2 ETP1"),
 ])
 def test_expert_parallel_demo_p2p_and_broadcast_bitwise(tmp_path, model: str, trainer: tuple[str, ...],
                                                         banner: str) -> None:
