@@ -48,14 +48,15 @@ def _next(nk: int, nv: int, d: int) -> dict[str, Any]:
     return {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
             "shared_expert_intermediate_size": 512, "full_attention_interval": 4, "linear_num_key_heads": nk,
             "linear_num_value_heads": nv, "linear_key_head_dim": d, "linear_value_head_dim": d,
-            "linear_conv_kernel_dim": 4}
+            "linear_conv_kernel_dim": 4, "num_nextn_predict_layers": 1}  # one MTP layer (``mtp.*``)
 
 
 # the tiny hybrids' linear attention and experts: 4 key heads (engine TP up to 4), 8 experts
 _TINY_HYBRID: dict[str, Any] = {
     "partial_rotary_factor": 0.25, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
     "shared_expert_intermediate_size": 128, "full_attention_interval": 4, "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8, "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4}
+    "linear_num_value_heads": 8, "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "num_nextn_predict_layers": 1}
 
 
 def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: int, V: int,

@@ -166,7 +166,8 @@ class ModelSpec:
 
     def linear_layer(self, layer: int) -> bool:
         """Whether ``layer`` is a linear-attention (gated DeltaNet) layer of a hybrid."""
-        return self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
+        return (self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
+                and layer < self.num_layers)  # an MTP layer attends fully
 
     def indexed_layer(self, layer: int) -> bool:
         """Whether ``layer`` runs (and holds) its own indexer."""

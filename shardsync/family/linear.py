@@ -13,7 +13,7 @@ then its gate; SGLang names the layer's tensors without ``self_attn.``, vLLM wit
 
 from __future__ import annotations
 
-from shardsync.family.table import Block, Fused, Part, QkvGroups, QkvHeads, Row, Rows, Split, T, Whole
+from shardsync.family.table import Block, Fused, MtpHead, Part, QkvGroups, QkvHeads, Row, Rows, Split, T, Whole
 
 _L = "linear_attn."
 _CONV = _L + "conv1d.weight"
@@ -105,4 +105,24 @@ GATED_GQA = Block(
         *_engine("k_norm.weight", Whole(_A + "k_norm.weight")),
         *_engine("o_proj.weight", Split(_A + "o_proj.weight", dim=1)),
     ),
+)
+
+
+# The checkpoint's MTP layer (Qwen3-Next, Qwen3.5): ``mtp.fc`` projects ``[pre_fc_norm_embedding(embedding)
+# | pre_fc_norm_hidden(hidden)]`` (megatron-core 0.16.1's eh_proj input order: copied as is), then a
+# full-attention layer ``mtp.layers.{k}.`` and ``mtp.norm`` before the main output layer.  Megatron:
+# DeepSeek's names (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``).
+QWEN_MTP = MtpHead(
+    before=Block(
+        logical=(T("pre_fc_norm_embedding.weight", "H"), T("pre_fc_norm_hidden.weight", "H"),
+                 T("fc.weight", "H", "2H")),
+        megatron=(Row("enorm.weight", Whole("pre_fc_norm_embedding.weight")),
+                  Row("hnorm.weight", Whole("pre_fc_norm_hidden.weight")),
+                  Row("eh_proj.weight", Split("fc.weight"))),
+        engine=(),
+    ),
+    after=Block(logical=(T("norm.weight", "H"),), megatron=(Row("final_layernorm.weight", Whole("norm.weight")),),
+                engine=()),
+    head="mtp.",
+    layer="mtp.layers.{k}.",
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardsync.family.blocks import GQA, MOE, gated_mlp, moe
-from shardsync.family.linear import GATED_DELTANET, GATED_DELTANET_SEPARATE, GATED_GQA
+from shardsync.family.linear import GATED_DELTANET, GATED_DELTANET_SEPARATE, GATED_GQA, QWEN_MTP
 from shardsync.family.table import Family
 
 if TYPE_CHECKING:
@@ -61,7 +61,9 @@ def _read_next(cfg: dict[str, Any]) -> dict[str, Any]:
         if list(kinds) != want:
             raise ValueError("layer_types must be full attention on every n-th layer and linear attention elsewhere "
                              f"(SGLang reads full_attention_interval only); got {kinds}")
+    mtp = cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0  # Qwen3-Next's / Qwen3.5's
     return {**_read_moe(cfg), **{k: cfg[k] for k in _LINEAR}, "full_attention_interval": interval,
+            "num_nextn_predict_layers": mtp,
             "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0}
 
 
@@ -69,6 +71,8 @@ def _write_next(spec: ModelSpec) -> dict[str, Any]:
     kinds = ["linear_attention" if spec.linear_layer(i) else "full_attention" for i in range(spec.num_layers)]
     return {**_write_moe(spec), **_linear_fields(spec),
             "full_attention_interval": spec.full_attention_interval, "layer_types": kinds,
+            "num_nextn_predict_layers": spec.num_nextn_predict_layers,
+            "mtp_num_hidden_layers": spec.num_nextn_predict_layers,
             "shared_expert_intermediate_size": spec.shared_expert_intermediate_size}
 
 
@@ -82,7 +86,7 @@ def _check_next(spec: ModelSpec) -> str | None:
 
 
 QWEN3_NEXT = Family("qwen3_next", "Qwen3NextForCausalLM", GATED_GQA, gated_mlp(),
-                    moe(shared="mlp.shared_expert.", shared_gate=True), linear_attention=GATED_DELTANET,
+                    moe(shared="mlp.shared_expert.", shared_gate=True), linear_attention=GATED_DELTANET, mtp=QWEN_MTP,
                     qk_norm=True, norm_offset=1.0, read=_read_next, write=_write_next, check=_check_next)
 
 
@@ -106,4 +110,5 @@ def _write_next_35(spec: ModelSpec) -> dict[str, Any]:
 
 QWEN3_5_MOE = Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", GATED_GQA, gated_mlp(),
                      moe(shared="mlp.shared_expert.", shared_gate=True), linear_attention=GATED_DELTANET_SEPARATE,
+                     mtp=QWEN_MTP,
                      qk_norm=True, norm_offset=1.0, read=_read_next_35, write=_write_next_35, check=_check_next)

@@ -226,13 +226,17 @@ class Block:
 
 @dataclass(frozen=True)
 class MtpHead:
-    """A multi-token-prediction layer's own tensors around its decoder layer (the checkpoint's
-    ``model.layers.{L+k}``): ``before`` the layer (two input norms and the projection of their
-    concatenation) and ``after`` it (the output norm).  Engines' serving models hold none of
-    them (their draft models do): their rows are empty."""
+    """A multi-token-prediction layer's own tensors around its decoder layer: ``before`` the
+    layer (two input norms and the projection of their concatenation) and ``after`` it (the
+    output norm).  Engines' serving models hold none of them (their draft models do): their rows
+    are empty.  ``head`` / ``layer``: the checkpoint's name prefixes of the head's tensors and of
+    the decoder layer's, formatted with ``layer`` (the global index ``L + k``) and ``k``
+    (DeepSeek: both ``model.layers.{L+k}.``; Qwen3-Next: ``mtp.`` and ``mtp.layers.{k}.``)."""
 
     before: Block
     after: Block
+    head: str = "model.layers.{layer}."
+    layer: str = "model.layers.{layer}."
 
 
 # -- a family ----------------------------------------------------------------------------------

@@ -38,10 +38,11 @@ class Cut:
     logical: dict[str, Box]
     names: dict[str, str] = field(default_factory=dict)
     variants: frozenset[str] = frozenset()  # the layout's variant words (``Row.exists``)
+    hf_prefix: str = ""  # the logical names' prefix when not ``model.layers.{layer}.`` (MTP layers)
 
     @property
     def hf(self) -> str:
-        return f"model.layers.{self.layer}."
+        return self.hf_prefix or f"model.layers.{self.layer}."
 
     def part(self, part: Part | Rows) -> list[Segment]:
         """This rank's slice of ``part``: its share of the part's rows, or of its groups."""

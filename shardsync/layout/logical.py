@@ -14,30 +14,38 @@ def is_expert(logical: str) -> bool:
     return ".mlp.experts." in logical
 
 
-def is_mtp(spec: ModelSpec, logical: str) -> bool:
-    """Whether a logical tensor is one of the checkpoint's MTP layers' (``model.layers.{L+k}``)."""
-    head, _, rest = logical.partition("model.layers.")
-    return not head and int(rest.partition(".")[0]) >= spec.num_layers
-
-
 def mtp_layers(spec: ModelSpec) -> range:
     """Global indices of the checkpoint's MTP layers (after the decoder's; none without a head)."""
     n = spec.num_nextn_predict_layers if spec.family_table.mtp is not None else 0
     return range(spec.num_layers, spec.num_layers + n)
 
 
-def layer_blocks(spec: ModelSpec, layer: int) -> tuple[Block, ...]:
-    """The blocks of layer ``layer``: its attention and MLP; an MTP layer's head around them."""
-    blocks = spec.family_table.blocks(spec, layer)
+def hf_prefixes(spec: ModelSpec, layer: int) -> tuple[str, str]:
+    """The checkpoint's name prefixes of layer ``layer`` (global index): of its decoder blocks and,
+    for an MTP layer, of its head's tensors (``MtpHead.layer`` / ``head``)."""
     head = spec.family_table.mtp
-    return (head.before, *blocks, head.after) if layer >= spec.num_layers and head is not None else blocks
+    if layer < spec.num_layers or head is None:
+        return f"model.layers.{layer}.", f"model.layers.{layer}."
+    k = layer - spec.num_layers
+    return head.layer.format(layer=layer, k=k), head.head.format(layer=layer, k=k)
+
+
+def layer_blocks(spec: ModelSpec, layer: int) -> tuple[tuple[Block, str], ...]:
+    """The blocks of layer ``layer`` with their HF name prefixes: its attention and MLP; an MTP
+    layer's head around them."""
+    inner, outer = hf_prefixes(spec, layer)
+    blocks = tuple((b, inner) for b in spec.family_table.blocks(spec, layer))
+    head = spec.family_table.mtp
+    if layer >= spec.num_layers and head is not None:
+        return ((head.before, outer), *blocks, (head.after, outer))
+    return blocks
 
 
 def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     """HF tensors of layer ``layer`` (global index; an MTP layer's too), in checkpoint order."""
-    sym, p = dims(spec), f"model.layers.{layer}."
+    sym = dims(spec)
     out: dict[str, tuple[int, ...]] = {}
-    for block in layer_blocks(spec, layer):
+    for block, p in layer_blocks(spec, layer):
         for t in block.logical:
             if isinstance(t, PerExpert):
                 for e in range(spec.num_experts):

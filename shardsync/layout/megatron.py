@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from shardsync.family.table import ExpertMlps, QkvGroups, Row
 from shardsync.gcpause import gc_paused
 from shardsync.layout.cut import Cut, Local, Own, cut_rows
-from shardsync.layout.logical import logical_tensors, mtp_layers
+from shardsync.layout.logical import hf_prefixes, logical_tensors, mtp_layers
 from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
@@ -168,12 +168,12 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
     par.stage_layers(spec.num_layers)
 
 
-def qkv_segments(spec: ModelSpec, layer: int, suffix: str, gate: bool = False) -> list[Segment]:
+def qkv_segments(spec: ModelSpec, hf: str, suffix: str, gate: bool = False) -> list[Segment]:
     """Global fused QKV rows: per query group, its q heads, then its k head, then its v head.
     ``gate``: the checkpoint's q_proj holds each head's query then its gate (``2d`` rows a head);
     Megatron's group holds its q heads, then their gates, then k and v."""
     d, p = spec.head_dim, spec.heads_per_group
-    pre = f"model.layers.{layer}.self_attn."
+    pre = hf + "self_attn."  # ``hf``: the layer's logical prefix
     q = pre + "q_proj." + suffix
     segs = []
     for g in range(spec.num_kv_heads):
@@ -196,7 +196,7 @@ def _own(par: MegatronParallel, ep_rank: int, etp_rank: int):
             rows = ((1 + kind.gate) * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim // c.tp
             shape = (rows, H) if kind.suffix == "weight" else (rows,)
             win = (c.rank * rows, (c.rank + 1) * rows)
-            segs = qkv_segments(spec, c.layer, kind.suffix, kind.gate)
+            segs = qkv_segments(spec, c.hf, kind.suffix, kind.gate)
             return [Local(name, shape, stacked(name, segs, c.logical, 0, win))]
         if isinstance(kind, ExpertMlps):
             n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.expert_tp
@@ -272,8 +272,10 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
         head = spec.family_table.mtp
         for k, layer in enumerate(mtp_layers(spec)):  # megatron-core builds MTP on the last stage
             assert head is not None, "MTP layers exist only with a family's MTP head"
-            outer = Cut(spec, layer, f"mtp.layers.{k}.", t, r, logical, variants=variants)
-            inner = dataclasses.replace(outer, local=f"mtp.layers.{k}.transformer_layer.", names=names)
+            hf_inner, hf_outer = hf_prefixes(spec, layer)
+            outer = Cut(spec, layer, f"mtp.layers.{k}.", t, r, logical, variants=variants, hf_prefix=hf_outer)
+            inner = dataclasses.replace(outer, local=f"mtp.layers.{k}.transformer_layer.", names=names,
+                                        hf_prefix=hf_inner)
             for block, c in ((head.before, outer), *((b, inner) for b in spec.family_table.blocks(spec, layer)),
                              (head.after, outer)):
                 for made, row_dtype in _cut(block.megatron, c, own, expert_rank, memo):

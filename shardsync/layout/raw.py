@@ -31,12 +31,12 @@ def raw_dtypes(spec: ModelSpec, megatron: frozenset[str], engine: frozenset[str]
     width = torch_dtype(wire).itemsize
     out: dict[str, str] = {}
     for layer in (*range(spec.num_layers), *mtp_layers(spec)):
-        for block in layer_blocks(spec, layer):
+        for block, prefix in layer_blocks(spec, layer):
             theirs = _typed(block.engine, spec, engine)
             for source, dtype in _typed(block.megatron, spec, megatron).items():
                 size = torch_dtype(dtype).itemsize
                 if theirs.get(source) == dtype and size > width and size % width == 0:
-                    out[f"model.layers.{layer}.{source}"] = dtype
+                    out[prefix + source] = dtype
     return out
 
 
@@ -51,8 +51,8 @@ def narrow_dtypes(spec: ModelSpec, engine: frozenset[str], wire: str) -> dict[st
     width = torch_dtype(wire).itemsize
     out: dict[str, str] = {}
     for layer in (*range(spec.num_layers), *mtp_layers(spec)):
-        for block in layer_blocks(spec, layer):
+        for block, prefix in layer_blocks(spec, layer):
             for source, dtype in _typed(block.engine, spec, engine).items():
                 if torch_dtype(dtype).itemsize < width:
-                    out[f"model.layers.{layer}.{source}"] = dtype
+                    out[prefix + source] = dtype
     return out

@@ -58,7 +58,7 @@ def test_expert_parallel_demo_p2p_and_broadcast_bitwise(tmp_path, model: str, tr
     mtp = sum(math.prod(s) for n, s in logical_tensors(spec).items() if n not in model_tensors(spec)) * 4
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert records and {r["unsent_bytes"] for r in records} == {mtp}
-    assert (mtp > 0) == spec.is_mla  # tiny-deepseek-v3 has one, tiny-qwen3-moe none
+    assert (mtp > 0) == bool(spec.num_nextn_predict_layers)  # tiny-deepseek-v3 and tiny-qwen3-next have one, tiny-qwen3-moe none
 
 
 def test_glm4_demo_p2p_and_broadcast_bitwise(tmp_path) -> None:

@@ -42,7 +42,8 @@ def test_qwen35_preset_is_transformers_defaults() -> None:
 
     theirs = spec_from_config(transformers.AutoConfig.for_model("qwen3_5_moe_text").to_dict(), "x")
     ours = PRESETS["Qwen3.5-35B-A3B"]
-    assert theirs.replace(name=ours.name, rope_theta=ours.rope_theta,
+    # transformers has no MTP field; the released config.json says ``mtp_num_hidden_layers: 1``
+    assert theirs.replace(name=ours.name, rope_theta=ours.rope_theta, num_nextn_predict_layers=1,
                           max_position_embeddings=ours.max_position_embeddings, dtype=ours.dtype) == ours
 
 
