@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.presets import load_spec
+from shardsync.quant.fp8 import FORMATS
 from shardsync.topology import Topology
 
 
@@ -139,7 +140,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
                               threads=args.threads, log_level=args.log_level, advertise=args.advertise,
                               token_file=args.token_file, delta_root=args.delta_root,
                               staging_bytes=args.staging_bytes, crossing=args.crossing,
-                              commit_wait_s=args.commit_wait_s))
+                              commit_wait_s=args.commit_wait_s, quantization=args.quantization))
 
 
 ENGINE_EXTRA = ("fastapi", "uvicorn")  # the reference engine's server (pyproject's ``engine`` extra)
@@ -172,7 +173,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                      bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
                      engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine,
-                     staging=args.staging)
+                     staging=args.staging, engine_quantization=args.engine_quantization)
     if args.launcher == "ray" and args.engine == "vllm":
         print("error: --engine vllm runs with the local launcher only", file=sys.stderr)
         return 2
@@ -271,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta-transport", default="p2p", choices=["p2p", "broadcast", "disk"],
                    help="--mode delta: how the changed elements travel")
     p.add_argument("--engine-dtype", default=None, help="engine weights dtype; None: the model's (delta: bfloat16)")
+    p.add_argument("--engine-quantization", default=None, choices=sorted(FORMATS),
+                   help="reference engines serve FP8 weights in this format (fp8: 128 x 128 blocks, float32 "
+                        "scales) and quantize what each sync delivers; the table's |lp diff| is then the "
+                        "trainer/FP8-engine gap (a model whose engine shards are whole blocks: tiny-qwen3-fp8)"),
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size in MiB")
     p.add_argument("--lr", type=float, default=None, help="learning rate; None: 1e-2 (1e-5 with --mode delta)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
@@ -335,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a given secret is required to serve on a non-loopback host")
     p.add_argument("--delta-root", default=None,
                    help="directory disk deltas may be pulled from (pulls elsewhere are refused)")
+    p.add_argument("--quantization", default=None, choices=sorted(FORMATS),
+                   help="serve FP8 weights in this format (fp8: 128 x 128 blocks, float32 scales): the "
+                        "linear weights are held in e4m3 with their scales, and each worker quantizes "
+                        "what a sync delivers")
     p.add_argument("--staging-bytes", type=_staging_bytes, default=0, metavar="N|shard",
                    help="memory per TP worker to receive the next version into while serving; 0 (default): "
                         "receive in place, generation pauses for the whole receive; 'shard': one copy of the "

@@ -13,6 +13,7 @@ from shardsync.control.sglang import SglangEngines
 from shardsync.control.vllm import VllmEngines
 from shardsync.control.wire import Decision, InfoResponse
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
+from shardsync.quant.support import refusal
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import STAGED_KINDS, Topology
@@ -51,6 +52,9 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
     if len(facts) != 1:
         raise SyncError(f"engines differ in (kind, pp, quantization): {sorted(facts, key=str)}")
     kind, pp, quantization = facts.pop()
+    refused = refusal(quantization)
+    if refused is not None:
+        raise SyncError(refused)
     return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos],
                     pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(), port=port,
                     variants=[i.variants for i in infos] if any(i.variants for i in infos) else [],

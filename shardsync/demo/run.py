@@ -58,6 +58,7 @@ class DemoConfig:
     ipc: bool | None = None  # engines read the trainer's tensors in place; None: on with cuda
     engine: str = "reference"  # or "vllm": real vLLM servers (docs/vllm.md)
     staging: bool = True  # reference engines receive while serving (one shard of staging each)
+    engine_quantization: str | None = None  # reference engines serve FP8 in this format (quant.FORMATS)
 
     def __post_init__(self) -> None:
         if self.engine not in ("reference", "vllm"):
@@ -66,6 +67,9 @@ class DemoConfig:
             raise ValueError(f"trainer must be megatron or fsdp2, got {self.trainer_kind!r}")
         if self.trainer_kind == "fsdp2" and (self.device != "cpu" or self.trainer_tp > 1 or self.trainer_pp > 1):
             raise ValueError("--trainer fsdp2 runs on CPU with --trainer-dp ranks only (no --trainer-tp/--trainer-pp)")
+        if self.engine_quantization is not None and self.engine != "reference":
+            raise ValueError("--engine-quantization runs reference engines (the real engines' hosts refuse "
+                             "quantized models so far)")
         if self.engine == "vllm" and (self.device != "cpu" or self.ipc):
             raise ValueError("--engine vllm runs vLLM's CPU build here: no --device cuda or --ipc")
 
@@ -94,7 +98,8 @@ class DemoConfig:
         """One engine server of this demo (delta runs bf16 engines unless told otherwise)."""
         dtype = self.engine_dtype or ("bfloat16" if self.mode == "delta" else None)
         fields = {"delta_root": str(Path(self.out).resolve() / "versions"),
-                  "staging_bytes": -1 if self.staging else 0, **overrides}
+                  "staging_bytes": -1 if self.staging else 0, "quantization": self.engine_quantization,
+                  **overrides}
         return EngineConfig(model=self.model, tp=tp, ep=self.engine_ep, seed=self.seed, dtype=dtype,
                             device=self.device, **fields)
 
@@ -194,7 +199,9 @@ def run_demo(cfg: DemoConfig) -> int:
             desc = f"TP{t.tp} PP{t.pp} DP{t.dp}{experts}"
         print(f"shardsync demo: {cfg.model}, trainer {desc} -> "
               f"{'vLLM' if cfg.engine == 'vllm' else 'engines'} TP {list(cfg.engine_tp)}"
-              f"{f' EP{cfg.engine_ep}' if cfg.engine_ep > 1 else ''}, {cfg.steps} GRPO steps, modes {cfg.modes}")
+              f"{f' EP{cfg.engine_ep}' if cfg.engine_ep > 1 else ''}"
+              f"{f' serving {cfg.engine_quantization}' if cfg.engine_quantization else ''}, "
+              f"{cfg.steps} GRPO steps, modes {cfg.modes}")
         modes: list[str] = cfg.modes
         printed = False
         deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 2)

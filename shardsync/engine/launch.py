@@ -47,6 +47,7 @@ class EngineConfig:
     staging_bytes: int = 0  # receive while serving into this much staging (0: in place; -1: one shard)
     crossing: Crossing = Crossing.FINISH  # running requests when the weights change: finish | span | abort
     commit_wait_s: float = 30.0  # finish: the longest a change waits for them
+    quantization: str | None = None  # an FP8 format (quant.FORMATS): serve FP8 weights, quantize what arrives
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "crossing", Crossing.parse(self.crossing, "crossing"))
@@ -77,7 +78,7 @@ def engine_command(cfg: EngineConfig) -> list[str]:
            "--staging-bytes", "shard" if cfg.staging_bytes == -1 else str(cfg.staging_bytes),
            "--crossing", cfg.crossing.value, "--commit-wait-s", str(cfg.commit_wait_s)]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
-                "--delta-root": cfg.delta_root}
+                "--delta-root": cfg.delta_root, "--quantization": cfg.quantization}
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
 
 
@@ -128,7 +129,8 @@ def _worker(rank: int, cfg: EngineConfig, token: str, tp_port: int, commands: li
     device = rank_device(cfg.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL sync groups use the current device
-    model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device, ep=cfg.ep)
+    model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device, ep=cfg.ep,
+                                    quantization=cfg.quantization)
     worker = EngineWorker(model, rank, cfg.tp, secret=token, staging_bytes=cfg.staging_bytes)
     if rank != 0:
         peer_loop(worker, commands[rank - 1], results, events)

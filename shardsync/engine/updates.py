@@ -65,8 +65,8 @@ class WeightService:
 
     def info(self) -> InfoResponse:
         return InfoResponse(spec=spec_to_dict(self.worker.spec), tp=self.worker.tp, ep=self.worker.ep,
-                            dtype=self.worker.dtype,
-                            weight_version=self.session.version, stale=self.session.stale, **self.facts)
+                            dtype=self.worker.dtype, weight_version=self.session.version, stale=self.session.stale,
+                            **{"quantization": self.worker.quantization, **self.facts})
 
     def version(self) -> VersionResponse:
         return VersionResponse(weight_version=self.session.version, stale=self.session.stale,

@@ -21,6 +21,7 @@ from shardsync.models.engine import Decoding, EngineModel, prompt_seed
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts
+from shardsync.receiver.quantized import Quantized
 from shardsync.runtime.ledger import RankReport
 from shardsync.spec import ModelSpec
 from shardsync.vocab import Commit, Op
@@ -48,6 +49,9 @@ class EngineWorker:
             p.requires_grad_(False)
         self.ep = model.ep
         self.destination = destination_for(dict(model.named_parameters()), staging_bytes)
+        if model.quantization is not None:  # the trainer's bytes land wide; this rank quantizes them
+            self.destination = Quantized(self.destination, model.targets, model.quantization,
+                                         dtype=model.dtype, device=model.device)
         self.staging: Staged | None = self.destination.staged()
         self.receiver = Receiver(model.spec, rank, tp, self.destination,
                                  dtype=model.dtype, device=model.device, secret=secret, ep=model.ep)
@@ -72,6 +76,11 @@ class EngineWorker:
     @property
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
+
+    @property
+    def quantization(self) -> str | None:
+        """The FP8 format this engine serves (its name), None when unquantized."""
+        return None if self.model.quantization is None else self.model.quantization.name
 
     # -- commands (each one is called on every worker, in the same order) --
 

@@ -42,6 +42,7 @@ from shardsync.models.deltanet import DeltaState, DeltaWeights, deltanet
 from shardsync.models.latent import Baton, LatentAttention
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
+from shardsync.quant import Fp8Format, dequantize, fp8_format, quantize, quantized
 from shardsync.spec import DTYPES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -119,11 +120,32 @@ def _hold(module: nn.Module, rl: RankLayout, prefix: str, attrs: Sequence[str], 
 
 
 class _Leaf(nn.Module):
-    """Holds the parameters ``<prefix>.<attr>`` with the layout's shape and dtype (zeroed)."""
+    """Holds the parameters ``<prefix>.<attr>`` with the layout's shape and dtype (zeroed).
+    An FP8 engine holds some of them quantized (``fp8``: attr -> format and compute dtype),
+    each with its scale beside it; ``dense`` gives the math its weights either way."""
 
     def __init__(self, rl: RankLayout, prefix: str, attrs: Sequence[str], device: torch.device) -> None:
         super().__init__()
         _hold(self, rl, prefix, attrs, device)
+        self.fp8: dict[str, tuple[Fp8Format, torch.dtype]] = {}
+
+    def dense(self, attr: str = "weight") -> torch.Tensor:
+        """``attr`` as the math reads it: dequantized (CPU) where this leaf holds it in FP8."""
+        w = self.get_parameter(attr)
+        held = self.fp8.get(attr)
+        if held is None:
+            return w
+        fmt, dtype = held
+        return dequantize(w, self.get_parameter(attr + fmt.scale_suffix), fmt, dtype)
+
+    def quantize_(self, attr: str, fmt: Fp8Format, dtype: torch.dtype, scale_shape: tuple[int, ...]) -> None:
+        """Hold ``attr`` in FP8 from now on (zeroed, its scale after the leaf's other parameters)."""
+        w = self.get_parameter(attr)
+        self.register_parameter(attr, nn.Parameter(torch.zeros(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
+                                                   requires_grad=False))
+        scale = torch.zeros(scale_shape, dtype=torch.float32, device=w.device)
+        self.register_parameter(attr + fmt.scale_suffix, nn.Parameter(scale, requires_grad=False))
+        self.fp8[attr] = (fmt, dtype)
 
 
 class _Attention(nn.Module):
@@ -149,7 +171,7 @@ class _Attention(nn.Module):
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         b, s, _ = x.shape
         d, eps = self.spec.head_dim, self.spec.rms_norm_eps
-        qkv = F.linear(x, self.qkv_proj.weight, getattr(self.qkv_proj, "bias", None))
+        qkv = F.linear(x, self.qkv_proj.dense(), getattr(self.qkv_proj, "bias", None))
         nq = self.nq * (2 if self.gate else 1)
         q, k, v = qkv.split([nq * d, self.nkv * d, self.nkv * d], dim=-1)
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
@@ -173,7 +195,7 @@ class _Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, self.nq * d)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, s, -1))
-        return self.tp.all_reduce(F.linear(out, self.o_proj.weight))
+        return self.tp.all_reduce(F.linear(out, self.o_proj.dense()))
 
 
 class _LinearAttention(nn.Module):
@@ -216,8 +238,8 @@ class _MLP(nn.Module):
         self.down_proj = _Leaf(rl, prefix + "down_proj", ("weight",), device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = F.linear(x, self.gate_up_proj.dense()).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, self.down_proj.dense())
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -250,7 +272,7 @@ class _Experts(nn.Module):
         bias = self.gate.e_score_correction_bias if self.sigmoid else None
         weights, chosen = route(self.spec, router_logits(self.spec, flat, self.gate.weight), bias)
         out = torch.zeros_like(flat)
-        w13, w2 = self.experts.w13_weight, self.experts.w2_weight
+        w13, w2 = self.experts.dense("w13_weight"), self.experts.dense("w2_weight")
         for k in range(w13.shape[0]):
             tok, slot = torch.nonzero(chosen == self.first + k, as_tuple=True)
             if tok.numel():
@@ -393,12 +415,14 @@ class EngineModel(nn.Module):
     they start zeroed (padding rows stay zero) and are filled by ``load_source`` or a sync.
     ``group`` is the TP process group (required when ``tp_size > 1``; its rank must equal
     ``tp_rank``).  Activations run in ``dtype``; logits are returned in float32.  ``ep``: expert
-    parallel within the TP group (mixture-of-experts models).
+    parallel within the TP group (mixture-of-experts models).  ``quantization``: an FP8 format
+    (``quant.FORMATS``): the linear weights ``quant.targets`` names are held in e4m3 with their
+    scales (SGLang's names and shapes) and dequantized for the math.
     """
 
     def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
-                 device: str | torch.device = "cpu", *, ep: int = 1) -> None:
+                 device: str | torch.device = "cpu", *, ep: int = 1, quantization: str | None = None) -> None:
         super().__init__()
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank} tp_size={tp_size}")
@@ -423,23 +447,40 @@ class EngineModel(nn.Module):
         self.vocab_rows = rl.tensor("model.embed_tokens.weight").shape[0]
         got = [(n, tuple(p.shape)) for n, p in self.named_parameters()]
         assert got == [(t.name, t.stored) for t in rl.tensors], "parameters diverge from layout"
+        self.quantization = None if quantization is None else fp8_format(quantization)
+        self.targets = {} if self.quantization is None else quantized(rl, spec, self.quantization)
+        for name, target in self.targets.items():
+            leaf, attr = name.rsplit(".", 1)
+            held = self.get_submodule(leaf)
+            assert isinstance(held, _Leaf), f"{name}: FP8 weights live on leaves"
+            held.quantize_(attr, self.quantization, self.dtype, target.scale_shape)
 
     @classmethod
     def from_source(cls, spec: ModelSpec, source: TensorSource, tp_rank: int = 0, tp_size: int = 1,
                     group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
-                    device: str | torch.device = "cpu", *, ep: int = 1) -> EngineModel:
+                    device: str | torch.device = "cpu", *, ep: int = 1,
+                    quantization: str | None = None) -> EngineModel:
         """Build rank ``tp_rank`` and fill it from ``source`` (``random_source``, ``checkpoint_source``)."""
-        model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep)
+        model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep, quantization=quantization)
         model.load_source(source)
         return model
 
     @torch.no_grad()
     def load_source(self, source: TensorSource) -> None:
-        """Overwrite every parameter in place with this rank's pieces of ``source`` (local, no comm)."""
+        """Overwrite every parameter in place with this rank's pieces of ``source`` (local, no comm);
+        an FP8 engine quantizes its shard of each quantized weight."""
         tensors = load_rank(self.layout, self.tp.rank, source, device=self.device)
         rl = self.layout.ranks[self.tp.rank]
-        for name, param in self.named_parameters():
-            addressed(param, rl.tensor(name)).copy_(tensors[name])
+        params = dict(self.named_parameters())
+        for t in rl.tensors:
+            target = self.targets.get(t.name)
+            if target is None:
+                addressed(params[t.name], t).copy_(tensors[t.name])
+                continue
+            assert self.quantization is not None
+            q, scale = quantize(tensors[t.name].view(target.shape), self.quantization)
+            params[t.name].copy_(q)
+            params[target.scale].copy_(scale)
         log.debug("tp%d: loaded %d tensors", self.tp.rank, len(tensors))
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

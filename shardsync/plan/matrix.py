@@ -25,6 +25,7 @@ from shardsync.mode import Mode
 from shardsync.plan.choose import choose
 from shardsync.plan.preconditions import PRECONDITIONS, Verdict, check_p2p
 from shardsync.presets import PRESETS
+from shardsync.quant.support import REFUSED
 from shardsync.spec import ModelSpec
 from shardsync.topology import ENGINE_KINDS, Topology
 from shardsync.vocab import Request
@@ -138,7 +139,10 @@ def extra_cases() -> list[Case]:
         Case(**base, engine_kind="tensorrt-llm", note="unknown engine kind"),
         Case(**base, engine_pp=2, note="engine runs PP 2"),
         Case(**base, engine_kind="sglang", engine_stages=2, note="SGLang PP 2: each stage's ranks get its layers"),
-        Case(**base, quantization="fp8", note="engine quantizes at load time"),
+        Case(**base, quantization="fp8", note="FP8 engine: its receiver quantizes its shard"),
+        Case(**base, engine_kind="sglang", quantization="fp8",
+             note="SGLang FP8 (its host refuses a quantized model so far)"),
+        Case(**base, quantization="fp8-per-tensor", note="one scale per tensor: the loader quantizes it whole"),
         Case(**{**base, "trainer_tp": 3, "relation": "trainer non-pow2"},
              note="Megatron refuses TP 3 for 8 heads"),
         Case(**tp3, note="12 heads, 6 KV heads, FFN 768: TP 3 divides"),
@@ -321,6 +325,11 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
         "and the planner covers every engine element whenever both layouts build.",
         "",
         *_table(extra, with_note=True),
+        "",
+        "Quantizations no path can deliver trainer weights into are refused at connect",
+        "(`quant/support.py`), whatever the mode:",
+        "",
+        *(f"- `{name}`: {reason}" for name, reason in REFUSED.items()),
         "",
         "## Mixture of experts",
         "",

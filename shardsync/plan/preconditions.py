@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardsync.family import FAMILIES, MOE_FAMILIES
+from shardsync.quant.fp8 import FORMATS
+from shardsync.quant.support import RECEIVER_QUANTIZES, receiver_quantizes
 from shardsync.topology import ENGINE_KINDS, Topology
 
 
@@ -49,8 +51,10 @@ PRECONDITIONS: tuple[Precondition, ...] = (
     Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1), except those "
                  "whose stages are planned per rank (SGLang)",
                  lambda t: t.engine_pp == 1),
-    Precondition("unquantized", "engines hold unquantized weights (no load-time post-processing)",
-                 lambda t: t.quantization is None),
+    Precondition("quantization", "engines hold unquantized weights, or FP8 their receiver quantizes from its "
+                 f"shard (engine kinds {sorted(RECEIVER_QUANTIZES)}, formats {sorted(FORMATS)}); other "
+                 "quantized engines take whole tensors through their own loader",
+                 lambda t: receiver_quantizes(t.engine_kind, t.quantization)),
     Precondition("vllm_vocab_split", "for vLLM, the 64-padded vocab divides by every engine TP",
                  _vllm_vocab),
     Precondition("vllm_experts", "for vLLM, experts are split over TP (ep 1) or placed whole per rank "

@@ -48,10 +48,28 @@ class Destination:
         """A receive into ``tensors()`` failed: drop what it wrote where that is possible."""
         return None
 
+    def received(self) -> None:
+        """A receive into ``tensors()`` succeeded (before ``commit``, off the engine's pause):
+        derive what the engine serves from it where that differs (an FP8 engine quantizes)."""
+        return None
+
     def staged(self) -> Staged | None:
         """The staging capability (a copy received while serving, committed between two
         steps), or None where receives land in what is served."""
         return None
+
+    def unpushable(self) -> str | None:
+        """Why a pushing trainer (CUDA IPC, writing from its own process) cannot write here;
+        None when it can (a whole staging copy)."""
+        staged = self.staged()
+        if staged is not None and staged.whole:
+            return None
+        return f"{self.name} ({'a staging window' if staged is not None else 'no staging copy'})"
+
+    def stale(self) -> set[str]:
+        """Engine tensors whose served state does not follow from what was received (their
+        checksums then mismatch); empty where what is served is what was received."""
+        return set()
 
 
 class Params(Destination):

@@ -134,10 +134,7 @@ class Receiver:
     @property
     def unpushable(self) -> str | None:
         """Where this rank receives, if a pushing trainer cannot write it (None: it can)."""
-        staged = self.destination.staged()
-        if staged is not None and staged.whole:
-            return None
-        return f"{self.destination.name} ({'a staging window' if staged is not None else 'no staging copy'})"
+        return self.destination.unpushable()
 
     def _staging(self) -> Staging:
         """What a pushing trainer writes: the destination's staging sets, as the layout addresses them."""
@@ -167,6 +164,7 @@ class Receiver:
         try:
             self.destination.prepare(overwrites=program.overwrites)
             stats = program.run(self._tensors(), args or UpdateArgs())
+            self.destination.received()
             if commit:
                 self.commit()
         except Exception as e:
@@ -196,6 +194,7 @@ class Receiver:
             self.destination.prepare()
             stats = self._disk.run(self._tensors(),
                                    UpdateArgs(version=version, base_version=base_version, root=root))
+            self.destination.received()
         except Exception:
             self.destination.discard()
             raise
@@ -214,10 +213,17 @@ class Receiver:
         """Bitwise checksums of the pieces this rank serves (``runtime.checksum``).  The served
         mapping is one dict whose parameters a staged commit rebinds to other storages: its
         addressed views are made now, never cached (a cached 2-D view of a 3-D expert stack
-        would read the storage served before the last swap)."""
+        would read the storage served before the last swap).  A tensor the destination calls
+        ``stale`` gets an impossible sum (-1) in each of its boxes: the comparison fails there."""
         meta = self._meta
         served = {n: addressed(t, meta[n]) if n in meta else t for n, t in self.destination.served().items()}
-        return piece_checksums(self.rank_layout, served, self.layout.logical, self.dtype, self.check_dtypes)
+        sums = piece_checksums(self.rank_layout, served, self.layout.logical, self.dtype, self.check_dtypes)
+        stale = self.destination.stale()
+        if stale:
+            for p in self.rank_layout.pieces:
+                if p.local in stale:
+                    sums[(p.logical, p.offsets, p.sizes)] = -1
+        return sums
 
     def leave(self) -> None:
         """Leave the sync group and release any mapped trainer memory (weights are kept)."""

@@ -79,7 +79,7 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
 FALLBACKS = {
     "engine_layout_known": ("tiny-qwen3", "kind=trtllm"),
     "vllm_vocab_split": ("tp3", "kind=vllm"),
-    "unquantized": ("tiny-qwen3", "quantization=fp8"),
+    "quantization": ("tiny-qwen3", "quantization=fp8-per-tensor"),  # SGLang's online FP8: the loader quantizes
     "engine_pp_1": ("tiny-qwen3", "pp=2"),
 }
 
@@ -110,8 +110,8 @@ def test_auto_falls_back_to_broadcast_and_logs_why(precondition: str, tmp_path) 
 
 
 def test_forced_p2p_refuses_with_reason() -> None:
-    topo = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1), quantization="fp8")
-    with pytest.raises(ValueError, match="unquantized"):
+    topo = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1), quantization="fp8-per-tensor")
+    with pytest.raises(ValueError, match="quantization"):
         choose_full(topo, "p2p")
     assert choose_full(topo, "broadcast") == ("broadcast", None)
 

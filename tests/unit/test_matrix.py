@@ -35,7 +35,7 @@ def test_every_constructible_precondition_fails_somewhere(entries) -> None:
     # ... and as the reason of a fallback, not only behind an impossible deployment.
     fallback = {e.first_failure.name for e in entries
                 if e.first_failure is not None and e.impossible is None}
-    assert fallback >= {"engine_layout_known", "engine_pp_1", "unquantized", "vllm_vocab_split", "vllm_experts"}
+    assert fallback >= {"engine_layout_known", "engine_pp_1", "quantization", "vllm_vocab_split", "vllm_experts"}
 
 
 def test_unconstructible_preconditions_really_are(entries) -> None:

@@ -1,0 +1,66 @@
+"""Which engine tensors an FP8 engine holds quantized, and their scale tensors.
+
+SGLang's and vLLM's ``Fp8Config`` quantize every parallel linear layer and the fused experts;
+the embedding, the LM head, norms and the MoE router stay in the model dtype.  Each quantized
+weight ``x`` gains ``x + fmt.scale_suffix`` (``qkv_proj.weight_scale_inv``,
+``experts.w13_weight_scale_inv``), float32.  A shard quantizes to the slice of the full
+tensor's quantization only when every piece it holds is whole blocks: ``quantized`` refuses
+shapes where a block would mix two logical tensors (SGLang refuses the same at load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardsync.layout.piece import Piece, RankLayout
+from shardsync.quant.fp8 import Fp8Format
+from shardsync.spec import ModelSpec
+
+# engine-tensor name suffixes an FP8 engine quantizes (SGLang's names; the GQA families)
+QUANTIZED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
+             "experts.w13_weight", "experts.w2_weight")
+# the attention kinds whose every linear is in QUANTIZED (latent and linear attention hold others)
+COVERED_ATTENTION = frozenset({"gqa"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """One quantized engine tensor: its name, the shape its owner holds, its scale's name and shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    scale: str
+    scale_shape: tuple[int, ...]
+
+
+def check_family(spec: ModelSpec) -> None:
+    """Refuse families whose engines quantize linears this table does not name."""
+    kinds = {spec.family_table.blocks(spec, layer)[0].kind for layer in range(spec.num_layers)}
+    if not kinds <= COVERED_ATTENTION:
+        raise ValueError(f"{spec.name}: FP8 engines are supported for {sorted(COVERED_ATTENTION)} attention so far; "
+                         f"this model has {sorted(kinds)} (its other linears are not in shardsync's FP8 table); "
+                         "serve it unquantized")
+
+
+def quantized(rank: RankLayout, spec: ModelSpec, fmt: Fp8Format) -> dict[str, Target]:
+    """This engine rank's quantized tensors by name (layout order).  ValueError when a piece
+    of one is not whole blocks (the shard would not be the full tensor's blocks)."""
+    check_family(spec)
+    pieces: dict[str, list[Piece]] = {}
+    for p in rank.pieces:
+        pieces.setdefault(p.local, []).append(p)
+    out: dict[str, Target] = {}
+    for meta in rank.tensors:
+        if not meta.name.endswith(QUANTIZED):
+            continue
+        bm, bn = fmt.blocks(meta.shape)
+        rows, cols = meta.shape[-2:]
+        for p in pieces.get(meta.name, ()):
+            (r0, c0), (nr, nc) = p.local_offsets[-2:], p.sizes[-2:]
+            if (r0 % bm or (nr % bm and r0 + nr != rows)) or (c0 % bn or (nc % bn and c0 + nc != cols)):
+                raise ValueError(
+                    f"{meta.name} [{rows}, {cols}] holds {p.logical} rows {r0}:{r0 + nr}, columns {c0}:{c0 + nc}: "
+                    f"not whole {bm} x {bn} blocks, so its FP8 scales would mix tensors (SGLang refuses the same "
+                    "shapes); pick an engine TP whose shards are multiples of the block, or another format")
+        out[meta.name] = Target(meta.name, meta.stored, meta.name + fmt.scale_suffix, fmt.scale_shape(meta.stored))
+    return out

@@ -1,0 +1,89 @@
+"""An FP8 engine's receive: the trainer's bytes land in a model-dtype copy of this rank's
+quantized weights, and the rank quantizes its own shard (``quant.fp8``) into what it serves.
+
+The copy is the engine's shard of the trainer's weights, kept across updates (a delta
+applies to it); ``received`` quantizes it right after a receive, off the engine's pause,
+into the wrapped destination (the live FP8 weights in place, or their staging copy that
+the wrapped ``commit`` swaps in).  Every quantized block lies within one piece
+(``quant.targets``), so the result equals the engine's quantizer on the full tensor.
+Checksums read the copy (what was received); ``stale`` names weights whose served FP8
+bytes or scales are not the quantization of it (a stale scale is caught there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from shardsync.quant.fp8 import Fp8Format, quantize
+from shardsync.quant.targets import Target
+from shardsync.receiver.destination import Destination, Staged
+
+
+class Quantized(Destination):
+    """``inner`` holds the engine's served tensors (FP8 weights, their scales, the rest);
+    ``targets`` the quantized ones (``quant.quantized``).  Memory: one model-dtype copy of the
+    rank's quantized weights."""
+
+    name = "quantized"
+
+    def __init__(self, inner: Destination, targets: Mapping[str, Target], fmt: Fp8Format, *,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        staged = inner.staged()
+        if staged is not None and not staged.whole:
+            raise ValueError("an FP8 engine stages whole shards or receives in place; a staging window "
+                             "(--staging-bytes below one shard) is not supported with quantization")
+        self.inner, self.targets, self.fmt = inner, dict(targets), fmt
+        self._wide = {n: torch.zeros(t.shape, dtype=dtype, device=device) for n, t in self.targets.items()}
+        self._scales = {t.scale for t in self.targets.values()}
+        self._joined: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _join(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``inner`` with the wide copies in place of the FP8 weights and without the scales:
+        the engine layout the paths write; one dict per inner mapping (a staged one alternates)."""
+        if self._joined is None or self._joined[0] != id(inner):
+            joined = {n: self._wide.get(n, t) for n, t in inner.items() if n not in self._scales}
+            self._joined = (id(inner), joined)
+        return self._joined[1]
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self._join(self.inner.tensors())
+
+    def served(self) -> Mapping[str, torch.Tensor]:
+        return {n: self._wide.get(n, t) for n, t in self.inner.served().items() if n not in self._scales}
+
+    @torch.no_grad()
+    def received(self) -> None:
+        into = self.inner.tensors()
+        for name, target in self.targets.items():
+            q, s = quantize(self._wide[name], self.fmt)
+            into[name].copy_(q)
+            into[target.scale].copy_(s)
+        self.inner.received()
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def prepare(self, *, overwrites: bool = False) -> None:
+        self.inner.prepare(overwrites=overwrites)
+
+    def discard(self) -> None:
+        self.inner.discard()
+
+    def staged(self) -> Staged | None:
+        return self.inner.staged()
+
+    def unpushable(self) -> str | None:
+        return "an FP8 engine (it quantizes what it receives; a pushing trainer would write its FP8 tensors)"
+
+    @torch.no_grad()
+    def stale(self) -> set[str]:
+        served = self.inner.served()
+        out = set()
+        for name, target in self.targets.items():
+            q, s = quantize(self._wide[name], self.fmt)
+            if not (torch.equal(served[name].view(torch.uint8), q.view(torch.uint8))
+                    and torch.equal(served[target.scale], s)):
+                out.add(name)
+        return out

@@ -1,0 +1,120 @@
+"""FP8 engines as a library (``receiver/quantized.py``): trainer ranks and engine ranks in one
+spawned gloo world, each engine rank holding e4m3 weights and scales (SGLang's names) in place
+or staged.  After every p2p and broadcast update its FP8 bytes and scales equal the quantizer
+applied to its shard of the trainer's weights (the shard is whole blocks: the slice of the
+whole tensor's quantization, ``tests/unit/test_quant_fp8.py``), the rest equals the trainer's
+bits, and a corrupted scale shows in the checksums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardsync.dtypes import torch_dtype
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.mode import Mode
+from shardsync.models.weights import load_rank, random_source
+from shardsync.paths import Endpoint, UpdateArgs, compile_path
+from shardsync.presets import PRESETS
+from shardsync.quant import fp8_format, quantize, quantized
+from shardsync.receiver import Params, Receiver, Staged, connect_request
+from shardsync.receiver.quantized import Quantized
+from shardsync.runtime.schedule import subgroups
+from shardsync.store.rendezvous import Rendezvous, open_store
+from shardsync.topology import Topology
+from shardsync.transport import SyncGroup
+from tests.dist._world import free_port, run_world
+
+SECRET = "a-test-secret-0123456789"
+FMT = fp8_format("fp8")
+
+
+def _topology(model: str, trainer_tp: int, engine_tp: int, engine_ep: int) -> Topology:
+    spec = PRESETS[model]
+    trainer = MegatronParallel(tp=trainer_tp, ep=engine_ep if spec.is_moe and trainer_tp > 1 else 1,
+                               etp=1 if spec.is_moe and trainer_tp > 1 else None)
+    return Topology(spec, trainer, (EngineParallel(tp=engine_tp, ep=engine_ep, dtype=spec.dtype),),
+                    quantization=FMT.name)
+
+
+def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
+    torch.set_num_threads(1)
+    model, trainer_tp, engine_tp, engine_ep, staged = case
+    topo = _topology(model, trainer_tp, engine_tp, engine_ep)
+    spec = topo.spec
+    rdv = Rendezvous("127.0.0.1", port, world, "fp8", timeout_s=60)
+    modes = (Mode.P2P, Mode.BROADCAST)
+    if rank < trainer_tp:
+        store = open_store(rdv, is_master=rank == 0)
+        group = SyncGroup(rdv, rank, subgroups(topo), secret=SECRET, store=store)
+        params = load_rank(topo.trainer_layout, rank, random_source(spec, seed=1))
+        ep = Endpoint(topo, rank, group, 64 * 1024, tensors=params, secret=SECRET)
+        programs = {m: compile_path(m, ep) for m in modes}
+        for step, mode in enumerate(modes, start=1):
+            for k, v in load_rank(topo.trainer_layout, rank, random_source(spec, seed=10 + step)).items():
+                params[k].copy_(v)
+            programs[mode].run(params, UpdateArgs(version=step))
+        group.close()
+        out.put((rank, {}))
+        return
+    tp_rank = rank - trainer_tp
+    layout = topo.engine_layouts[0]
+    rl = layout.ranks[tp_rank]
+    targets = quantized(rl, spec, FMT)
+    dtype = torch_dtype(spec.dtype)
+    live: dict[str, torch.Tensor] = {}  # what an FP8 engine holds: e4m3 weights, their scales, the rest
+    for t in rl.tensors:
+        target = targets.get(t.name)
+        if target is None:
+            live[t.name] = torch.zeros(t.stored, dtype=dtype)
+        else:
+            live[t.name] = torch.zeros(t.stored, dtype=torch.float8_e4m3fn)
+            live[target.scale] = torch.zeros(target.scale_shape)
+    inner = Staged(live) if staged else Params(live)
+    dest = Quantized(inner, targets, FMT, dtype=dtype)
+    receiver = Receiver(spec, tp_rank, engine_tp, dest, dtype=dtype, secret=SECRET, ep=engine_ep)
+    fps = {m: topo.fingerprint(m) for m in ("p2p", "broadcast")}
+    req = connect_request(topo, 0, fps, rdv, bucket_bytes=64 * 1024, credits=2, ipc=None, control="store")
+    receiver.join(req)
+    results: dict = {}
+    for step, mode in enumerate(modes, start=1):
+        stats = receiver.receive(mode, UpdateArgs(version=step))
+        expect = load_rank(layout, tp_rank, random_source(spec, seed=10 + step))
+        served = inner.served()
+        bad = []
+        for name, target in targets.items():
+            q, s = quantize(expect[name].view(target.shape), FMT)
+            if not (torch.equal(served[name].view(torch.uint8), q.view(torch.uint8))
+                    and torch.equal(served[target.scale], s)):
+                bad.append(name)
+        bad += [n for n in expect if n not in targets and not torch.equal(served[n].view(expect[n].shape), expect[n])]
+        results[mode.value] = {"bad": bad, "bytes": stats.bytes_received, "fp8": len(targets)}
+    results["clean"] = [k for k, v in receiver.checksums().items() if v < 0]
+    name, target = next(iter(targets.items()))
+    inner.served()[target.scale].mul_(2)  # a stale scale
+    results["stale"] = sorted({k[0] for k, v in receiver.checksums().items() if v < 0})
+    results["stale_expected"] = sorted({p.logical for p in rl.pieces if p.local == name})
+    receiver.leave()
+    out.put((rank, results))
+
+
+CASES = [  # model, trainer TP, engine TP, engine EP, staged
+    ("tiny-qwen3-fp8", 1, 4, 1, False),
+    ("tiny-qwen3-fp8", 2, 1, 1, True),
+    ("tiny-qwen3-moe-fp8", 2, 2, 2, True),
+    ("tiny-qwen3-moe-fp8", 2, 4, 1, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-t{c[1]}-e{c[2]}ep{c[3]}-{'staged' if c[4] else 'params'}")
+def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
+    trainer_tp, engine_tp = case[1], case[2]
+    world = trainer_tp + engine_tp
+    results = run_world(_world, world, args=(world, free_port(), case), timeout=240)
+    for rank in range(trainer_tp, world):
+        res = results[rank]
+        for mode in ("p2p", "broadcast"):
+            assert res[mode]["bad"] == [] and res[mode]["fp8"] > 0, (rank, mode, res[mode]["bad"][:4])
+        assert res["broadcast"]["bytes"] > res["p2p"]["bytes"] or engine_tp == 1
+        assert res["clean"] == []
+        assert res["stale"] == res["stale_expected"] and len(res["stale"]) == 3, res["stale"]  # q, k, v

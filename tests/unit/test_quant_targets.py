@@ -1,0 +1,61 @@
+"""Which engine tensors an FP8 engine quantizes (``quant/targets.py``): SGLang's names and
+scale shapes, and the refusals (pieces that are not whole blocks, families not in the table).
+The same names and shapes against SGLang's own FP8 classes: ``tests/sglang/test_sglang_fp8.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardsync.layout import EngineParallel, engine_layout
+from shardsync.presets import PRESETS
+from shardsync.quant import fp8_format, quantized
+from shardsync.quant.support import receiver_quantizes, refusal
+
+FP8 = fp8_format("fp8")
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (4, 1), (2, 2), (4, 4)])
+def test_moe_targets_and_scale_shapes(tp: int, ep: int) -> None:
+    spec = PRESETS["tiny-qwen3-moe-fp8"]
+    rank = engine_layout(spec, EngineParallel(tp=tp, ep=ep, dtype="bfloat16")).ranks[0]
+    targets = quantized(rank, spec, FP8)
+    layer = {n.removeprefix("model.layers.1."): t for n, t in targets.items() if n.startswith("model.layers.1.")}
+    qkv = (512 + 2 * 512) // tp
+    assert layer["self_attn.qkv_proj.weight"].scale_shape == (qkv // 128, 2)
+    assert layer["self_attn.o_proj.weight"].scale_shape == (2, 512 // tp // 128)
+    experts, moe_tp = 8 // ep, tp // ep
+    assert layer["mlp.experts.w13_weight"].shape == (experts, 1024 // moe_tp, 256)
+    assert layer["mlp.experts.w13_weight"].scale_shape == (experts, 1024 // moe_tp // 128, 2)
+    assert layer["mlp.experts.w2_weight"].scale == "model.layers.1.mlp.experts.w2_weight_scale_inv"
+    # the router, norms, embedding and (tied) head stay in the model dtype
+    assert not any(n.endswith(("gate.weight", "norm.weight", "embed_tokens.weight")) for n in targets)
+    assert len(targets) == 4 * 2 + 2 + 3 * 2  # attention x 4 layers, one dense MLP, three expert layers
+
+
+def test_per_channel_scales_are_one_per_row() -> None:
+    spec = PRESETS["tiny-qwen3-fp8"]
+    rank = engine_layout(spec, EngineParallel(tp=2, dtype="bfloat16")).ranks[1]
+    t = quantized(rank, spec, fp8_format("fp8-channel"))["model.layers.0.mlp.down_proj.weight"]
+    assert t.scale == "model.layers.0.mlp.down_proj.weight_scale" and t.scale_shape == (256, 1)
+
+
+def test_a_shard_cutting_blocks_is_refused_with_the_tensor_and_rows() -> None:
+    spec = PRESETS["tiny-qwen3"]  # 2 KV heads x 64: 64 rows of k per rank at TP 2
+    rank = engine_layout(spec, EngineParallel(tp=2)).ranks[0]
+    with pytest.raises(ValueError, match=r"qkv_proj.weight \[384, 256\] holds .*k_proj.weight rows 256:320"):
+        quantized(rank, spec, FP8)
+
+
+def test_families_with_other_linears_are_refused() -> None:
+    spec = PRESETS["tiny-deepseek-v3"]
+    with pytest.raises(ValueError, match="mla"):
+        quantized(engine_layout(spec, EngineParallel(tp=1)).ranks[0], spec, FP8)
+
+
+def test_which_engines_take_shards_and_which_are_refused() -> None:
+    assert receiver_quantizes("reference", None) and receiver_quantizes("reference", "fp8")
+    assert not receiver_quantizes("sglang", "fp8") and not receiver_quantizes("reference", "fp8-per-tensor")
+    assert refusal(None) is None and refusal("fp8") is None
+    reason = refusal("compressed-tensors")
+    assert reason is not None and "INT4" in reason and "bf16 or FP8" in reason
+    assert refusal("NVFP4") is not None and refusal("mxfp4") is not None
