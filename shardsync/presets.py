@@ -178,8 +178,9 @@ _PRESET_LIST = [
     # FP8 engines: every engine shard whole 128 x 128 blocks at engine TP 1/2/4 (8 kv heads, 512-wide MLPs)
     _preset("tiny-qwen3-fp8", "qwen3", 256, 4, 8, 8, 64, 512, 1100, True, max_position_embeddings=2048,
             dtype="bfloat16"),
-    _preset("tiny-qwen3-moe-fp8", "qwen3_moe", 256, 4, 8, 8, 64, 512, 1100, True, max_position_embeddings=2048,
-            dtype="bfloat16", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, mlp_only_layers=(0,)),
+    # (every layer sparse, the LM head untied: as released Qwen3-MoE checkpoints, and as SGLang builds them)
+    _preset("tiny-qwen3-moe-fp8", "qwen3_moe", 256, 4, 8, 8, 64, 512, 1100, False, max_position_embeddings=2048,
+            dtype="bfloat16", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512),
 ]
 PRESETS: dict[str, ModelSpec] = {s.name: s for s in _PRESET_LIST}
 

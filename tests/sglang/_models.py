@@ -99,12 +99,13 @@ def publish_rank(tp_rank: int, tp_size: int, dtype: str, loaders: tuple[str, ...
 
 def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.float32,
           loaders: tuple[str, ...] = (), pp_rank: int = 0, pp_size: int = 1, ep_size: int = 1,
-          shared_fused: bool = False, indexer_fused: bool = False) -> torch.nn.Module:
+          shared_fused: bool = False, indexer_fused: bool = False, quant_config=None) -> torch.nn.Module:
     """SGLang's model of ``hf_config`` as TP rank ``tp_rank`` of stage ``pp_rank`` holds it
     (weights uninitialized); ``shared_fused``: the shared expert fused into the routed ones, as
     SGLang decides on CUDA sm80+ at EP 1; ``indexer_fused``: the sparse-attention indexer's
     ``wk_weights_proj``, as SGLang decides on CUDA for an interleaved indexer rotary (both forced
-    here, the layout only: CPU cannot run them)."""
+    here, the layout only: CPU cannot run them); ``quant_config``: SGLang's quantization config
+    (an ``Fp8Config``: its FP8 linear and MoE methods create e4m3 weights and their scales)."""
     import sglang.srt.layers.attention.dsa.dsa_indexer as indexer
     import sglang.srt.layers.rotary_embedding.base as rope
     import sglang.srt.models.qwen2_moe as qwen2_moe
@@ -126,7 +127,7 @@ def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.floa
     torch.get_device_module = lambda *args, **kwargs: torch.cpu
     try:
         with torch.device("cpu"), get_model().override(shared_experts=shared):
-            model = cls(hf_config)
+            model = cls(hf_config) if quant_config is None else cls(hf_config, quant_config=quant_config)
     finally:
         torch.set_default_dtype(before)
         indexer._is_cuda, indexer.resolve_num_sms = cuda, sms
