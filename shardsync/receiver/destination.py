@@ -48,10 +48,11 @@ class Destination:
         """A receive into ``tensors()`` failed: drop what it wrote where that is possible."""
         return None
 
-    def received(self) -> None:
+    def received(self) -> int:
         """A receive into ``tensors()`` succeeded (before ``commit``, off the engine's pause):
-        derive what the engine serves from it where that differs (an FP8 engine quantizes)."""
-        return None
+        derive what the engine serves from it where that differs (an FP8 engine quantizes);
+        returns how many derived elements differ from the served ones (0: nothing derived)."""
+        return 0
 
     def staged(self) -> Staged | None:
         """The staging capability (a copy received while serving, committed between two

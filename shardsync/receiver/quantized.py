@@ -54,13 +54,18 @@ class Quantized(Destination):
         return {n: self._wide.get(n, t) for n, t in self.inner.served().items() if n not in self._scales}
 
     @torch.no_grad()
-    def received(self) -> None:
-        into = self.inner.tensors()
+    def received(self) -> int:
+        """Quantize every received shard into the inner destination; counts the e4m3 bytes and
+        scales that differ from the served ones (what a delta of the FP8 weights would move)."""
+        into, served = self.inner.tensors(), self.inner.served()
+        changed = 0
         for name, target in self.targets.items():
             q, s = quantize(self._wide[name], self.fmt)
+            changed += int((served[name].view(torch.uint8) != q.view(torch.uint8)).sum())
+            changed += int((served[target.scale] != s).sum())
             into[name].copy_(q)
             into[target.scale].copy_(s)
-        self.inner.received()
+        return changed + self.inner.received()
 
     def commit(self) -> None:
         self.inner.commit()

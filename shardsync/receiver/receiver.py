@@ -11,6 +11,7 @@ marks its weights stale until a full update.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 
 import torch
@@ -164,7 +165,9 @@ class Receiver:
         try:
             self.destination.prepare(overwrites=program.overwrites)
             stats = program.run(self._tensors(), args or UpdateArgs())
-            self.destination.received()
+            t0 = time.perf_counter()
+            stats.derived_changed += self.destination.received()
+            stats.derive_s += time.perf_counter() - t0
             if commit:
                 self.commit()
         except Exception as e:
@@ -194,7 +197,9 @@ class Receiver:
             self.destination.prepare()
             stats = self._disk.run(self._tensors(),
                                    UpdateArgs(version=version, base_version=base_version, root=root))
-            self.destination.received()
+            t0 = time.perf_counter()
+            stats.derived_changed += self.destination.received()
+            stats.derive_s += time.perf_counter() - t0
         except Exception:
             self.destination.discard()
             raise

@@ -51,9 +51,11 @@ class Cost(_Account):
     pack_s: Annotated[float, Reduce.MAX, PHASE] = 0.0
     transfer_s: Annotated[float, Reduce.MAX, PHASE] = 0.0
     unpack_s: Annotated[float, Reduce.MAX, PHASE] = 0.0
+    derive_s: Annotated[float, Reduce.MAX, PHASE] = 0.0  # served state derived after the receive (FP8: quantize)
     total_s: Annotated[float, Reduce.MAX, PHASE] = 0.0
     bytes_received: Annotated[int, Reduce.SUM] = 0
     changed: Annotated[int, Reduce.SUM] = 0
+    derived_changed: Annotated[int, Reduce.SUM] = 0  # FP8: e4m3 bytes and scales that changed
     buffer_bytes: Annotated[int, Reduce.MAX] = 0
     buckets: Annotated[int, Reduce.SUM] = 0
     destination: Annotated[str, Reduce.FIRST] = "params"
@@ -96,6 +98,7 @@ class RankReport(Ledger):
         """The one place a rank's ``Stats`` become its ledger; ``t0``: when the receive began
         (``time.perf_counter``)."""
         return cls(pack_s=stats.pack_s, transfer_s=stats.transfer_s, unpack_s=stats.unpack_s,
+                   derive_s=stats.derive_s, derived_changed=stats.derived_changed,
                    total_s=time.perf_counter() - t0, bytes_received=stats.bytes_received, changed=stats.changed,
                    buffer_bytes=stats.peak_buffer_bytes, buckets=stats.buckets, destination=destination)
 

@@ -137,7 +137,9 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
     control times around them.  ``unpack`` is the slowest engine's."""
     stats = stats or Stats()
     unpack = max((e.unpack_s for e in engines), default=0.0)
+    derive = max((e.derive_s for e in engines), default=0.0)
     phases = {"plan": times["plan"], "pack": stats.pack_s, "transfer": stats.transfer_s, "unpack": unpack,
+              "derive": derive,
               **{k: v for k, v in times.items() if k != "plan"}}
     common = _Common(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
                      bytes_sent=stats.bytes_sent, engines=list(engines), phases=phases,

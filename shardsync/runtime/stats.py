@@ -28,11 +28,15 @@ class StepTiming:
 @dataclass
 class Stats:
     """Seconds and bytes of one rank's update.  ``pack`` is packing or delta encoding,
-    ``unpack`` unpacking or delta apply; ``changed`` and ``elements`` count delta elements."""
+    ``unpack`` unpacking or delta apply; ``derive`` what a receiver derives from the received
+    weights before they are served (an FP8 engine quantizes); ``changed`` and ``elements`` count
+    delta elements."""
 
     pack_s: float = 0.0
     transfer_s: float = 0.0
     unpack_s: float = 0.0
+    derive_s: float = 0.0
+    derived_changed: int = 0  # derived elements that differ from the served ones (FP8: e4m3 bytes and scales)
     bytes_sent: int = 0
     bytes_received: int = 0
     changed: int = 0
@@ -42,8 +46,8 @@ class Stats:
     encodings: Counter = field(default_factory=Counter)
     steps: list[StepTiming] = field(default_factory=list)
 
-    _SUMMED = ("pack_s", "transfer_s", "unpack_s", "bytes_sent", "bytes_received", "changed", "elements",
-               "buckets")
+    _SUMMED = ("pack_s", "transfer_s", "unpack_s", "derive_s", "derived_changed", "bytes_sent", "bytes_received",
+               "changed", "elements", "buckets")
 
     def merge(self, other: Stats) -> Stats:
         """Add ``other`` (another stage or part of the same update) into this one."""

@@ -34,6 +34,7 @@ TINY: dict[str, list[str]] = {
     "pause.py": ["--kinds", "in-place", "--updates", "1", "--idle-s", "0.3", "--gap-s", "0.1",
                  "--clients", "1", "--max-new-tokens", "2"],
     "delta.py": ["--lrs", "1e-5", "--steps", "1", "--transports", "disk", "--skip-e2e"],
+    "fp8_delta.py": ["--steps", "1", "--trainer-tp", "1", "--engine-tp", "1"],
     "engine_forward.py": ["--tp", "1", "--layers", "1", "--prefill-len", "8", "--prompt-len", "4",
                           "--new-tokens", "2", "--rounds", "1", "--repeat", "1"],
 }

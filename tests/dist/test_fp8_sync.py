@@ -88,7 +88,8 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
                     and torch.equal(served[target.scale], s)):
                 bad.append(name)
         bad += [n for n in expect if n not in targets and not torch.equal(served[n].view(expect[n].shape), expect[n])]
-        results[mode.value] = {"bad": bad, "bytes": stats.bytes_received, "fp8": len(targets)}
+        results[mode.value] = {"bad": bad, "bytes": stats.bytes_received, "fp8": len(targets),
+                               "derived": stats.derived_changed, "derive_s": stats.derive_s}
     results["clean"] = [k for k, v in receiver.checksums().items() if v < 0]
     name, target = next(iter(targets.items()))
     inner.served()[target.scale].mul_(2)  # a stale scale
@@ -115,6 +116,7 @@ def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
         res = results[rank]
         for mode in ("p2p", "broadcast"):
             assert res[mode]["bad"] == [] and res[mode]["fp8"] > 0, (rank, mode, res[mode]["bad"][:4])
+            assert res[mode]["derived"] > 0 and res[mode]["derive_s"] > 0  # new weights: new FP8 bytes
         assert res["broadcast"]["bytes"] > res["p2p"]["bytes"] or engine_tp == 1
         assert res["clean"] == []
         assert res["stale"] == res["stale_expected"] and len(res["stale"]) == 3, res["stale"]  # q, k, v

@@ -20,9 +20,9 @@ from shardsync.topology import Topology
 from shardsync.vocab import Staging
 
 # the wire's keys, in order, as the engines, trainers and records.jsonl readers have them
-RANK_KEYS = ["ok", "error", "pack_s", "transfer_s", "unpack_s", "total_s", "bytes_received", "changed",
-             "buffer_bytes", "buckets", "destination", "staging", "staging_bytes", "shard_bytes", "stage_s",
-             "drain_s", "commit_s", "pause_s", "crossed"]
+RANK_KEYS = ["ok", "error", "pack_s", "transfer_s", "unpack_s", "derive_s", "total_s", "bytes_received", "changed",
+             "derived_changed", "buffer_bytes", "buckets", "destination", "staging", "staging_bytes", "shard_bytes",
+             "stage_s", "drain_s", "commit_s", "pause_s", "crossed"]
 RESULT_KEYS = [*RANK_KEYS, "version", "mode"]
 RECORD_KEYS = ["version", "mode", "fallback_reason", "ok", "rank", "bytes_sent", "buckets", "phases", "buffer_bytes",
                "link_bytes", "engines", "steps", "error", "delta", "source", "unsent_bytes",
@@ -91,10 +91,10 @@ def test_the_wire_shape_is_kept() -> None:
 
 def test_phases_are_the_ledgers_seconds_in_order() -> None:
     res = _result(Served(pause_s=0.02))
-    assert UpdateResult.phases() == ("pack_s", "transfer_s", "unpack_s", "total_s", "stage_s", "drain_s",
-                                     "commit_s", "pause_s")
+    assert UpdateResult.phases() == ("pack_s", "transfer_s", "unpack_s", "derive_s", "total_s", "stage_s",
+                                     "drain_s", "commit_s", "pause_s")
     seconds = res.phase_seconds()
-    assert list(seconds) == ["pack", "transfer", "unpack", "total", "stage", "drain", "commit", "pause"]
+    assert list(seconds) == ["pack", "transfer", "unpack", "derive", "total", "stage", "drain", "commit", "pause"]
     assert (seconds["pack"], seconds["pause"]) == (0.5, 0.02)
 
 
