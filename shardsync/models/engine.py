@@ -171,7 +171,7 @@ class _Attention(nn.Module):
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         b, s, _ = x.shape
         d, eps = self.spec.head_dim, self.spec.rms_norm_eps
-        qkv = F.linear(x, self.qkv_proj.dense(), getattr(self.qkv_proj, "bias", None))
+        qkv = F.linear(x, self.qkv_proj.dense(), self.qkv_proj.get_parameter("bias") if self.spec.qkv_bias else None)
         nq = self.nq * (2 if self.gate else 1)
         q, k, v = qkv.split([nq * d, self.nkv * d, self.nkv * d], dim=-1)
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
