@@ -37,15 +37,20 @@ class Quantized(Destination):
         self.inner, self.targets, self.fmt = inner, dict(targets), fmt
         self._wide = {n: torch.zeros(t.shape, dtype=dtype, device=device) for n, t in self.targets.items()}
         self._scales = {t.scale for t in self.targets.values()}
-        self._joined: tuple[int, dict[str, torch.Tensor]] | None = None
+        # inner mapping id -> (that mapping, kept so its id stays its own; the joined view)
+        self._joined: dict[int, tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
 
     def _join(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``inner`` with the wide copies in place of the FP8 weights and without the scales:
-        the engine layout the paths write; one dict per inner mapping (a staged one alternates)."""
-        if self._joined is None or self._joined[0] != id(inner):
-            joined = {n: self._wide.get(n, t) for n, t in inner.items() if n not in self._scales}
-            self._joined = (id(inner), joined)
-        return self._joined[1]
+        the engine layout the paths write; one dict per inner mapping (a staged one alternates
+        two), made once."""
+        hit = self._joined.get(id(inner))
+        if hit is None or hit[0] is not inner:
+            if len(self._joined) >= 2:
+                self._joined.pop(next(iter(self._joined)))
+            hit = (inner, {n: self._wide.get(n, t) for n, t in inner.items() if n not in self._scales})
+            self._joined[id(inner)] = hit
+        return hit[1]
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self._join(self.inner.tensors())
