@@ -38,7 +38,7 @@ def test_received_quantizes_the_copy_into_what_is_served(staged: bool) -> None:
     writes = dest.tensors()
     assert writes[name].dtype == torch.bfloat16 and not any(n.endswith("_scale_inv") for n in writes)
     torch.manual_seed(0)
-    for n, t in writes.items():
+    for t in writes.values():
         t.copy_(torch.randn(t.shape) * 0.02)
     dest.prepare()
     changed = dest.received()
