@@ -5,6 +5,7 @@ one, and a value cannot be replayed under another key).  Nothing read here is un
 from __future__ import annotations
 
 import datetime
+import time
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -50,6 +51,13 @@ def put(store: dist.Store, key: str, msg: BaseModel, secret: str) -> None:
 def get(store: dist.Store, key: str, model: type[M], timeout: datetime.timedelta,
         secret: str, watch: Watch | None = None) -> M:
     """Wait (bounded; ended early by a silent member of ``watch``) for ``key`` and validate its
-    value as ``model``; never unpickles."""
-    wait(store, [key], timeout, watch)
-    return model.model_validate_json(unseal(key, store.get(key), secret))
+    value as ``model``; never unpickles.  A value deleted between the wait and the read (another
+    client of the store) reads as empty: that is no answer yet, waited for within the same bound."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        wait(store, [key], datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())), watch)
+        raw = store.get(key)
+        if raw:
+            return model.model_validate_json(unseal(key, raw, secret))
+        if time.monotonic() >= deadline:
+            raise dist.DistStoreError(f"the value under {key} was deleted as it was read, until the wait's bound")
