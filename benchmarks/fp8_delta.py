@@ -1,9 +1,9 @@
-"""How much of an FP8 engine's weights a GRPO step changes: the demo's training steps (the
-reference trainer, RL-typical learning rate) synced by delta into reference engines serving
-FP8, per update the model-dtype elements the delta moved and the e4m3 bytes and scales the
-engine's quantization changed (``derived_changed``), each over its total (the first update
-is a full one: the engines start from the trainer's initial weights, rounded to bf16).  The gap between
-the two says what a delta of the quantized bytes would move instead of the wide ones.
+"""How much of an FP8 engine's weights a GRPO step changes, and what a delta moves for it: the
+demo's training steps (the reference trainer, RL-typical learning rate) synced by delta into
+reference engines serving FP8.  The trainer sends the e4m3 bytes and scales it quantized
+(``quant.wire``), so a delta XORs those: per update, the FP8 bytes and scales trainer rank 0's
+quantization changed (``quantized_changed``) over all it holds, and the bytes the engines
+received against the first (full) update's.
 
     python benchmarks/fp8_delta.py --model tiny-qwen3-fp8 --steps 5 [--lr 1e-5] [--out fp8_delta.json]
 """
@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import tempfile
 from pathlib import Path
 
 from shardsync.demo.run import DemoConfig, run_demo
-from shardsync.layout import EngineParallel, engine_layout
-from shardsync.layout.logical import model_tensors
+from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.presets import load_spec
-from shardsync.quant import fp8_format, quantized
+from shardsync.quant.wire import PER_WORD
+from shardsync.topology import Topology
 
 
-def _fp8_elements(model: str, tp: int, ep: int, fmt: str) -> int:
-    """e4m3 elements and scales the engine holds, over all its ranks."""
+def _fp8_elements(model: str, trainer_tp: int, tp: int, ep: int, fmt: str) -> int:
+    """e4m3 bytes and scales trainer rank 0 quantizes (its regions of the weights sent quantized)."""
     spec = load_spec(model)
-    lay = engine_layout(spec, EngineParallel(tp=tp, ep=ep, dtype=spec.dtype))
-    total = 0
-    for rank in lay.ranks:
-        for t in quantized(rank, spec, fp8_format(fmt)).values():
-            total += math.prod(t.shape) + math.prod(t.scale_shape)
-    return total
+    topo = Topology(spec, MegatronParallel(tp=trainer_tp), (EngineParallel(tp=tp, ep=ep, dtype=spec.dtype),),
+                    quantization=fmt)
+    lay = topo.trainer_layout.ranks[0]
+    return sum(lay.tensor(d.words).numel * PER_WORD + lay.tensor(d.scales).numel for d in topo.derived(0))
 
 
 def main() -> None:
@@ -54,23 +51,21 @@ def main() -> None:
         if run_demo(cfg) != 0:
             raise SystemExit("the demo failed")
         records = [json.loads(line) for line in (Path(tmp) / "records.jsonl").read_text().splitlines()]
-    spec = load_spec(args.model)
-    wide = sum(math.prod(s) for s in model_tensors(spec).values())
-    fp8 = _fp8_elements(args.model, args.engine_tp, args.engine_ep, args.format)
+    fp8 = _fp8_elements(args.model, args.trainer_tp, args.engine_tp, args.engine_ep, args.format)
+    full = sum(e["bytes_received"] for e in records[0]["engines"])
     rows = []
     for r in records:
-        delta = r.get("delta") or {}
-        derived = sum(e["derived_changed"] for e in r["engines"])
-        rows.append({"version": r["version"], "wide_changed": delta.get("engine_changed", 0), "wide_total": wide,
-                     "fp8_changed": derived, "fp8_total": fp8})
-    print(f"{args.model}: {args.steps} GRPO steps at lr {args.lr}, delta sync into engines TP{args.engine_tp} "
-          f"EP{args.engine_ep} serving {args.format}")
-    print(f"{'version':>7} {'wide changed':>13} {'of':>10} {'density':>8} "
-          f"{'fp8 changed':>12} {'of':>10} {'density':>8}")
+        received = sum(e["bytes_received"] for e in r["engines"])
+        rows.append({"version": r["version"], "mode": r["mode"], "fp8_changed": r["quantized_changed"],
+                     "fp8_total": fp8, "bytes_received": received, "full_bytes": full})
+    print(f"{args.model}: {args.steps} GRPO steps at lr {args.lr}, trainer TP{args.trainer_tp} -> delta sync into "
+          f"engines TP{args.engine_tp} EP{args.engine_ep} serving {args.format}")
+    print(f"{'version':>7} {'mode':>10} {'fp8 changed (rank 0)':>21} {'of':>10} {'density':>8} "
+          f"{'engine bytes':>13} {'of full':>8}")
     for row in rows:
-        print(f"{row['version']:>7} {row['wide_changed']:>13} {row['wide_total']:>10} "
-              f"{row['wide_changed'] / row['wide_total']:>8.4f} {row['fp8_changed']:>12} {row['fp8_total']:>10} "
-              f"{row['fp8_changed'] / row['fp8_total']:>8.4f}")
+        print(f"{row['version']:>7} {row['mode']:>10} {row['fp8_changed']:>21} {row['fp8_total']:>10} "
+              f"{row['fp8_changed'] / row['fp8_total']:>8.4f} {row['bytes_received']:>13} "
+              f"{row['bytes_received'] / max(1, full):>8.3f}")
     with open(args.out, "w") as f:
         json.dump({"machine": f"{platform.node()} {platform.platform()} {os.cpu_count()} cpus",
                    "args": vars(args), "rows": rows}, f, indent=2)

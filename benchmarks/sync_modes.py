@@ -114,7 +114,7 @@ def bench_model(model: str, args: argparse.Namespace) -> dict:
             "p99_s": totals[min(len(totals) - 1, int(0.99 * len(totals)))],
             "n": len(totals),
             "phases_median_s": {k: statistics.median(r["phases"][k] for r in rows0)
-                                for k in ("pack", "transfer", "unpack", "derive", "control")},
+                                for k in ("pack", "transfer", "unpack", "derive", "quantize", "control")},
             "busiest_link_bytes": rows0[0]["busiest"], "bytes": rows0[0]["bytes"],
             "buffer_bytes_per_trainer_rank": {r: max(x["buffer_bytes"] for x in v["rows"] if x["mode"] == mode)
                                               for r, v in sorted(res.items())},
@@ -147,8 +147,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="weights dtype (default: fp32 trainer, the model's engine)")
     ap.add_argument("--verify-buckets", action="store_true", help="a digest after every message, checked")
     ap.add_argument("--engine-quantization", default=None,
-                    help="engines serve FP8 in this format (shardsync.quant.FORMATS, e.g. fp8) and quantize "
-                         "what they receive: the derive column is that quantization")
+                    help="engines serve FP8 in this format (shardsync.quant.FORMATS, e.g. fp8): the trainer "
+                         "quantizes what it sends (quant column) and engines what arrives wide (derive column)")
     ap.add_argument("--out", default="sync_modes.json")
     args = ap.parse_args()
     models = args.model or ["tiny-qwen3", "Qwen2.5-0.5B"]
@@ -162,7 +162,8 @@ def main() -> None:
           f"{f' serving {args.engine_quantization}' if args.engine_quantization else ''}, bucket {args.bucket_mb} MiB, "
           f"credits {args.credits}, {args.updates} measured updates per mode (alternating)")
     print(f"{'model':<14} {'mode':<10} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'pack':>7} {'xfer':>7} "
-          f"{'unpack':>7} {'derive':>7} {'ctl':>6} {'busiest MiB':>11} {'trainer buf MiB (per rank)':>27} "
+          f"{'unpack':>7} {'derive':>7} {'quant':>6} {'ctl':>6} {'wire MiB':>9} {'busiest MiB':>11} "
+          f"{'trainer buf MiB (per rank)':>27} "
           f"{'engine buf MiB':>14}")
     for r in results:
         for mode, m in r["modes"].items():
@@ -171,8 +172,9 @@ def main() -> None:
             print(f"{r['model']:<14} {mode:<10} {m['median_s'] * 1e3:>10.1f} {m['p90_s'] * 1e3:>8.1f} "
                   f"{m['p99_s'] * 1e3:>8.1f} "
                   f"{ph['pack'] * 1e3:>7.1f} {ph['transfer'] * 1e3:>7.1f} {ph['unpack'] * 1e3:>7.1f} "
-                  f"{ph['derive'] * 1e3:>7.1f} "
-                  f"{ph['control'] * 1e3:>6.1f} {m['busiest_link_bytes'] / MiB:>11.1f} {bufs:>27} "
+                  f"{ph['derive'] * 1e3:>7.1f} {ph['quantize'] * 1e3:>6.1f} "
+                  f"{ph['control'] * 1e3:>6.1f} {m['bytes'] / MiB:>9.1f} {m['busiest_link_bytes'] / MiB:>11.1f} "
+                  f"{bufs:>27} "
                   f"{m['engine_buffer_bytes'] / MiB:>14.1f}")
         print(f"{r['model']:<14} p2p/broadcast = {r['ratio_p2p_over_broadcast']:.2f}   "
               f"checksum {'ok' if r['checksum_ok'] else 'MISMATCH'}")

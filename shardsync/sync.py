@@ -36,6 +36,7 @@ from shardsync.paths import (
     compile_path,
     release,
 )
+from shardsync.quant.source import SourceQuantizer
 from shardsync.runtime.checksum import combine, compare, piece_checksums
 from shardsync.runtime.record import UpdateRecord, append_jsonl, make_record
 from shardsync.runtime.schedule import SyncRanks, subgroups
@@ -89,6 +90,8 @@ class WeightSync:
         self._engines = self._client() if rank == 0 else None
         self._channel: UpdateChannel | None = None
         self._snapshot: Snapshot | None = None
+        self._fp8: SourceQuantizer | None = None  # an FP8 engine's weights, quantized here (``quant.wire``)
+        self._local: Mapping[str, torch.Tensor] = params  # what the paths read: params and what _fp8 derives
         self._synced: int | None = None  # the version every engine got from this connection last
         self._calls = 0  # store keys are per call: a version may be sent twice (resync)
 
@@ -170,10 +173,13 @@ class WeightSync:
         self.conn = conn = agree(self.ranks, self._engines, self.config, self.spec, self.parallel, decision, rdv, keys)
         topo = conn.topo
         self.plan_s = time.perf_counter() - t0
-        if self.config.delta is not None and self._snapshot is None:
+        derived = topo.derived(self.rank)
+        self._fp8 = None if topo.fp8 is None or not derived else SourceQuantizer(derived, self.params, topo.fp8.fmt)
+        self._local = self.params if self._fp8 is None else self._fp8.tensors
+        if self.config.delta is not None and (self._snapshot is None or self._snapshot.params is not self._local):
             raw = {p.local: torch_dtype(topo.raw_dtypes[p.logical])
                    for p in topo.trainer_layout.ranks[self.rank].pieces if p.logical in topo.raw_dtypes}
-            self._snapshot = Snapshot(self.params, torch_dtype(topo.wire_dtype), pin=self.config.delta.pin_memory,
+            self._snapshot = Snapshot(self._local, torch_dtype(topo.wire_dtype), pin=self.config.delta.pin_memory,
                                       raw=raw)
         if self.rank == 0:
             with ThreadPoolExecutor(1) as pool:
@@ -204,7 +210,7 @@ class WeightSync:
         device = next(iter(self.params.values())).device  # buffers live where the weights do
         co = cfg.colocated
         ep = Endpoint(topo, self.rank, self.group, cfg.transport.bucket_bytes, cfg.transport.credits, device,
-                      detail=cfg.detail, verify=cfg.transport.verify_buckets, secret=self._secret, tensors=self.params,
+                      detail=cfg.detail, verify=cfg.transport.verify_buckets, secret=self._secret, tensors=self._local,
                       colocated=None if co is None else Colocated(ipc=co.ipc, stream=co.complete is Completion.STREAM,
                                                                   mailbox=co.signals is Signals.MAILBOX),
                       delta=None if self._snapshot is None else DeltaSide(snapshot=self._snapshot,
@@ -283,8 +289,9 @@ class WeightSync:
         t0, started_at = time.perf_counter(), time.time()
         self._calls += 1
         n = self._calls
+        derive_s, derived = (0.0, 0) if self._fp8 is None else self._fp8.refresh()  # before a push launches
         if Mode.P2P in self.programs and requested in (None, Mode.P2P):
-            self.programs[Mode.P2P].launch(self.params)  # push: copies into staging start before the engines hear
+            self.programs[Mode.P2P].launch(self._local)  # push: copies into staging start before the engines hear
         decided = self.ranks.lead(lambda: self._begin(conn, version, requested), Go)
         go = self.ranks.signal(group.store, conn.keys.go(n), decided, Go)
         if go.error or go.mode is None:
@@ -294,7 +301,9 @@ class WeightSync:
         t1 = time.perf_counter()
         error, stats = None, None
         try:
-            stats = self.programs[path].run(self.params, args)
+            stats = self.programs[path].run(self._local, args)
+            stats.derive_s += derive_s
+            stats.derived_changed += derived
         except Exception as e:
             error = _error(e)
         t2 = time.perf_counter()
@@ -342,7 +351,9 @@ class WeightSync:
         engine dtype); an empty list means every engine holds exactly the trainer's weights."""
         conn, group = self._live()
         lay = conn.topo.trainer_layout
-        mine = piece_checksums(lay.ranks[self.rank], self.params, lay.logical, torch_dtype(conn.topo.wire_dtype),
+        if self._fp8 is not None:
+            self._fp8.refresh()
+        mine = piece_checksums(lay.ranks[self.rank], self._local, lay.logical, torch_dtype(conn.topo.wire_dtype),
                                conn.topo.check_dtypes)
         self._calls += 1
         sums = RankSums.of(mine)

@@ -27,6 +27,10 @@ from shardsync.layout.logical import is_expert
 from shardsync.layout.raw import raw_dtypes
 from shardsync.plan import Plan, build_plan
 from shardsync.plan.plan import dtype_itemsize
+from shardsync.quant.fp8 import FORMATS
+from shardsync.quant.support import RECEIVER_QUANTIZES
+from shardsync.quant.targets import check_family
+from shardsync.quant.wire import Derived, Fp8Wire, fp8_wire
 from shardsync.spec import ModelSpec
 
 ENGINE_KINDS = ("reference", "sglang", "vllm")
@@ -57,25 +61,70 @@ class Topology:
         return self.engines[0].dtype or self.spec.dtype
 
     @cached_property
-    def trainer_layout(self) -> Layout:
+    def trainer_base(self) -> Layout:
+        """The trainer's own tensors (what its ``params`` hold); ``trainer_layout`` adds the
+        tensors an FP8 engine's sends derive from them (``derived``)."""
         return TRAINER_LAYOUTS[self.trainer.kind](self.spec, self.trainer)
 
     @cached_property
-    def engine_layouts(self) -> tuple[Layout, ...]:
+    def engine_bases(self) -> tuple[Layout, ...]:
+        """Each engine's tensors as it serves them; ``engine_layouts`` as the plans address them
+        (an FP8 engine's weights sent quantized as e4m3 words and scales)."""
         unique = {e: engine_layout(self.spec, e) for e in dict.fromkeys(self.engines)}
         return tuple(unique[e] for e in self.engines)
 
     @cached_property
+    def fp8(self) -> Fp8Wire | None:
+        """The weights an FP8 engine's plans carry as e4m3 bytes and scales, quantized by the
+        trainer (``quant.wire``); None where the wire carries the model dtype only."""
+        if self.quantization not in FORMATS or self.engine_kind not in RECEIVER_QUANTIZES:
+            return None
+        try:
+            check_family(self.spec)
+        except ValueError:
+            return None  # the engine refuses to serve it quantized; nothing to plan
+        return fp8_wire(self.trainer_base, self.engine_bases, FORMATS[self.quantization])
+
+    @cached_property
+    def _trainer_fp8(self) -> tuple[Layout, tuple[tuple[Derived, ...], ...]]:
+        if self.fp8 is None:
+            return self.trainer_base, tuple(() for _ in self.trainer_base.ranks)
+        return self.fp8.trainer(self.trainer_base)
+
+    @property
+    def trainer_layout(self) -> Layout:
+        return self._trainer_fp8[0]
+
+    def derived(self, rank: int) -> tuple[Derived, ...]:
+        """What trainer ``rank`` quantizes before each send (empty unless ``fp8``)."""
+        return self._trainer_fp8[1][rank]
+
+    @cached_property
+    def engine_layouts(self) -> tuple[Layout, ...]:
+        if self.fp8 is None:
+            return self.engine_bases
+        unique = {id(lay): self.fp8.retype(lay) for lay in self.engine_bases}
+        return tuple(unique[id(lay)] for lay in self.engine_bases)
+
+    def _full(self, **kw) -> Layout:
+        """Whole tensors (broadcast receivers), as the wire carries them."""
+        lay = full_layout(self.spec, dtype=self.wire_dtype, **kw)
+        return lay if self.fp8 is None else self.fp8.retype(lay)
+
+    @cached_property
     def raw_dtypes(self) -> dict[str, str]:
-        """Logical tensors the trainer and every engine hold wider than the wire: they move
-        (and are checked) as their own bits (``layout/raw.py``).  FSDP2 trainers and
-        whole-tensor engines hold every tensor in one dtype: none."""
+        """Logical tensors that move (and are checked) as their own bits: those the trainer
+        and every engine hold wider than the wire (``layout/raw.py``; FSDP2 trainers and
+        whole-tensor engines hold every tensor in one dtype: none), and FP8 weights' e4m3
+        words and scales (``quant.wire``)."""
+        quantized = {} if self.fp8 is None else self.fp8.raw
         t = self.trainer
         if not isinstance(t, MegatronParallel) or any(e.whole for e in self.engines):
-            return {}
+            return quantized
         per_engine = [raw_dtypes(self.spec, frozenset({t.norm_names}), v, self.wire_dtype)
                       for v in dict.fromkeys(e.variants for e in self.engines)]
-        return {n: d for n, d in per_engine[0].items() if all(other.get(n) == d for other in per_engine[1:])}
+        wider = {n: d for n, d in per_engine[0].items() if all(other.get(n) == d for other in per_engine[1:])}
+        return {**wider, **quantized}
 
     @cached_property
     def check_dtypes(self) -> dict[str, str]:
@@ -179,10 +228,10 @@ class Topology:
     @cached_property
     def broadcast_plan(self) -> Plan:
         """Broadcast step 2: each stage source -> whole tensors on every engine rank."""
-        receivers = full_layout(self.spec, replicas=self.num_engine_ranks, dtype=self.wire_dtype)
+        receivers = self._full(replicas=self.num_engine_ranks)
         return build_plan(self.source_layout, receivers, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
 
     def narrow_plan(self, engine: int) -> Plan:
         """Broadcast step 3 (rank-local): whole tensors -> engine ``engine``'s shards."""
-        return build_plan(full_layout(self.spec, dtype=self.wire_dtype), self.engine_layouts[engine],
+        return build_plan(self._full(), self.engine_layouts[engine],
                           wire_dtype=self.wire_dtype, raw=self.raw_dtypes)

@@ -74,7 +74,7 @@ class WeightService:
 
     def connect(self, req: ConnectRequest) -> dict[str, Any]:
         fingerprints = check_connect(req, self.worker.spec, self.worker.tp, self.worker.dtype, self.worker.ep,
-                                     staging=self.worker.receiver.unpushable)
+                                     staging=self.worker.receiver.unpushable, quantization=self.worker.quantization)
         self.session.offer(req, fingerprints)
         return {"ok": True, "fingerprints": fingerprints}
 

@@ -53,8 +53,8 @@ class EngineWorker:
             self.destination = Quantized(self.destination, model.targets, model.quantization,
                                          dtype=model.dtype, device=model.device)
         self.staging: Staged | None = self.destination.staged()
-        self.receiver = Receiver(model.spec, rank, tp, self.destination,
-                                 dtype=model.dtype, device=model.device, secret=secret, ep=model.ep)
+        self.receiver = Receiver(model.spec, rank, tp, self.destination, dtype=model.dtype, device=model.device,
+                                 secret=secret, ep=model.ep, quantization=self.quantization)
         self.seqs: dict[int, Decoding] = {}  # sequences being generated, by the dispatcher's id
         self.notify: Notify | None = None  # where a staged receive reports (set by the host)
         self._stage: threading.Thread | None = None

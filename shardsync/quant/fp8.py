@@ -48,6 +48,14 @@ class Fp8Format:
         """Rows and columns of one block for a weight of ``shape`` (``[..., N, K]``)."""
         return (1, shape[-1]) if self.block is None else self.block
 
+    def whole_blocks(self, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+        """Whether the box ``offsets/sizes`` of a ``shape`` matrix is whole blocks (a partial
+        block only where the matrix ends): then its quantization is the slice of the matrix's."""
+        if len(shape) != 2:
+            return False
+        return all(not (o % b or (s % b and o + s != n))
+                   for o, s, n, b in zip(offsets, sizes, shape, self.blocks(shape), strict=True))
+
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The scale tensor's shape for a weight of ``shape``: ``[..., ceil(N/bm), ceil(K/bn)]``."""
         if len(shape) < 2:

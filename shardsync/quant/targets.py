@@ -5,13 +5,17 @@ the embedding, the LM head, norms and the MoE router stay in the model dtype.  E
 weight ``x`` gains ``x + fmt.scale_suffix`` (``qkv_proj.weight_scale_inv``,
 ``experts.w13_weight_scale_inv``), float32.  A shard quantizes to the slice of the full
 tensor's quantization only when every piece it holds is whole blocks: ``quantized`` refuses
-shapes where a block would mix two logical tensors (SGLang refuses the same at load).
+shapes where a block would mix two logical tensors (SGLang refuses the same at load), or
+where a block of the shard is not a block of the checkpoint's grid.  Per-channel scales are
+per row of the shard (what an engine quantizing its own shard online computes): a column
+shard of a row-parallel layer has its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Piece, RankLayout
 from shardsync.quant.fp8 import Fp8Format
 from shardsync.spec import ModelSpec
@@ -46,6 +50,7 @@ def quantized(rank: RankLayout, spec: ModelSpec, fmt: Fp8Format) -> dict[str, Ta
     """This engine rank's quantized tensors by name (layout order).  ValueError when a piece
     of one is not whole blocks (the shard would not be the full tensor's blocks)."""
     check_family(spec)
+    logical = logical_tensors(spec)
     pieces: dict[str, list[Piece]] = {}
     for p in rank.pieces:
         pieces.setdefault(p.local, []).append(p)
@@ -53,14 +58,16 @@ def quantized(rank: RankLayout, spec: ModelSpec, fmt: Fp8Format) -> dict[str, Ta
     for meta in rank.tensors:
         if not meta.name.endswith(QUANTIZED):
             continue
-        bm, bn = fmt.blocks(meta.shape)
         rows, cols = meta.shape[-2:]
         for p in pieces.get(meta.name, ()):
             (r0, c0), (nr, nc) = p.local_offsets[-2:], p.sizes[-2:]
-            if (r0 % bm or (nr % bm and r0 + nr != rows)) or (c0 % bn or (nc % bn and c0 + nc != cols)):
+            if not (fmt.whole_blocks(p.local_offsets, p.sizes, meta.shape)
+                    and (fmt.block is None or fmt.whole_blocks(p.offsets, p.sizes, logical[p.logical]))):
+                bm, bn = fmt.blocks(logical[p.logical])
                 raise ValueError(
-                    f"{meta.name} [{rows}, {cols}] holds {p.logical} rows {r0}:{r0 + nr}, columns {c0}:{c0 + nc}: "
-                    f"not whole {bm} x {bn} blocks, so its FP8 scales would mix tensors (SGLang refuses the same "
-                    "shapes); pick an engine TP whose shards are multiples of the block, or another format")
+                    f"{meta.name} [{rows}, {cols}] holds {p.logical} rows {p.offsets[0]}:{p.offsets[0] + nr}, "
+                    f"columns {p.offsets[1]}:{p.offsets[1] + nc} at rows {r0}, columns {c0}: not whole "
+                    f"{bm} x {bn} blocks of both, so its FP8 scales would not be the checkpoint's (SGLang refuses "
+                    "the same shapes); pick an engine TP whose shards are multiples of the block, or another format")
         out[meta.name] = Target(meta.name, meta.stored, meta.name + fmt.scale_suffix, fmt.scale_shape(meta.stored))
     return out

@@ -53,8 +53,9 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
     })
 
 
-def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
-    """The topology a connect request describes, with this engine's wire dtype."""
+def topology_from_connect(req: ConnectRequest, dtype: str, quantization: str | None = None) -> Topology:
+    """The topology a connect request describes, with this engine's wire dtype and quantization
+    (an FP8 engine's plans carry its weights quantized: ``quant.wire``)."""
     spec = spec_from_dict(req.spec).replace(dtype=dtype)
     t = req.trainer.model_dump()
     kind, shard, replicate = t.pop("kind"), t.pop("shard"), t.pop("replicate")
@@ -76,7 +77,7 @@ def topology_from_connect(req: ConnectRequest, dtype: str) -> Topology:
         raise ValueError(f"engine_variants names {len(variants)} engines, engines {len(req.engines)}")
     engines = tuple(EngineParallel(tp=tp, ep=ep, pp=pp, dtype=dtype, whole=w, variants=frozenset(v))
                     for tp, ep, pp, w, v in zip(req.engines, eps, pps, whole, variants, strict=True))
-    return Topology(spec, trainer, engines, relay=req.relay)
+    return Topology(spec, trainer, engines, quantization=quantization, relay=req.relay)
 
 
 PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engine receives into {where}: "
@@ -86,11 +87,12 @@ PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engi
 
 def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1,
                   pp: int = 1, *, staging: str | None = None,
-                  variants: frozenset[str] = frozenset()) -> dict[str, str]:
+                  variants: frozenset[str] = frozenset(), quantization: str | None = None) -> dict[str, str]:
     """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
     differs when trainer and engine disagree (nothing is joined or changed).  ``staging``:
     where this engine receives, unless it stages whole shards (what a push needs); ``variants``:
-    this engine's layout variants, which the plan must have been made for."""
+    this engine's layout variants, which the plan must have been made for; ``quantization``: the
+    FP8 format it serves."""
     if req.protocol != PROTOCOL_VERSION:
         raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
     if req.ipc is Ipc.PUSH and staging is not None:
@@ -103,7 +105,7 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
         raise Conflict(f"trainer model {theirs.name} differs from this engine's {spec.name}: sync "
                        "needs identical architectures")
     try:
-        topo = topology_from_connect(req, dtype)
+        topo = topology_from_connect(req, dtype, quantization)
     except (TypeError, ValueError) as e:
         raise Invalid(f"cannot build the sync topology: {e}") from None
     declared = req.engines[req.engine_index] if req.engine_index < len(req.engines) else None

@@ -67,6 +67,11 @@ class Destination:
             return None
         return f"{self.name} ({'a staging window' if staged is not None else 'no staging copy'})"
 
+    def bind(self, rank: RankLayout) -> None:
+        """A connection's layout of this rank (at join): the names and dtypes ``tensors()`` is
+        addressed by from now on.  Nothing to do where they never change."""
+        return None
+
     def stale(self) -> set[str]:
         """Engine tensors whose served state does not follow from what was received (their
         checksums then mismatch); empty where what is served is what was received."""

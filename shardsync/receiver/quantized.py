@@ -1,5 +1,7 @@
-"""An FP8 engine's receive: the trainer's bytes land in a model-dtype copy of this rank's
-quantized weights, and the rank quantizes its own shard (``quant.fp8``) into what it serves.
+"""An FP8 engine's receive.  Weights the plans carry quantized (``quant.wire``: their blocks lie
+in one trainer shard) land as e4m3 words and scales straight in the served tensors (or their
+staging).  The others land in a model-dtype copy of them, and the rank quantizes its own shard
+(``quant.fp8``) into what it serves.
 
 The copy is the engine's shard of the trainer's weights, kept across updates (a delta
 applies to it); ``received`` quantizes it right after a receive, off the engine's pause,
@@ -16,15 +18,17 @@ from collections.abc import Mapping
 
 import torch
 
+from shardsync.layout.piece import RankLayout
 from shardsync.quant.fp8 import Fp8Format, quantize
 from shardsync.quant.targets import Target
+from shardsync.quant.wire import WORD
 from shardsync.receiver.destination import Destination, Staged
 
 
 class Quantized(Destination):
     """``inner`` holds the engine's served tensors (FP8 weights, their scales, the rest);
-    ``targets`` the quantized ones (``quant.quantized``).  Memory: one model-dtype copy of the
-    rank's quantized weights."""
+    ``targets`` the quantized ones (``quant.quantized``).  Memory: a model-dtype copy of the
+    rank's quantized weights that arrive wide (all of them until a connection ``bind``s)."""
 
     name = "quantized"
 
@@ -34,11 +38,32 @@ class Quantized(Destination):
         if staged is not None and not staged.whole:
             raise ValueError("an FP8 engine stages whole shards or receives in place; a staging window "
                              "(--staging-bytes below one shard) is not supported with quantization")
-        self.inner, self.targets, self.fmt = inner, dict(targets), fmt
-        self._wide = {n: torch.zeros(t.shape, dtype=dtype, device=device) for n, t in self.targets.items()}
-        self._scales = {t.scale for t in self.targets.values()}
+        self.inner, self.all, self.fmt = inner, dict(targets), fmt
+        self.dtype, self.device = dtype, device
+        self.direct: frozenset[str] = frozenset()  # targets whose e4m3 words and scales are received
+        self._wide: dict[str, torch.Tensor] = {}
         # inner mapping id -> (that mapping, kept so its id stays its own; the joined view)
         self._joined: dict[int, tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self._arrange(frozenset())
+
+    def _arrange(self, direct: frozenset[str]) -> None:
+        """Targets in ``direct`` are received quantized; a wide copy is kept of the others."""
+        self.direct = direct
+        self.targets = {n: t for n, t in self.all.items() if n not in direct}
+        self._scales = {t.scale for t in self.targets.values()}  # hidden: derived here
+        self._wide = {n: self._wide[n] if n in self._wide else torch.zeros(t.shape, dtype=self.dtype,
+                                                                           device=self.device)
+                      for n, t in self.targets.items()}
+        self._joined.clear()
+
+    def bind(self, rank: RankLayout) -> None:
+        self._arrange(frozenset(t.name for t in rank.tensors if t.name in self.all and t.dtype == WORD))
+        self.inner.bind(rank)
+
+    def _view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in self.direct:
+            return t.view(torch.int32)
+        return self._wide.get(name, t)
 
     def _join(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``inner`` with the wide copies in place of the FP8 weights and without the scales:
@@ -48,7 +73,7 @@ class Quantized(Destination):
         if hit is None or hit[0] is not inner:
             if len(self._joined) >= 2:
                 self._joined.pop(next(iter(self._joined)))
-            hit = (inner, {n: self._wide.get(n, t) for n, t in inner.items() if n not in self._scales})
+            hit = (inner, {n: self._view(n, t) for n, t in inner.items() if n not in self._scales})
             self._joined[id(inner)] = hit
         return hit[1]
 
@@ -56,7 +81,7 @@ class Quantized(Destination):
         return self._join(self.inner.tensors())
 
     def served(self) -> Mapping[str, torch.Tensor]:
-        return {n: self._wide.get(n, t) for n, t in self.inner.served().items() if n not in self._scales}
+        return {n: self._view(n, t) for n, t in self.inner.served().items() if n not in self._scales}
 
     @torch.no_grad()
     def received(self) -> int:

@@ -56,9 +56,10 @@ class Receiver:
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu", secret: str,
                  whole: bool = False, ep: int = 1, pp_rank: int = 0, pp: int = 1,
-                 variants: frozenset[str] = frozenset()) -> None:
+                 variants: frozenset[str] = frozenset(), quantization: str | None = None) -> None:
         self.spec, self.tp_rank, self.tp_size, self.whole, self.ep = spec, tp_rank, tp_size, whole, ep
         self.pp_rank, self.pp = pp_rank, pp
+        self.quantization = quantization  # the FP8 format served: plans carry those weights quantized
         self.index = pp_rank * tp_size + tp_rank  # this rank among the engine's (stage-major)
         self.destination = destination
         self._secret = secret  # the trainer signs the store values this rank acts on
@@ -101,12 +102,31 @@ class Receiver:
         """Join the sync group ``req`` names (blocks, bounded, until every member is in);
         returns this rank's sync rank.  A join that fails leaves the current connection as
         it was and releases what it built."""
-        topo = topology_from_connect(req, self.dtype_name)
-        self.check_dtypes = topo.check_dtypes  # the tensors checked in their own (or the engine's) dtype
+        topo = topology_from_connect(req, self.dtype_name, self.quantization)
         if topo.engines[req.engine_index].whole != self.whole:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
                              f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")
         me = topo.trainer.world_size + topo.engine_rank_offset(req.engine_index) + self.index
+        before = self.layout, self.rank_layout, self.check_dtypes
+        try:
+            return self._join(req, topo, me)
+        except Exception:
+            self._bind(*before)
+            raise
+
+    def _bind(self, layout: Layout, rank_layout: RankLayout, check_dtypes: dict[str, str]) -> None:
+        """Address the destination as a connection's layout does (an FP8 engine's tensors hold
+        e4m3 words where its plans carry them quantized)."""
+        self.layout, self.rank_layout, self.check_dtypes = layout, rank_layout, check_dtypes
+        self._meta = {t.name: t for t in rank_layout.tensors}
+        self._views.clear()
+        self._disk = DiskApply(rank_layout)
+        self.destination.bind(rank_layout)
+
+    def _join(self, req: ConnectRequest, topo, me: int) -> int:
+        lay = topo.engine_layouts[req.engine_index]
+        # the tensors checked in their own (or the engine's) dtype
+        self._bind(lay, lay.ranks[self.index], topo.check_dtypes)
         # the paths this connection compiles, derived as the trainer derived them
         modes = connection_modes(Mode.P2P if Mode.P2P.value in req.fingerprints else Mode.BROADCAST, req.delta)
         full = [m for m in modes if not m.is_delta]

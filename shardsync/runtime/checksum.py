@@ -16,7 +16,7 @@ from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import RankLayout
 
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF),
-         torch.float16: (torch.int16, 0xFFFF)}
+         torch.float16: (torch.int16, 0xFFFF), torch.int32: (torch.int32, 0xFFFFFFFF)}  # int32: FP8 words
 _M = 0xFFFFFFFF
 
 BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]

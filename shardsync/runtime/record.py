@@ -41,6 +41,7 @@ class UpdateRecord:
     source: str = "device"  # where the trainer's weights were read from: device | host | host-pinned
     unsent_bytes: int = 0  # the trainer's tensors no engine holds (MTP layers), at the wire dtype: not moved
     started_at: float = 0.0  # wall-clock seconds when the update began (steps' times are wall-clock too)
+    quantized_changed: int = 0  # FP8 engines: this rank's e4m3 bytes and scales that changed since its last send
 
     @property
     def total_s(self) -> float:
@@ -127,6 +128,7 @@ class _Common(TypedDict):
     phases: dict[str, float]
     unsent_bytes: int
     started_at: float
+    quantized_changed: int
 
 
 def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None,
@@ -134,16 +136,18 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
                 detail: bool, fallback_reason: str | None, buckets: int, source: str = "device",
                 started_at: float = 0.0) -> UpdateRecord:
     """A trainer rank's record of one update: its own ``Stats``, the engines' results, and the
-    control times around them.  ``unpack`` is the slowest engine's."""
+    control times around them.  ``unpack`` and ``derive`` are the slowest engine's; ``quantize``
+    this rank's (an FP8 engine's weights quantized before the send: ``quant.source``)."""
     stats = stats or Stats()
     unpack = max((e.unpack_s for e in engines), default=0.0)
     derive = max((e.derive_s for e in engines), default=0.0)
     phases = {"plan": times["plan"], "pack": stats.pack_s, "transfer": stats.transfer_s, "unpack": unpack,
-              "derive": derive,
+              "derive": derive, "quantize": stats.derive_s,
               **{k: v for k, v in times.items() if k != "plan"}}
     common = _Common(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
                      bytes_sent=stats.bytes_sent, engines=list(engines), phases=phases,
-                     unsent_bytes=topo.unsent_bytes, started_at=started_at)
+                     unsent_bytes=topo.unsent_bytes, started_at=started_at,
+                     quantized_changed=stats.derived_changed)
     if mode.is_delta:
         delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),
                  "engine_changed": sum(e.changed for e in engines),

@@ -29,8 +29,8 @@ class StepTiming:
 class Stats:
     """Seconds and bytes of one rank's update.  ``pack`` is packing or delta encoding,
     ``unpack`` unpacking or delta apply; ``derive`` what a receiver derives from the received
-    weights before they are served (an FP8 engine quantizes); ``changed`` and ``elements`` count
-    delta elements."""
+    weights before they are served (an FP8 engine quantizes; on a trainer rank: what it quantizes
+    before the send); ``changed`` and ``elements`` count delta elements."""
 
     pack_s: float = 0.0
     transfer_s: float = 0.0

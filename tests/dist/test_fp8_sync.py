@@ -1,24 +1,30 @@
-"""FP8 engines as a library (``receiver/quantized.py``): trainer ranks and engine ranks in one
-spawned gloo world, each engine rank holding e4m3 weights and scales (SGLang's names) in place
-or staged.  After every p2p and broadcast update its FP8 bytes and scales equal the quantizer
-applied to its shard of the trainer's weights (the shard is whole blocks: the slice of the
-whole tensor's quantization, ``tests/unit/test_quant_fp8.py``), the rest equals the trainer's
-bits, and a corrupted scale shows in the checksums."""
+"""FP8 engines as a library (``quant/wire.py``, ``quant/source.py``, ``receiver/quantized.py``):
+trainer ranks and engine ranks in one spawned gloo world, each engine rank holding e4m3 weights
+and scales (SGLang's names) in place or staged.  The trainer quantizes the weights whose blocks
+it holds whole and sends e4m3 words and scales; the others (a trainer shard that cuts blocks)
+arrive wide and the engine quantizes them.  After every p2p and broadcast update the engine's
+FP8 bytes and scales equal the quantizer applied to its shard of the trainer's weights (the shard
+is whole blocks: the slice of the whole tensor's quantization, ``tests/unit/test_quant_fp8.py``),
+the rest equals the trainer's bits, the checksums agree, and a corrupted scale shows in them."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from shardsync.dtypes import torch_dtype
-from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.layout import EngineParallel, MegatronParallel, engine_layout
 from shardsync.mode import Mode
 from shardsync.models.weights import load_rank, random_source
 from shardsync.paths import Endpoint, UpdateArgs, compile_path
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format, quantize, quantized
 from shardsync.receiver import Params, Receiver, Staged, connect_request
+from shardsync.quant.source import SourceQuantizer
 from shardsync.receiver.quantized import Quantized
+from shardsync.runtime.checksum import combine, compare, piece_checksums
 from shardsync.runtime.schedule import subgroups
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.topology import Topology
@@ -29,8 +35,14 @@ SECRET = "a-test-secret-0123456789"
 FMT = fp8_format("fp8")
 
 
+# 6 query heads and 2 KV heads of 64: a TP 2 trainer holds 192 query and 64 key rows, cutting
+# 128-row blocks, so the fused QKV and o_proj arrive wide; the MLP goes quantized
+STRADDLE = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6,
+                                              num_kv_heads=2)
+
+
 def _topology(model: str, trainer_tp: int, engine_tp: int, engine_ep: int) -> Topology:
-    spec = PRESETS[model]
+    spec = STRADDLE if model == STRADDLE.name else PRESETS[model]
     trainer = MegatronParallel(tp=trainer_tp, ep=engine_ep if spec.is_moe and trainer_tp > 1 else 1,
                                etp=1 if spec.is_moe and trainer_tp > 1 else None)
     return Topology(spec, trainer, (EngineParallel(tp=engine_tp, ep=engine_ep, dtype=spec.dtype),),
@@ -47,18 +59,25 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
     if rank < trainer_tp:
         store = open_store(rdv, is_master=rank == 0)
         group = SyncGroup(rdv, rank, subgroups(topo), secret=SECRET, store=store)
-        params = load_rank(topo.trainer_layout, rank, random_source(spec, seed=1))
-        ep = Endpoint(topo, rank, group, 64 * 1024, tensors=params, secret=SECRET)
+        params = load_rank(topo.trainer_base, rank, random_source(spec, seed=1))
+        assert topo.fp8 is not None
+        source = SourceQuantizer(topo.derived(rank), params, topo.fp8.fmt)  # as WeightSync does
+        ep = Endpoint(topo, rank, group, 64 * 1024, tensors=source.tensors, secret=SECRET)
         programs = {m: compile_path(m, ep) for m in modes}
+        sums = {}
         for step, mode in enumerate(modes, start=1):
-            for k, v in load_rank(topo.trainer_layout, rank, random_source(spec, seed=10 + step)).items():
+            for k, v in load_rank(topo.trainer_base, rank, random_source(spec, seed=10 + step)).items():
                 params[k].copy_(v)
-            programs[mode].run(params, UpdateArgs(version=step))
+            assert source.refresh()[1] > 0  # new weights: new FP8 bytes
+            programs[mode].run(source.tensors, UpdateArgs(version=step))
+            lay = topo.trainer_layout
+            sums[mode.value] = piece_checksums(lay.ranks[rank], source.tensors, lay.logical, torch_dtype(spec.dtype),
+                                               topo.check_dtypes)
         group.close()
-        out.put((rank, {}))
+        out.put((rank, {"sums": sums, "derived": len(topo.derived(rank))}))
         return
     tp_rank = rank - trainer_tp
-    layout = topo.engine_layouts[0]
+    layout = engine_layout(spec, topo.engines[0])  # the engine's own tensors, as it serves them
     rl = layout.ranks[tp_rank]
     targets = quantized(rl, spec, FMT)
     dtype = torch_dtype(spec.dtype)
@@ -72,7 +91,8 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
             live[target.scale] = torch.zeros(target.scale_shape)
     inner = Staged(live) if staged else Params(live)
     dest = Quantized(inner, targets, FMT, dtype=dtype)
-    receiver = Receiver(spec, tp_rank, engine_tp, dest, dtype=dtype, secret=SECRET, ep=engine_ep)
+    receiver = Receiver(spec, tp_rank, engine_tp, dest, dtype=dtype, secret=SECRET, ep=engine_ep,
+                        quantization=FMT.name)
     fps = {m: topo.fingerprint(m) for m in ("p2p", "broadcast")}
     req = connect_request(topo, 0, fps, rdv, bucket_bytes=64 * 1024, credits=2, ipc=None, control="store")
     receiver.join(req)
@@ -89,12 +109,13 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
                 bad.append(name)
         bad += [n for n in expect if n not in targets and not torch.equal(served[n].view(expect[n].shape), expect[n])]
         results[mode.value] = {"bad": bad, "bytes": stats.bytes_received, "fp8": len(targets),
-                               "derived": stats.derived_changed, "derive_s": stats.derive_s}
+                               "derived": stats.derived_changed, "derive_s": stats.derive_s,
+                               "sums": receiver.checksums()}
+    results["direct"], results["wide"] = sorted(dest.direct), sorted(dest.targets)
     results["clean"] = [k for k, v in receiver.checksums().items() if v < 0]
     name, target = next(iter(targets.items()))
     inner.served()[target.scale].mul_(2)  # a stale scale
-    results["stale"] = sorted({k[0] for k, v in receiver.checksums().items() if v < 0})
-    results["stale_expected"] = sorted({p.logical for p in rl.pieces if p.local == name})
+    results["stale"] = receiver.checksums()
     receiver.leave()
     out.put((rank, results))
 
@@ -104,6 +125,7 @@ CASES = [  # model, trainer TP, engine TP, engine EP, staged
     ("tiny-qwen3-fp8", 2, 1, 1, True),
     ("tiny-qwen3-moe-fp8", 2, 2, 2, True),
     ("tiny-qwen3-moe-fp8", 2, 4, 1, False),
+    (STRADDLE.name, 2, 1, 1, False),
 ]
 
 
@@ -112,11 +134,28 @@ def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
     trainer_tp, engine_tp = case[1], case[2]
     world = trainer_tp + engine_tp
     results = run_world(_world, world, args=(world, free_port(), case), timeout=240)
-    for rank in range(trainer_tp, world):
-        res = results[rank]
+    topo = _topology(*case[:4])
+    wide_topo = dataclasses.replace(topo, quantization=None)
+    straddles = case[0] == STRADDLE.name
+    engines = [results[r] for r in range(trainer_tp, world)]
+    for mode in ("p2p", "broadcast"):
+        expected = combine(results[r]["sums"][mode] for r in range(trainer_tp))
+        assert compare(expected, combine(res[mode]["sums"] for res in engines)) == [], mode
+    for i, res in enumerate(engines):
         for mode in ("p2p", "broadcast"):
-            assert res[mode]["bad"] == [] and res[mode]["fp8"] > 0, (rank, mode, res[mode]["bad"][:4])
-            assert res[mode]["derived"] > 0 and res[mode]["derive_s"] > 0  # new weights: new FP8 bytes
+            assert res[mode]["bad"] == [] and res[mode]["fp8"] > 0, (i, mode, res[mode]["bad"][:4])
+            # only the wide weights are quantized on the engine (all new: new FP8 bytes)
+            assert (res[mode]["derived"] > 0 and res[mode]["derive_s"] > 0) == straddles
         assert res["broadcast"]["bytes"] > res["p2p"]["bytes"] or engine_tp == 1
+        wide_bytes = wide_topo.p2p_plan.bytes_per_dst()[i]
+        assert res["p2p"]["bytes"] < (wide_bytes if straddles else 0.6 * wide_bytes), (res["p2p"]["bytes"], wide_bytes)
+        assert all(n.rsplit(".", 2)[-2] in ("gate_up_proj", "down_proj") for n in res["direct"]) is straddles
+        if straddles:
+            assert sorted(n.rsplit(".", 2)[-2] for n in res["wide"]) == sorted(["o_proj", "qkv_proj"] * STRADDLE.num_layers)
+        else:
+            assert res["wide"] == []
         assert res["clean"] == []
-        assert res["stale"] == res["stale_expected"] and len(res["stale"]) == 3, res["stale"]  # q, k, v
+        # a doubled scale: the scales' checksums where they travel, the weights' where derived
+        stale = compare(expected, combine(r["stale"] for r in engines))
+        kind = "weight" if straddles else "weight_scale_inv"
+        assert sorted(n.rsplit(".", 2)[-2:] for n in stale) == [[x, kind] for x in ("k_proj", "q_proj", "v_proj")], stale

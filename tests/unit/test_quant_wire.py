@@ -1,0 +1,98 @@
+"""FP8 on the wire (``quant/wire.py``): which weights a topology sends quantized, and the plans
+that carry them: every engine FP8 tensor and scale covered exactly once (``build_plan`` proves
+coverage), <= 0.55x of a bf16 engine's bytes, straddling weights and their neighbours wide."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from shardsync.layout import EngineParallel, MegatronParallel
+from shardsync.layout.fsdp2 import Fsdp2Parallel
+from shardsync.presets import PRESETS
+from shardsync.quant.wire import DERIVED, PER_WORD, WORD
+from shardsync.topology import Topology
+
+DENSE, MOE = PRESETS["tiny-qwen3-fp8"], PRESETS["tiny-qwen3-moe-fp8"]
+TRAINERS = {
+    "tp1": MegatronParallel(tp=1),
+    "tp2": MegatronParallel(tp=2),
+    "tp2ep2": MegatronParallel(tp=2, ep=2, etp=1),
+    "fsdp2": Fsdp2Parallel(shard=2),
+}
+ENGINES = {"tp1": EngineParallel(tp=1), "tp2": EngineParallel(tp=2), "tp4": EngineParallel(tp=4),
+           "tp2ep2": EngineParallel(tp=2, ep=2)}
+
+
+def _topo(spec, trainer, engine, fmt: str | None = "fp8") -> Topology:
+    return Topology(spec, trainer, (dataclasses.replace(engine, dtype=spec.dtype),), quantization=fmt)
+
+
+def _targets(topo: Topology) -> set[str]:
+    """The logical weights in the engine's FP8 tensors (its own layout)."""
+    from shardsync.quant.targets import QUANTIZED
+    return {p.logical for r in topo.engine_bases[0].ranks for p in r.pieces if p.local.endswith(QUANTIZED)}
+
+
+# expert parallelism only where there are experts
+CASES = [(spec, t, e) for spec in (DENSE, MOE) for t in TRAINERS for e in ENGINES
+         if spec.is_moe or "ep" not in t + e]
+
+
+@pytest.mark.parametrize(("spec", "trainer", "engine"), CASES, ids=lambda x: getattr(x, "name", x))
+def test_whole_block_shards_send_every_weight_quantized_at_half_the_bytes(spec, trainer, engine) -> None:
+    topo = _topo(spec, TRAINERS[trainer], ENGINES[engine])
+    wide = _topo(spec, TRAINERS[trainer], ENGINES[engine], None)
+    assert topo.fp8 is not None and topo.fp8.sent == _targets(topo)
+    for mode in ("p2p", "broadcast"):
+        plan, bf16 = (topo.p2p_plan, wide.p2p_plan) if mode == "p2p" else (topo.broadcast_plan, wide.broadcast_plan)
+        assert plan.total_bytes <= 0.55 * bf16.total_bytes, (mode, plan.total_bytes / bf16.total_bytes)
+    # every engine FP8 tensor holds e4m3 words whole, and its scale tensor is covered exactly once
+    for rank in topo.engine_layouts[0].ranks:
+        held = {t.name: t for t in rank.tensors}
+        for t in rank.tensors:
+            if t.dtype != WORD:
+                continue
+            scale = held[t.name + "_scale_inv"]
+            for meta in (t, scale):
+                assert sum(p.numel for p in rank.pieces if p.local == meta.name) == meta.numel, meta.name
+            assert scale.stored[-1] == math.ceil(t.stored[-1] * PER_WORD / 128)
+    # each trainer rank quantizes its regions; Megatron's interleaved QKV is assembled from parts
+    derived = [d for r in range(topo.trainer.world_size) for d in topo.derived(r)]
+    assert {d.logical for d in derived} == topo.fp8.sent
+    assert all(d.words == DERIVED + d.logical for d in derived)
+    if trainer == "tp2":
+        assert any(len(d.parts) > 1 for d in derived if d.logical.endswith("q_proj.weight"))
+
+
+def test_a_shard_that_cuts_blocks_moves_its_engine_tensor_wide() -> None:
+    # 6 query heads and 2 KV heads of 64 at trainer TP 2: 192 query and 64 key rows per rank
+    spec = DENSE.replace(name="tiny-straddle", num_heads=6, num_kv_heads=2)
+    topo = _topo(spec, MegatronParallel(tp=2), EngineParallel(tp=1))
+    assert topo.fp8 is not None
+    kinds = {n.rsplit(".", 2)[-2] for n in topo.fp8.sent}
+    assert kinds == {"gate_proj", "up_proj", "down_proj"}  # q, k, v, o wide; v rides with q and k
+    lay = topo.engine_layouts[0].ranks[0]
+    assert lay.tensor("model.layers.0.self_attn.qkv_proj.weight").dtype == spec.dtype
+    assert lay.tensor("model.layers.0.mlp.gate_up_proj.weight").dtype == WORD
+    topo.p2p_plan, topo.broadcast_plan  # noqa: B018  (the mixed plans build: coverage proven)
+    # the same shapes from a TP 1 trainer: every block whole
+    assert topo.fp8.sent < _topo(spec, MegatronParallel(tp=1), EngineParallel(tp=1)).fp8.sent  # type: ignore[union-attr]
+
+
+def test_per_channel_scales_of_a_column_shard_are_its_own() -> None:
+    topo = _topo(DENSE, MegatronParallel(tp=1), EngineParallel(tp=2), "fp8-channel")
+    assert topo.fp8 is not None
+    kinds = {n.rsplit(".", 2)[-2] for n in topo.fp8.sent}
+    assert kinds == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # row-parallel o/down: wide
+    scale = topo.engine_layouts[0].ranks[0].tensor("model.layers.0.self_attn.qkv_proj.weight_scale")
+    assert scale.shape[-1] == 1
+
+
+def test_unquantized_and_engine_quantizing_topologies_plan_as_before() -> None:
+    plain = _topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2), None)
+    assert plain.fp8 is None and plain.trainer_layout is plain.trainer_base
+    hosted = dataclasses.replace(_topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2)), engine_kind="sglang")
+    assert hosted.fp8 is None  # an engine without shardsync's receiver loads whole tensors
