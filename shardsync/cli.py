@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-dtype", default=None, help="engine weights dtype; None: the model's (delta: bfloat16)")
     p.add_argument("--engine-quantization", default=None, choices=sorted(FORMATS),
                    help="reference engines serve FP8 weights in this format (fp8: 128 x 128 blocks, float32 "
-                        "scales) and quantize what each sync delivers; the table's |lp diff| is then the "
+                        "scales; the trainer quantizes what it sends); the table's |lp diff| is then the "
                         "trainer/FP8-engine gap (a model whose engine shards are whole blocks: tiny-qwen3-fp8)"),
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size in MiB")
     p.add_argument("--lr", type=float, default=None, help="learning rate; None: 1e-2 (1e-5 with --mode delta)")

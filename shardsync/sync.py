@@ -316,7 +316,7 @@ class WeightSync:
         t3 = time.perf_counter()
         error = "; ".join(e for e in (error, done.error) if e) or None  # ours, and what the engines saw
         record = make_record(version, path, error, stats, done.engines,
-                             {"plan": self.plan_s, "control": (t1 - t0) + (t3 - t2), "total": t3 - t0},
+                             {"plan": self.plan_s, "control": (t1 - t0 - derive_s) + (t3 - t2), "total": t3 - t0},
                              rank=self.rank, topo=conn.topo, detail=self.config.detail,
                              fallback_reason=conn.fallback_reason if path is Mode.BROADCAST else None,
                              buckets=self.programs[path].buckets, source=self.source, started_at=started_at)

@@ -139,7 +139,7 @@ def extra_cases() -> list[Case]:
         Case(**base, engine_kind="tensorrt-llm", note="unknown engine kind"),
         Case(**base, engine_pp=2, note="engine runs PP 2"),
         Case(**base, engine_kind="sglang", engine_stages=2, note="SGLang PP 2: each stage's ranks get its layers"),
-        Case(**base, quantization="fp8", note="FP8 engine: its receiver quantizes its shard"),
+        Case(**base, quantization="fp8", note="FP8 engine: the trainer sends e4m3 bytes and scales"),
         Case(**base, engine_kind="sglang", quantization="fp8",
              note="SGLang FP8 (its host refuses a quantized model so far)"),
         Case(**base, quantization="fp8-per-tensor", note="one scale per tensor: the loader quantizes it whole"),

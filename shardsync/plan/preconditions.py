@@ -51,8 +51,9 @@ PRECONDITIONS: tuple[Precondition, ...] = (
     Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1), except those "
                  "whose stages are planned per rank (SGLang)",
                  lambda t: t.engine_pp == 1),
-    Precondition("quantization", "engines hold unquantized weights, or FP8 their receiver quantizes from its "
-                 f"shard (engine kinds {sorted(RECEIVER_QUANTIZES)}, formats {sorted(FORMATS)}); other "
+    Precondition("quantization", "engines hold unquantized weights, or FP8 with shardsync's receiver (the trainer "
+                 "quantizes the blocks it holds whole, the receiver what arrives wide; "
+                 f"engine kinds {sorted(RECEIVER_QUANTIZES)}, formats {sorted(FORMATS)}); other "
                  "quantized engines take whole tensors through their own loader",
                  lambda t: receiver_quantizes(t.engine_kind, t.quantization)),
     Precondition("vllm_vocab_split", "for vLLM, the 64-padded vocab divides by every engine TP",

@@ -2,8 +2,9 @@
 (``control.connect.decide``) and by the p2p preconditions.
 
 - unquantized: every path;
-- an FP8 format of ``fp8.FORMATS`` on an engine whose receiver quantizes its own shard
-  (``RECEIVER_QUANTIZES``): every path, the wire carrying the model dtype;
+- an FP8 format of ``fp8.FORMATS`` on an engine with shardsync's receiver
+  (``RECEIVER_QUANTIZES``): every path; the wire carries e4m3 bytes and scales the trainer
+  quantized (``quant.wire``), and the receiver quantizes what arrives wide;
 - another quantization the engine's loader applies to full-precision tensors (SGLang's or
   vLLM's online FP8): whole tensors through that loader (broadcast);
 - formats whose engines load only checkpoints quantized offline (INT4, MXFP4, NVFP4):
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from shardsync.quant.fp8 import FORMATS
 
-RECEIVER_QUANTIZES = frozenset({"reference"})  # engine kinds whose receiver quantizes (receiver.quantized)
+RECEIVER_QUANTIZES = frozenset({"reference"})  # engine kinds whose receiver takes FP8 (receiver.quantized)
 
 _OFFLINE = ("its engine loads only weights quantized offline (packed low-bit integers or micro-scaled floats), "
             "which shardsync does not produce; serve the rollout engine in bf16 or FP8")
