@@ -130,6 +130,12 @@ _PRESET_LIST = [
     _preset("tiny-deepseek-v3-q-proj", "deepseek_v3", 256, 4, 8, 8, 48, 512, 1100, False, max_position_embeddings=2048,
             dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
             **_mla(None, 32, 32, 16, 32), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5)),
+    # FP8 engines: every MLA linear, expert and shared expert whole 128 x 128 blocks at engine TP 1/2 and EP 2
+    # (q_lora = kv_lora = 128, 8 heads of 64 + 64, experts of 256 rows)
+    _preset("tiny-deepseek-v3-fp8", "deepseek_v3", 256, 4, 8, 8, 128, 512, 1100, False, max_position_embeddings=2048,
+            dtype="bfloat16", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
+            **_mla(128, 128, 64, 64, 64, nextn=1),
+            **_sigmoid_moe(8, 2, 256, shared=1, dense=1, groups=(2, 1), scale=2.5)),
     _preset("tiny-glm4-moe-lite", "glm4_moe_lite", 256, 4, 8, 8, 64, 512, 1100, False, max_position_embeddings=2048,
             dtype="float32", **_mla(64, 32, 48, 16, 64), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, scale=1.8)),
     # DeepSeek sparse attention: MLA plus the lightning indexer.  GLM-5: zai-org/GLM-5's config (transformers'

@@ -186,7 +186,9 @@ class Row:
     layer prefix, how it is cut, when it exists, its dtype when not the model's, and the
     layout variants it exists in: only where ``variant`` is one of the layout's variant words,
     never where ``unless`` is (Megatron: ``fused`` is the TE layer spec, ``separate`` the
-    local spec; engines: ``ENGINE_VARIANTS`` in ``layout/engine.py``)."""
+    local spec; engines: ``ENGINE_VARIANTS`` in ``layout/engine.py``).  ``fp8``: an FP8 engine
+    holds the tensors this engine row cuts in e4m3 with block scales (``quant.targets``), as
+    the DeepSeek-V3 and Qwen3 FP8 checkpoints hold their linears."""
 
     name: str
     kind: Kind
@@ -194,6 +196,7 @@ class Row:
     dtype: str | None = None
     variant: str | None = None
     unless: str | tuple[str, ...] | None = None
+    fp8: bool = False
 
     def exists(self, spec: ModelSpec, variants: frozenset[str]) -> bool:
         unless = (self.unless,) if isinstance(self.unless, str) else self.unless or ()

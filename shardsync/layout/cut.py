@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardsync.family.table import Concat, Fused, Part, Row, Rows, Split, Whole, dims
 from shardsync.layout.piece import Box, Piece, Segment, TensorMeta, stacked, whole
@@ -20,9 +20,10 @@ class Local:
     shape: Box
     pieces: list[Piece]
     held: Box | None = None
+    fp8: bool = False  # its row's ``fp8``
 
     def meta(self, dtype: str) -> TensorMeta:
-        return TensorMeta(self.name, self.shape, dtype, self.held if self.held != self.shape else None)
+        return TensorMeta(self.name, self.shape, dtype, self.held if self.held != self.shape else None, fp8=self.fp8)
 
 
 @dataclass(frozen=True)
@@ -96,5 +97,5 @@ def cut_rows(rows: Iterable[Row], c: Cut, own: Own) -> list[tuple[Local, str | N
             made = [Local(name, (sum(s.length for s in segs), *cols), stacked(name, segs, c.logical, 0))]
         else:
             made = own(row, name, c)
-        out += [(m, row.dtype) for m in made]
+        out += [(replace(m, fp8=True) if row.fp8 else m, row.dtype) for m in made]
     return out

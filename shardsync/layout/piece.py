@@ -46,6 +46,7 @@ class TensorMeta:
     shape: Box
     dtype: str
     held: Box | None = None
+    fp8: bool = False  # an FP8 engine holds it in e4m3 with block scales (its row's ``Row.fp8``)
 
     @property
     def numel(self) -> int:

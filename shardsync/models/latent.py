@@ -80,7 +80,8 @@ class Baton:
 
 
 class LatentAttention(nn.Module):
-    """One engine rank's MLA heads.  ``leaf(name, attrs)`` makes the parameter holders.
+    """One engine rank's MLA heads.  ``leaf(name, attrs)`` makes the parameter holders (the
+    engine's, whose ``dense()`` is a weight as the math reads it: dequantized when held in FP8).
     Sparse attention: ``kind`` "dsa" runs this layer's indexer (SGLang's names, replicated) and
     passes its choice on through ``baton``; "dsa_shared" reuses the choice of the layer before."""
 
@@ -130,17 +131,17 @@ class LatentAttention(nn.Module):
         spec, eps = self.spec, self.spec.rms_norm_eps
         q_latent = x
         if spec.q_lora_rank is None:
-            q, kva = F.linear(x, self.q_proj.weight), F.linear(x, self.kv_a_proj_with_mqa.weight)
+            q, kva = F.linear(x, self.q_proj.dense()), F.linear(x, self.kv_a_proj_with_mqa.dense())
         else:
-            qa, kva = F.linear(x, self.fused_qkv_a_proj_with_mqa.weight).split(
+            qa, kva = F.linear(x, self.fused_qkv_a_proj_with_mqa.dense()).split(
                 [spec.q_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim], dim=-1)
             q_latent = rms_norm(qa, self.q_a_layernorm.weight, eps)
-            q = F.linear(q_latent, self.q_b_proj.weight)
+            q = F.linear(q_latent, self.q_b_proj.dense())
         latent, k_rope = kva.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
-        kv = F.linear(rms_norm(latent, self.kv_a_layernorm.weight, eps), self.kv_b_proj.weight)
+        kv = F.linear(rms_norm(latent, self.kv_a_layernorm.weight, eps), self.kv_b_proj.dense())
         chosen = self._choose(x, q_latent, cos, sin, cache, layer)
         out = latent_heads(spec, q, kv, k_rope, cos, sin, cache, layer, chosen)
-        return self.all_reduce(F.linear(out, self.o_proj.weight))
+        return self.all_reduce(F.linear(out, self.o_proj.dense()))
 
 
 class TrainerLatentAttention(nn.Module):

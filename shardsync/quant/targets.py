@@ -1,7 +1,9 @@
 """Which engine tensors an FP8 engine holds quantized, and their scale tensors.
 
 SGLang's and vLLM's ``Fp8Config`` quantize every parallel linear layer and the fused experts;
-the embedding, the LM head, norms and the MoE router stay in the model dtype.  Each quantized
+the embedding, the LM head, norms and the MoE router stay in the model dtype.  The family
+tables say which: an engine row with ``fp8=True`` (``family.table.Row``), read off the
+engine layout's ``TensorMeta.fp8``.  Each quantized
 weight ``x`` gains ``x + fmt.scale_suffix`` (``qkv_proj.weight_scale_inv``,
 ``experts.w13_weight_scale_inv``), float32.  A shard quantizes to the slice of the full
 tensor's quantization only when every piece it holds is whole blocks: ``quantized`` refuses
@@ -20,11 +22,9 @@ from shardsync.layout.piece import Piece, RankLayout
 from shardsync.quant.fp8 import Fp8Format
 from shardsync.spec import ModelSpec
 
-# engine-tensor name suffixes an FP8 engine quantizes (SGLang's names; the GQA families)
-QUANTIZED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
-             "experts.w13_weight", "experts.w2_weight")
-# the attention kinds whose every linear is in QUANTIZED (latent and linear attention hold others)
-COVERED_ATTENTION = frozenset({"gqa"})
+# the attention kinds whose engine rows carry every linear an FP8 checkpoint quantizes
+# (``Row.fp8``): grouped-query and latent; sparse and linear attention are refused by name so far
+COVERED_ATTENTION = frozenset({"gqa", "mla"})
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def quantized(rank: RankLayout, spec: ModelSpec, fmt: Fp8Format) -> dict[str, Ta
         pieces.setdefault(p.local, []).append(p)
     out: dict[str, Target] = {}
     for meta in rank.tensors:
-        if not meta.name.endswith(QUANTIZED):
+        if not meta.fp8:
             continue
         rows, cols = meta.shape[-2:]
         for p in pieces.get(meta.name, ()):

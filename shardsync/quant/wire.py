@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from shardsync.layout.piece import Box, Layout, Piece, RankLayout, TensorMeta, volume
 from shardsync.quant.fp8 import Fp8Format
-from shardsync.quant.targets import QUANTIZED
 
 WORD = "int32"  # e4m3 bytes travel as words of four: any wire dtype of 2 or 4 bytes moves them whole
 PER_WORD = 4
@@ -173,7 +172,7 @@ class Fp8Wire:
 
 def fp8_wire(trainer: Layout, engines: Sequence[Layout], fmt: Fp8Format) -> Fp8Wire:
     """Which weights can be sent quantized from ``trainer`` to ``engines`` (every engine tensor
-    of ``targets.QUANTIZED`` whose weights are whole blocks on both sides; see the module)."""
+    its rows hold in FP8 (``TensorMeta.fp8``) whose weights are whole blocks on both sides; see the module)."""
     logical = trainer.logical
     groups: list[frozenset[str]] = []
     bad: set[str] = set()
@@ -183,7 +182,7 @@ def fp8_wire(trainer: Layout, engines: Sequence[Layout], fmt: Fp8Format) -> Fp8W
             for p in rank.pieces:
                 by_local.setdefault(p.local, []).append(p)
             for t in rank.tensors:
-                if not t.name.endswith(QUANTIZED) or t.name not in by_local:
+                if not t.fp8 or t.name not in by_local:
                     continue
                 held = by_local[t.name]
                 groups.append(frozenset(p.logical for p in held))

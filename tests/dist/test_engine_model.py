@@ -297,18 +297,24 @@ def test_stop_tokens_and_edges():
     assert model.score([[5]]) == [[]]
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3-fp8", "tiny-qwen3-moe-fp8"])
+# each FP8 preset and its first attention projection (SGLang's name)
+FP8_MODELS = {"tiny-qwen3-fp8": "qkv_proj", "tiny-qwen3-moe-fp8": "qkv_proj",
+              "tiny-deepseek-v3-fp8": "fused_qkv_a_proj_with_mqa"}
+
+
+@pytest.mark.parametrize("model", FP8_MODELS)
 def test_fp8_engine_holds_sglang_tensors_and_stays_near_bf16(model: str) -> None:
     """An FP8 engine holds e4m3 weights with their scales after them (SGLang's parameter order)
     and computes by dequantizing.  Its log-probabilities against the bf16 engine with the same
-    weights: measured mean |diff| 0.017 / 0.021, max 0.09 / 0.18 (dense / MoE, random weights),
-    7x the bf16-vs-fp32 gap (mean 0.0025 / 0.0030); the bounds below leave 2x room."""
+    weights: measured mean |diff| 0.017 / 0.021 / 0.027, max 0.09 / 0.18 / 0.34 (dense / MoE /
+    MLA, random weights), 6-7x the bf16-vs-fp32 gap (mean 0.0025 / 0.0030 / 0.0041); the bounds
+    below leave room."""
     spec = PRESETS[model]
     source = random_source(spec, seed=0)
     fp8 = EngineModel.from_source(spec, source, dtype="bfloat16", quantization="fp8")
     names = [n for n, _ in fp8.named_parameters()]
-    assert names.index("model.layers.1.self_attn.qkv_proj.weight_scale_inv") == \
-        names.index("model.layers.1.self_attn.qkv_proj.weight") + 1
+    attn = f"model.layers.1.self_attn.{FP8_MODELS[model]}.weight"
+    assert names.index(attn + "_scale_inv") == names.index(attn) + 1
     assert fp8.get_parameter("model.layers.1.self_attn.o_proj.weight").dtype == torch.float8_e4m3fn
     assert fp8.get_parameter("model.layers.1.input_layernorm.weight").dtype == torch.bfloat16
     wide = EngineModel.from_source(spec, source, dtype="bfloat16")
@@ -317,5 +323,5 @@ def test_fp8_engine_holds_sglang_tensors_and_stays_near_bf16(model: str) -> None
     ref = torch.log_softmax(wide(ids), -1)
     gap = (torch.log_softmax(fp8(ids), -1) - ref).abs()
     rounding = (torch.log_softmax(fp32(ids), -1) - ref).abs()
-    assert float(gap.mean()) < 0.04 and float(gap.max()) < 0.4
+    assert float(gap.mean()) < 0.05 and float(gap.max()) < 0.6
     assert float(gap.mean()) > 2 * float(rounding.mean())  # the weights really are FP8

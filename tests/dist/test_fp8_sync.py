@@ -85,7 +85,7 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
     for t in rl.tensors:
         target = targets.get(t.name)
         if target is None:
-            live[t.name] = torch.zeros(t.stored, dtype=dtype)
+            live[t.name] = torch.zeros(t.stored, dtype=torch_dtype(t.dtype))  # float32 router bias
         else:
             live[t.name] = torch.zeros(t.stored, dtype=torch.float8_e4m3fn)
             live[target.scale] = torch.zeros(target.scale_shape)
@@ -116,6 +116,8 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
     name, target = next(iter(targets.items()))
     inner.served()[target.scale].mul_(2)  # a stale scale
     results["stale"] = receiver.checksums()
+    first = sorted({p.logical for p in rl.pieces if p.local == name})
+    results["stale_expected"] = [n + FMT.scale_suffix for n in first] if name in dest.direct else first
     receiver.leave()
     out.put((rank, results))
 
@@ -125,6 +127,7 @@ CASES = [  # model, trainer TP, engine TP, engine EP, staged
     ("tiny-qwen3-fp8", 2, 1, 1, True),
     ("tiny-qwen3-moe-fp8", 2, 2, 2, True),
     ("tiny-qwen3-moe-fp8", 2, 4, 1, False),
+    ("tiny-deepseek-v3-fp8", 2, 2, 2, True),  # MLA, sigmoid experts and a shared expert
     (STRADDLE.name, 2, 1, 1, False),
 ]
 
@@ -139,7 +142,8 @@ def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
     straddles = case[0] == STRADDLE.name
     engines = [results[r] for r in range(trainer_tp, world)]
     for mode in ("p2p", "broadcast"):
-        expected = combine(results[r]["sums"][mode] for r in range(trainer_tp))
+        expected = {k: v for k, v in combine(results[r]["sums"][mode] for r in range(trainer_tp)).items()
+                    if k in topo.engine_held}  # not the MTP layer: engines hold none
         assert compare(expected, combine(res[mode]["sums"] for res in engines)) == [], mode
     for i, res in enumerate(engines):
         for mode in ("p2p", "broadcast"):
@@ -157,5 +161,4 @@ def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
         assert res["clean"] == []
         # a doubled scale: the scales' checksums where they travel, the weights' where derived
         stale = compare(expected, combine(r["stale"] for r in engines))
-        kind = "weight" if straddles else "weight_scale_inv"
-        assert sorted(n.rsplit(".", 2)[-2:] for n in stale) == [[x, kind] for x in ("k_proj", "q_proj", "v_proj")], stale
+        assert stale == res["stale_expected"] and len(stale) == (2 if "deepseek" in case[0] else 3), stale

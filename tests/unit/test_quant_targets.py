@@ -47,9 +47,10 @@ def test_a_shard_cutting_blocks_is_refused_with_the_tensor_and_rows() -> None:
         quantized(rank, spec, FP8)
 
 
-def test_families_with_other_linears_are_refused() -> None:
-    spec = PRESETS["tiny-deepseek-v3"]
-    with pytest.raises(ValueError, match="mla"):
+@pytest.mark.parametrize(("model", "kind"), [("tiny-deepseek-v32", "dsa"), ("tiny-qwen3-next", "linear")])
+def test_families_with_other_linears_are_refused(model: str, kind: str) -> None:
+    spec = PRESETS[model]
+    with pytest.raises(ValueError, match=kind):
         quantized(engine_layout(spec, EngineParallel(tp=1)).ranks[0], spec, FP8)
 
 
@@ -60,3 +61,27 @@ def test_which_engines_take_shards_and_which_are_refused() -> None:
     reason = refusal("compressed-tensors")
     assert reason is not None and "INT4" in reason and "bf16 or FP8" in reason
     assert refusal("NVFP4") is not None and refusal("mxfp4") is not None
+
+
+_MLP = {"mlp.gate_up_proj.weight", "mlp.down_proj.weight"}
+_EXPERTS = {"mlp.experts.w13_weight", "mlp.experts.w2_weight"}
+_MLA = {"self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"}
+FP8_ROWS = {  # per model, every layer's tensors an FP8 engine holds in e4m3 (the rows' ``fp8``)
+    "tiny-qwen3": {"self_attn.qkv_proj.weight", "self_attn.o_proj.weight", *_MLP},
+    "tiny-qwen3-moe-fp8": {"self_attn.qkv_proj.weight", "self_attn.o_proj.weight", *_EXPERTS},
+    "tiny-deepseek-v3": {"self_attn.fused_qkv_a_proj_with_mqa.weight", "self_attn.q_b_proj.weight", *_MLA, *_MLP,
+                         *_EXPERTS, "mlp.shared_experts.gate_up_proj.weight", "mlp.shared_experts.down_proj.weight"},
+    "tiny-deepseek-v3-q-proj": {"self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", *_MLA, *_MLP,
+                                *_EXPERTS, "mlp.shared_experts.gate_up_proj.weight",
+                                "mlp.shared_experts.down_proj.weight"},
+}
+
+
+@pytest.mark.parametrize("model", FP8_ROWS)
+def test_the_family_rows_say_which_tensors_are_fp8(model: str) -> None:
+    """Linears and experts only: never a norm, a router, its bias, the embedding or the LM head."""
+    spec = PRESETS[model]
+    rank = engine_layout(spec, EngineParallel(tp=1)).ranks[0]
+    held = {t.name.split(".", 3)[-1] for t in rank.tensors if t.fp8}
+    assert held == FP8_ROWS[model]
+    assert not any(t.fp8 for t in rank.tensors if not t.name.startswith("model.layers."))

@@ -15,7 +15,7 @@ from shardsync.presets import PRESETS
 from shardsync.quant.wire import DERIVED, PER_WORD, WORD
 from shardsync.topology import Topology
 
-DENSE, MOE = PRESETS["tiny-qwen3-fp8"], PRESETS["tiny-qwen3-moe-fp8"]
+DENSE, MOE, MLA = PRESETS["tiny-qwen3-fp8"], PRESETS["tiny-qwen3-moe-fp8"], PRESETS["tiny-deepseek-v3-fp8"]
 TRAINERS = {
     "tp1": MegatronParallel(tp=1),
     "tp2": MegatronParallel(tp=2),
@@ -32,13 +32,14 @@ def _topo(spec, trainer, engine, fmt: str | None = "fp8") -> Topology:
 
 def _targets(topo: Topology) -> set[str]:
     """The logical weights in the engine's FP8 tensors (its own layout)."""
-    from shardsync.quant.targets import QUANTIZED
-    return {p.logical for r in topo.engine_bases[0].ranks for p in r.pieces if p.local.endswith(QUANTIZED)}
+    return {p.logical for r in topo.engine_bases[0].ranks for p in r.pieces if r.tensor(p.local).fp8}
 
 
-# expert parallelism only where there are experts
+# expert parallelism only where there are experts; MLA's shared expert (256 rows) is whole
+# blocks up to engine TP 2, and an FSDP2 row split cuts its 192-row kv_a_proj
 CASES = [(spec, t, e) for spec in (DENSE, MOE) for t in TRAINERS for e in ENGINES
          if spec.is_moe or "ep" not in t + e]
+CASES += [(MLA, t, e) for t in ("tp1", "tp2", "tp2ep2") for e in ("tp1", "tp2", "tp2ep2")]
 
 
 @pytest.mark.parametrize(("spec", "trainer", "engine"), CASES, ids=lambda x: getattr(x, "name", x))
@@ -63,7 +64,7 @@ def test_whole_block_shards_send_every_weight_quantized_at_half_the_bytes(spec, 
     derived = [d for r in range(topo.trainer.world_size) for d in topo.derived(r)]
     assert {d.logical for d in derived} == topo.fp8.sent
     assert all(d.words == DERIVED + d.logical for d in derived)
-    if trainer == "tp2":
+    if trainer == "tp2" and spec is not MLA:
         assert any(len(d.parts) > 1 for d in derived if d.logical.endswith("q_proj.weight"))
 
 
