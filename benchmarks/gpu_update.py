@@ -108,6 +108,27 @@ def delta_throughput(numel: int, density: float) -> dict:
             "payload_fraction": blob.numel() / (numel * 2)}
 
 
+def quantize_GBps(topo: Topology, params: dict) -> dict:
+    """An FP8 engine's weights quantized by the trainer before a send (``quant.source``): the
+    fused kernel (one read of the bf16 weights, a read and a write of the kept e4m3 bytes)
+    against the same regions through the torch ops, as GB/s of bf16 read."""
+    from shardsync.quant.fp8 import quantize
+    from shardsync.quant.source import SourceQuantizer
+
+    assert topo.fp8 is not None
+    source = SourceQuantizer(topo.derived(0), params, topo.fp8.fmt)
+    regions = [source.region(d) for d in source.derived]
+    fmt = topo.fp8.fmt
+    gb = sum(r.numel() for r in regions) * 2 / 1e9
+
+    def torch_ops() -> None:
+        for r in regions:
+            quantize(r, fmt)
+
+    return {"fused_GBps": gb / cuda_ms(lambda: source.refresh(), iters=10) * 1e3,
+            "torch_GBps": gb / cuda_ms(torch_ops) * 1e3, "bf16_GB": gb, "regions": len(regions)}
+
+
 def kernels_GBps(topo: Topology, params: dict, bucket_bytes: int) -> dict:
     """In one process, no IPC: the copy kernels each path runs, as throughput of model bytes."""
     from shardsync.plan.local import allocate
@@ -212,12 +233,15 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true",
                     help="skip the in-process kernel measures (they hold two more copies of the model: "
                          "Qwen3-14B does not fit beside the engine on one H200 with them)")
+    ap.add_argument("--engine-quantization", default=None,
+                    help="the engine serves FP8 in this format (e.g. fp8): the trainer quantizes before each "
+                         "send; the in-process kernels measured are the quantizer's (push is refused)")
     ap.add_argument("--out", default="gpu_update.json")
     args = ap.parse_args()
     spec = load_spec(args.model, dtype="bfloat16")
     par = MegatronParallel(tp=1, dtype="bfloat16")
-    topo = Topology(spec, par)
-    model_bytes = sum(t.numel for t in topo.engines_layout.ranks[0].tensors) * 2
+    topo = Topology(spec, par, quantization=args.engine_quantization)
+    model_bytes = sum(t.numel for t in Topology(spec, par).engines_layout.ranks[0].tensors) * 2  # bf16
     d2d_ms = d2d_copy_ms(model_bytes)
     h2d_ms = h2d_copy_ms(model_bytes)
     print(f"{spec.name}: {model_bytes / 2**30:.2f} GiB of bf16 weights; D2D copy {d2d_ms:.2f} ms "
@@ -231,15 +255,21 @@ def main() -> None:
     plan.sort(key=lambda r: r[0] == "push")
     staged = plan[0][0] == "push"
     engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
-                                            threads=4, staging_bytes=-1 if staged else 0))
+                                            threads=4, staging_bytes=-1 if staged else 0,
+                                            quantization=args.engine_quantization))
     runs = []
     try:
         t0 = time.time()
         wait_healthy(url, engine, 500)  # its load peaks before the trainer's does (a 14B pair fits then)
-        params = load_rank(topo.trainer_layout, 0, fast_source(spec, 1), device="cuda")
+        params = load_rank(topo.trainer_base, 0, fast_source(spec, 1), device="cuda")
         torch.cuda.empty_cache()  # the float32 temporaries of the random source
         print(f"trainer weights ready in {time.time() - t0:.1f}s", flush=True)
-        kernels = {} if args.no_kernels else kernels_GBps(topo, params, int(args.bucket_mb * 2**20))
+        quant = {} if topo.fp8 is None else quantize_GBps(topo, params)
+        if quant:
+            print(f"trainer FP8 quantize ({args.engine_quantization}, {quant['regions']} regions, "
+                  f"{quant['bf16_GB']:.2f} GB of bf16): fused {quant['fused_GBps']:.0f} GB/s, "
+                  f"torch ops {quant['torch_GBps']:.0f} GB/s of bf16 read", flush=True)
+        kernels = {} if args.no_kernels or quant else kernels_GBps(topo, params, int(args.bucket_mb * 2**20))
         torch.cuda.empty_cache()
         if kernels:
             print(f"in-process kernels (GB/s of model bytes): pack {kernels['pack']:.0f}, "
@@ -256,7 +286,8 @@ def main() -> None:
                 engine.wait(60)
                 staged = kind == "push"
                 engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda",
-                                                        dtype="bfloat16", threads=4, staging_bytes=-1))
+                                                        dtype="bfloat16", threads=4, staging_bytes=-1,
+                                                        quantization=args.engine_quantization))
                 wait_healthy(url, engine, 500)
             r = ipc_updates(kind, control, complete, signals, spec, par, params, url, args,
                             first=1 + i * (args.updates + 1))
@@ -289,7 +320,8 @@ def main() -> None:
         json.dump({"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "model": spec.name, "model_bytes": model_bytes,
                    "gather_tuning": configured().__dict__,
-                   "d2d_ms": d2d_ms, "h2d_ms": h2d_ms, "kernels_GBps": kernels, "ipc": runs, "delta": deltas},
+                   "d2d_ms": d2d_ms, "h2d_ms": h2d_ms, "kernels_GBps": kernels, "ipc": runs, "delta": deltas,
+                   "engine_quantization": args.engine_quantization, "quantize": quant},
                   f, indent=2)
 
 

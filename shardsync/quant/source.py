@@ -2,7 +2,8 @@
 weight sent quantized (``quant.wire.Derived``) into the local tensors the plans read.
 
 A region held in one piece is quantized from the parameter in place; one held in several
-pieces (Megatron's fused QKV interleaves each query group's rows) is assembled first.  The
+pieces (Megatron's fused QKV interleaves each query group's rows) is assembled first.  On a
+GPU the block formats run as one fused pass (``quant.kernel``).  The
 e4m3 bytes are kept as int32 words, the layout's dtype for them.  Memory: half the rank's
 quantized weights, plus their scales.
 """
@@ -16,6 +17,7 @@ import torch
 
 from shardsync.layout.piece import Piece
 from shardsync.quant.fp8 import Fp8Format, quantize
+from shardsync.quant.kernel import fused, quantize_into
 from shardsync.quant.wire import Derived
 
 
@@ -37,7 +39,8 @@ class SourceQuantizer:
             own[d.scales] = s.clone()
         self.tensors: dict[str, torch.Tensor] = {**params, **own}
 
-    def _region_of(self, d: Derived) -> torch.Tensor:
+    def region(self, d: Derived) -> torch.Tensor:
+        """``d``'s region of the parameters: a view of one piece, or its pieces assembled."""
         if len(d.parts) == 1:
             p = d.parts[0]
             return self.params[p.local][_region(p.local_offsets, p.sizes)]
@@ -52,16 +55,21 @@ class SourceQuantizer:
         """Quantize every region from the parameters now: the seconds it took, and how many
         e4m3 bytes and scales changed (what a delta of the FP8 weights would move)."""
         t0 = time.perf_counter()
-        changed = torch.zeros((), dtype=torch.int64, device=self.tensors[self.derived[0].words].device
-                              if self.derived else "cpu")
+        device = self.tensors[self.derived[0].words].device if self.derived else torch.device("cpu")
+        changed = torch.zeros((), dtype=torch.int64, device=device)
+        counted = torch.zeros(1, dtype=torch.int32, device=device)  # the fused kernel's count
         for d in self.derived:
-            q, s = quantize(self._region_of(d), self.fmt)
+            region = self.region(d)
+            if fused(self.fmt, region):  # one GPU pass, straight into the kept words and scales
+                quantize_into(region, self.tensors[d.words], self.tensors[d.scales], self.fmt, counted)
+                continue
+            q, s = quantize(region, self.fmt)
             words, scales = self.tensors[d.words], self.tensors[d.scales]
             changed += (words.view(torch.uint8).view(q.shape) != q.view(torch.uint8)).sum()
             changed += (scales != s).sum()
             words.copy_(q.view(torch.int32))
             scales.copy_(s)
-        n = int(changed)  # waits for the device
+        n = int(changed) + int(counted)  # waits for the device
         return time.perf_counter() - t0, n
 
 

@@ -1,0 +1,82 @@
+"""The block quantizer as one GPU pass (Triton): each program reads one block of a bf16 matrix
+once and writes its e4m3 bytes and its scale where they are kept, bit for bit ``fp8.quantize``.
+
+``fp8.quantize`` in torch ops reads the matrix about five times (abs, amax, multiply, cast,
+copy into the kept words); this reads it once, reads the kept e4m3 bytes once to count those
+that change, and writes the new ones: 4 bytes per element moved against a bf16 copy's 4.
+Divisions are IEEE-rounded (``div_rn``) as torch's are; the fp32 -> e4m3 conversion is the
+hardware's round-to-nearest-even, as torch's.  Block formats with float32 or exponent-bit
+(``ue8m0``) scales; others (per channel, vLLM's log2 rounding) take the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from shardsync.quant.fp8 import AMAX_FLOOR, E4M3_MAX, Fp8Format
+
+_SCALES = {"float32": 0, "ue8m0": 1}
+
+
+def fused(fmt: Fp8Format, w: torch.Tensor) -> bool:
+    """Whether ``quantize_into`` takes this weight (a CUDA matrix, a block format it knows)."""
+    return w.is_cuda and w.dim() == 2 and fmt.block is not None and fmt.scale in _SCALES
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_cast(x_ptr, q_ptr, qb_ptr, s_ptr, n_ptr, N, K, sx0, sx1, sq0, ss0,
+                   BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr,
+                   AMAX: tl.constexpr, FMAX: tl.constexpr):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rows = pm * BM + tl.arange(0, BM)
+        cols = pn * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * sx0 + cols[None, :] * sx1, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), AMAX)
+        s = tl.math.div_rn(amax, FMAX)
+        if UE8M0:
+            bits = s.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            e = tl.minimum(tl.maximum(e, 1), 254)
+            s = (e << 23).to(tl.float32, bitcast=True)
+        q = (x * tl.math.div_rn(1.0, s)).to(tl.float8e4nv)
+        at = rows[:, None] * sq0 + cols[None, :]
+        old = tl.load(qb_ptr + at, mask=mask, other=0)
+        changed = tl.sum(tl.sum(((old != q.to(tl.uint8, bitcast=True)) & mask).to(tl.int32), axis=1), axis=0)
+        tl.store(q_ptr + at, q, mask=mask)
+        old_s = tl.load(s_ptr + pm * ss0 + pn)
+        tl.store(s_ptr + pm * ss0 + pn, s)
+        tl.atomic_add(n_ptr, changed + (old_s != s).to(tl.int32))
+
+    return block_cast
+
+
+def quantize_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format,
+                  changed: torch.Tensor) -> None:
+    """``q``, ``s`` := ``fp8.quantize(w, fmt)`` in one pass (``q``: e4m3 or its int32 words,
+    rows contiguous; ``s``: float32 scales); adds the e4m3 bytes and scales that changed to
+    ``changed`` (int32, one element, on the device).  Queued on the current stream."""
+    if not fused(fmt, w):
+        raise ValueError(f"the fused quantizer takes CUDA matrices in block formats; got {fmt.name}, "
+                         f"{w.device} {tuple(w.shape)}")
+    n, k = w.shape
+    q8 = q.view(torch.float8_e4m3fn).view(n, k)
+    if q8.stride(1) != 1 or s.stride(1) != 1:
+        raise ValueError("the kept e4m3 bytes and scales must have contiguous rows")
+    assert fmt.block is not None
+    bm, bn = fmt.block
+    grid = (triton_cdiv(n, bm), triton_cdiv(k, bn))
+    _kernel()[grid](w, q8, q8.view(torch.uint8), s, changed, n, k, w.stride(0), w.stride(1), q8.stride(0), s.stride(0),
+                    BM=bm, BN=bn, UE8M0=_SCALES[fmt.scale], AMAX=AMAX_FLOOR, FMAX=E4M3_MAX, num_warps=8)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

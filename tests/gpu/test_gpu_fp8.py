@@ -1,0 +1,76 @@
+"""FP8 on a GPU (marked ``gpu``: ``pytest -m gpu``): the fused block quantizer (``quant.kernel``)
+equals ``fp8.quantize`` bit for bit on random bf16 matrices (partial blocks, strided views,
+float32 and ue8m0 scales) and counts exactly the e4m3 bytes and scales that change; a trainer on
+the GPU syncs an FP8 reference engine on the same GPU through CUDA IPC (map), bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
+from shardsync.layout import MegatronParallel
+from shardsync.models.weights import load_rank, random_source
+from shardsync.presets import PRESETS
+from shardsync.quant.fp8 import fp8_format, quantize
+from shardsync.quant.kernel import quantize_into
+from shardsync.sync import WeightSync
+from shardsync.topology import Topology
+from tests.dist._engine import start_engine, stop_engine
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block128x128-ue8m0"])
+@pytest.mark.parametrize("shape", [(256, 384), (300, 260), (128, 128), (1000, 2560)])
+def test_fused_quantizer_is_bitwise_and_counts_changes(fmt: str, shape: tuple[int, int]) -> None:
+    f = fp8_format(fmt)
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    w = (torch.randn(*shape, device="cuda", generator=g) * torch.rand(shape[0], 1, device="cuda", generator=g)
+         * 0.1).to(torch.bfloat16)
+    w[:128, :128] = 0  # an all-zero block: the floored amax
+    ref_q, ref_s = quantize(w, f)
+    q = torch.full((shape[0], shape[1] // 4), -1, dtype=torch.int32, device="cuda")  # poisoned
+    s = torch.full(f.scale_shape(shape), -1.0, device="cuda")
+    n = torch.zeros(1, dtype=torch.int32, device="cuda")
+    quantize_into(w, q, s, f, n)
+    assert torch.equal(q.view(torch.uint8).view(shape), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    assert int(n) == w.numel() + s.numel() - int((ref_q.view(torch.uint8) == 0xFF).sum())  # every byte new
+    n.zero_()
+    quantize_into(w, q, s, f, n)
+    assert int(n) == 0  # the same weights: nothing changes
+    w2 = w.clone()
+    w2[5, 7] += 1.0  # one block's amax moves: its bytes and its scale
+    ref2_q, ref2_s = quantize(w2, f)
+    quantize_into(w2, q, s, f, n)
+    expect = int((ref2_q.view(torch.uint8) != ref_q.view(torch.uint8)).sum() + (ref2_s != ref_s).sum())
+    assert int(n) == expect > 0
+    # a strided view (a region of a wider parameter) reads in place
+    wide = torch.randn(shape[0], shape[1] + 64, device="cuda", generator=g).to(torch.bfloat16)
+    view = wide[:, 32:32 + shape[1]]
+    quantize_into(view, q, s, f, n)
+    ref3_q, ref3_s = quantize(view, f)
+    assert torch.equal(q.view(torch.uint8).view(shape), ref3_q.view(torch.uint8)) and torch.equal(s, ref3_s)
+
+
+def test_a_gpu_trainer_syncs_an_fp8_engine_through_ipc() -> None:
+    spec = PRESETS["tiny-qwen3-fp8"]
+    par = MegatronParallel(tp=1, dtype="bfloat16")
+    topo = Topology(spec, par, quantization="fp8")
+    proc, url = start_engine(spec.name, 1, device="cuda", dtype="bfloat16", quantization="fp8")
+    try:
+        params = load_rank(topo.trainer_base, 0, random_source(spec, seed=3), device="cuda")
+        sync = WeightSync(spec, par, 0, params, [url],
+                          SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="map"),
+                                     transport=TransportConfig(timeout_s=120)))
+        sync.connect()
+        try:
+            for v in (1, 2):
+                params["decoder.layers.0.mlp.linear_fc1.weight"].mul_(1.5)
+                rec = sync.update(v)
+                assert rec.ok and rec.quantized_changed > 0 and rec.phases["quantize"] > 0
+                assert sync.verify() == []
+        finally:
+            sync.close()
+    finally:
+        stop_engine(proc)
