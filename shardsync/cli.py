@@ -61,7 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                        expert_names=args.expert_names,
                                        make_vocab_size_divisible_by=args.vocab_divisible_by)
         engines = tuple(EngineParallel(tp=t, ep=args.engine_ep) for t in _engine_tps(args.engine_tp, args.engines))
-        topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind)
+        topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind, quantization=args.engine_quantization)
         t0 = time.perf_counter()
         report = summarize(topo, int(args.bucket_mb * 2**20), progress=Progress(f"planning {spec.name}"))
         report["plan_s"] = round(time.perf_counter() - t0, 3)
@@ -89,9 +89,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         experts = f" EP{trainer.ep} ETP{trainer.expert_tp}" if spec.is_moe else ""
         desc = f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}{experts}"
     engine_ep = f" EP{args.engine_ep}" if spec.is_moe else ""
+    served = "" if topo.quantization is None else f" serving {topo.quantization}"
     print(f"model {spec.name} ({spec.num_parameters() / 1e9:.3f} B params, {spec.dtype}); trainer "
-          f"{desc} -> engines TP {list(report['engines'])}{engine_ep}; "
+          f"{desc} -> engines TP {list(report['engines'])}{engine_ep}{served}; "
           f"buckets of {args.bucket_mb:g} MiB; planned in {report['plan_s']:.2f} s")
+    if topo.fp8 is not None:
+        print(f"FP8 on the wire: {len(topo.fp8.sent)} weights sent as e4m3 bytes and scales (quantized by the "
+              f"trainer); the engines quantize the rest of their {topo.fp8.fmt.name} tensors")
     head = f"{'path':<10} {'total':>12} {'per receiver':>13} {'busiest link':>13} {'buckets':>8} {'copies':>8}  busiest"
     print(head)
     for p in report["paths"]:
@@ -238,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-divisible-by", type=int, default=128,
                    help="Megatron's make_vocab_size_divisible_by (the trainer's vocab padding)")
     p.add_argument("--dtype", default=None, help="override the model dtype (wire dtype)")
+    p.add_argument("--engine-quantization", default=None,
+                   help="the engines serve FP8 in this format (quant.FORMATS, e.g. fp8): the plans carry the "
+                        "weights the trainer quantizes as e4m3 bytes and scales")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--bucket-memory-mb", type=float, default=None,
                    help="with --fabric: buffer memory the recommended bucket size must fit (2 in flight)")

@@ -4,6 +4,7 @@ ends in one line and exit status 2, not a traceback."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -53,3 +54,14 @@ def test_missing_engine_extra_names_the_extra(monkeypatch, capsys) -> None:
     assert cli.main(["demo", "--steps", "1", "--out", "unused"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'shardsync[engine]'" in err[0], err
+
+
+def test_plan_for_an_fp8_engine_carries_half_the_bytes(capsys) -> None:
+    args = ["plan", "--model", "tiny-qwen3-fp8", "--trainer-tp", "2", "--engine-tp", "2", "--json"]
+    assert cli.main(args) == 0
+    wide = json.loads(capsys.readouterr().out)
+    assert cli.main([*args, "--engine-quantization", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    for a, b in zip(wide["paths"], fp8["paths"], strict=True):
+        assert b["total_bytes"] <= 0.55 * a["total_bytes"], (a["path"], b["total_bytes"] / a["total_bytes"])
+    assert fp8["p2p_ok"]
