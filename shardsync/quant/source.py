@@ -16,13 +16,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from shardsync.layout.piece import Piece
+from shardsync.plan.local import region as _region
 from shardsync.quant.fp8 import Fp8Format, quantize
 from shardsync.quant.kernel import fused, quantize_into
 from shardsync.quant.wire import Derived
-
-
-def _region(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
 
 
 class SourceQuantizer:
@@ -38,6 +35,10 @@ class SourceQuantizer:
             own[d.words] = q.view(torch.int32).clone()
             own[d.scales] = s.clone()
         self.tensors: dict[str, torch.Tensor] = {**params, **own}
+        device = next(iter(own.values())).device if own else torch.device("cpu")
+        # changed bytes: the torch path's and the fused kernel's, kept across updates
+        self._counts = (torch.zeros((), dtype=torch.int64, device=device),
+                        torch.zeros(1, dtype=torch.int32, device=device))
 
     def region(self, d: Derived) -> torch.Tensor:
         """``d``'s region of the parameters: a view of one piece, or its pieces assembled."""
@@ -55,9 +56,9 @@ class SourceQuantizer:
         """Quantize every region from the parameters now: the seconds it took, and how many
         e4m3 bytes and scales changed (what a delta of the FP8 weights would move)."""
         t0 = time.perf_counter()
-        device = self.tensors[self.derived[0].words].device if self.derived else torch.device("cpu")
-        changed = torch.zeros((), dtype=torch.int64, device=device)
-        counted = torch.zeros(1, dtype=torch.int32, device=device)  # the fused kernel's count
+        changed, counted = self._counts
+        changed.zero_()
+        counted.zero_()
         for d in self.derived:
             region = self.region(d)
             if fused(self.fmt, region):  # one GPU pass, straight into the kept words and scales
