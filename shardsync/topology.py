@@ -25,6 +25,7 @@ from shardsync.layout import (
 from shardsync.layout.fsdp2 import Fsdp2Parallel, fsdp2_layout
 from shardsync.layout.logical import is_expert
 from shardsync.layout.raw import raw_dtypes
+from shardsync.lora import Lora, engine_adapter_layout, full_adapter_layout, megatron_adapter_layout
 from shardsync.plan import Plan, build_plan
 from shardsync.plan.plan import dtype_itemsize
 from shardsync.quant.fp8 import FORMATS
@@ -55,6 +56,8 @@ class Topology:
     engine_pp: int = 1
     quantization: str | None = None
     relay: bool = False
+    # a LoRA adapter: the layouts (and so every plan) hold its tensors alone, the base stays put
+    lora: Lora | None = None
 
     @property
     def wire_dtype(self) -> str:
@@ -64,21 +67,28 @@ class Topology:
     def trainer_base(self) -> Layout:
         """The trainer's own tensors (what its ``params`` hold); ``trainer_layout`` adds the
         tensors an FP8 engine's sends derive from them (``derived``)."""
+        if self.lora is not None:
+            if not isinstance(self.trainer, MegatronParallel):
+                raise ValueError("adapter sync from an FSDP2 trainer is not supported yet: use a Megatron-layout "
+                                 "trainer, or sync the merged model")
+            return megatron_adapter_layout(self.spec, self.lora, self.trainer)
         return TRAINER_LAYOUTS[self.trainer.kind](self.spec, self.trainer)
 
     @cached_property
     def engine_bases(self) -> tuple[Layout, ...]:
         """Each engine's tensors as it serves them; ``engine_layouts`` as the plans address them
         (an FP8 engine's weights sent quantized as e4m3 words and scales)."""
-        unique = {e: engine_layout(self.spec, e) for e in dict.fromkeys(self.engines)}
+        lora = self.lora
+        unique = {e: engine_layout(self.spec, e) if lora is None else engine_adapter_layout(self.spec, lora, e)
+                  for e in dict.fromkeys(self.engines)}
         return tuple(unique[e] for e in self.engines)
 
     @cached_property
     def fp8(self) -> Fp8Wire | None:
         """The weights an FP8 engine's plans carry as e4m3 bytes and scales, quantized by the
         trainer (``quant.wire``); None where the wire carries the model dtype only."""
-        if self.quantization not in FORMATS or self.engine_kind not in RECEIVER_QUANTIZES:
-            return None
+        if self.quantization not in FORMATS or self.engine_kind not in RECEIVER_QUANTIZES or self.lora is not None:
+            return None  # an FP8 engine's adapter is served wide
         try:
             check_family(self.spec)
         except ValueError:
@@ -108,6 +118,8 @@ class Topology:
 
     def _full(self, **kw) -> Layout:
         """Whole tensors (broadcast receivers), as the wire carries them."""
+        if self.lora is not None:
+            return full_adapter_layout(self.spec, self.lora, dtype=self.wire_dtype, **kw)
         lay = full_layout(self.spec, dtype=self.wire_dtype, **kw)
         return lay if self.fp8 is None else self.fp8.retype(lay)
 
@@ -119,7 +131,7 @@ class Topology:
         words and scales (``quant.wire``)."""
         quantized = {} if self.fp8 is None else self.fp8.raw
         t = self.trainer
-        if not isinstance(t, MegatronParallel) or any(e.whole for e in self.engines):
+        if not isinstance(t, MegatronParallel) or any(e.whole for e in self.engines) or self.lora is not None:
             return quantized
         per_engine = [raw_dtypes(self.spec, frozenset({t.norm_names}), v, self.wire_dtype)
                       for v in dict.fromkeys(e.variants for e in self.engines)]

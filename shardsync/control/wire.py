@@ -61,6 +61,14 @@ class RendezvousMsg(Msg):
 Variants = Annotated[list[Annotated[str, Field(max_length=32, pattern=r"^[a-z0-9_]+$")]], Field(max_length=8)]
 
 
+class LoraMsg(Msg):
+    """The adapter a sync moves (``lora.Lora``): the engine must serve the same one."""
+
+    rank: int = Field(ge=1, le=65536)
+    alpha: float = Field(gt=0, le=1e6)
+    targets: list[Annotated[str, Field(max_length=32)]] = Field(min_length=1, max_length=16)
+
+
 class ConnectRequest(Msg):
     """Plan exchange: the engine rebuilds the topology and must find the same fingerprints."""
 
@@ -84,6 +92,7 @@ class ConnectRequest(Msg):
     delta: DeltaTransport | None = None  # the trainer's delta path (paths.connection_modes on both ends)
     control: Channel = Channel.STORE  # where begin/finish arrive (hosted engines: their own endpoints)
     rendezvous: RendezvousMsg
+    lora: LoraMsg | None = None  # an adapter-only sync: every plan holds the adapter's tensors alone
 
     def ranks_of(self, engine: int) -> int:
         """Engine ``engine``'s ranks in the sync (TP x PP stages)."""

@@ -38,8 +38,10 @@ from torch import nn
 from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
+from shardsync.lora import Lora, engine_adapter_layout
 from shardsync.models.deltanet import DeltaState, DeltaWeights, deltanet
 from shardsync.models.latent import Baton, LatentAttention
+from shardsync.models.lora import LoraTerm, LoraWeights, engine_terms
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.quant import Fp8Format, dequantize, fp8_format, quantize, quantized
@@ -150,7 +152,10 @@ class _Leaf(nn.Module):
 
 class _Attention(nn.Module):
     """Grouped-query attention on one rank's heads.  ``gate`` (Qwen3-Next): each head's q rows
-    are its query then its output gate; the output is scaled by the gate's sigmoid."""
+    are its query then its output gate; the output is scaled by the gate's sigmoid.  ``lora``:
+    the adapter's terms on q/k/v/o (set by the model when it serves one)."""
+
+    lora: LoraTerm | None = None
 
     def __init__(self, spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP,
                  device: torch.device, *, gate: bool = False) -> None:
@@ -174,6 +179,8 @@ class _Attention(nn.Module):
         qkv = F.linear(x, self.qkv_proj.dense(), self.qkv_proj.get_parameter("bias") if self.spec.qkv_bias else None)
         nq = self.nq * (2 if self.gate else 1)
         q, k, v = qkv.split([nq * d, self.nkv * d, self.nkv * d], dim=-1)
+        if self.lora is not None:
+            q, k, v = (self.lora.add(t, x, y) for t, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
         gate = None
         if self.gate:
@@ -195,7 +202,8 @@ class _Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, self.nq * d)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, s, -1))
-        return self.tp.all_reduce(F.linear(out, self.o_proj.dense()))
+        y = F.linear(out, self.o_proj.dense())
+        return self.tp.all_reduce(y if self.lora is None else self.lora.add("o_proj", out, y))
 
 
 class _LinearAttention(nn.Module):
@@ -229,7 +237,10 @@ class _LinearAttention(nn.Module):
 
 
 class _MLP(nn.Module):
-    """Gated MLP split over TP; ``reduce=False`` returns this rank's partial sum (shared experts)."""
+    """Gated MLP split over TP; ``reduce=False`` returns this rank's partial sum (shared experts);
+    ``lora``: the adapter's terms on gate/up/down."""
+
+    lora: LoraTerm | None = None
 
     def __init__(self, rl: RankLayout, prefix: str, tp: _TP, device: torch.device, *, reduce: bool = True) -> None:
         super().__init__()
@@ -239,7 +250,12 @@ class _MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj.dense()).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, self.down_proj.dense())
+        if self.lora is not None:
+            gate, up = self.lora.add("gate_proj", x, gate), self.lora.add("up_proj", x, up)
+        act = F.silu(gate) * up
+        y = F.linear(act, self.down_proj.dense())
+        if self.lora is not None:
+            y = self.lora.add("down_proj", act, y)
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -417,12 +433,16 @@ class EngineModel(nn.Module):
     ``tp_rank``).  Activations run in ``dtype``; logits are returned in float32.  ``ep``: expert
     parallel within the TP group (mixture-of-experts models).  ``quantization``: an FP8 format
     (``quant.FORMATS``): the linear weights ``quant.targets`` names are held in e4m3 with their
-    scales (SGLang's names and shapes) and dequantized for the math.
+    scales (SGLang's names and shapes) and dequantized for the math.  ``lora``: the engine serves
+    that adapter on top of its base: ``adapter`` holds the rank's adapter tensors (zeroed, PEFT's
+    names) and every adapted linear adds its low-rank term; a sync then writes the adapter
+    (``synced_tensors``) and the base stays as loaded.
     """
 
     def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
-                 device: str | torch.device = "cpu", *, ep: int = 1, quantization: str | None = None) -> None:
+                 device: str | torch.device = "cpu", *, ep: int = 1, quantization: str | None = None,
+                 lora: Lora | None = None) -> None:
         super().__init__()
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank} tp_size={tp_size}")
@@ -454,6 +474,32 @@ class EngineModel(nn.Module):
             held = self.get_submodule(leaf)
             assert isinstance(held, _Leaf), f"{name}: FP8 weights live on leaves"
             held.quantize_(attr, self.quantization, self.dtype, target.scale_shape)
+        self.lora = lora
+        self.adapter: LoraWeights | None = None
+        if lora is not None:
+            par = EngineParallel(tp=tp_size, ep=ep, dtype=_dtype_name(dtype))
+            self.adapter_layout = engine_adapter_layout(spec, lora, par)
+            self.adapter = LoraWeights(self.adapter_layout.ranks[tp_rank], self.device)
+            for i, layer in enumerate(self.model.layers):
+                terms = engine_terms(self.adapter, lora, i)
+                layer.self_attn.lora = terms  # ``lora.check_lora``: GQA attention, dense MLPs
+                if isinstance(layer.mlp, _MLP):
+                    layer.mlp.lora = terms
+
+    def synced_tensors(self) -> dict[str, torch.Tensor]:
+        """What a sync writes, by layout name: the adapter's tensors when serving one, else every
+        parameter of the model."""
+        if self.adapter is not None:
+            return self.adapter.tensors()
+        return dict(self.named_parameters())
+
+    @torch.no_grad()
+    def load_adapter(self, source: TensorSource) -> None:
+        """Overwrite the adapter in place with this rank's pieces of ``source`` (its PEFT tensors)."""
+        assert self.adapter is not None, "load_adapter needs an engine built with lora="
+        tensors = load_rank(self.adapter_layout, self.tp.rank, source, device=self.device)
+        for name, t in self.adapter.tensors().items():
+            t.copy_(tensors[name])
 
     @classmethod
     def from_source(cls, spec: ModelSpec, source: TensorSource, tp_rank: int = 0, tp_size: int = 1,

@@ -55,8 +55,10 @@ from torch import nn
 
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
 from shardsync.layout.logical import mtp_layers
+from shardsync.lora import TARGETS, Lora, megatron_adapter_layout
 from shardsync.models.deltanet import DeltaWeights, deltanet
 from shardsync.models.latent import Baton, TrainerLatentAttention
+from shardsync.models.lora import LoraTerm, LoraWeights, trainer_terms
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.parallel import (
     Comm,
@@ -210,7 +212,10 @@ class _GqaAttention(nn.Module):
     """Grouped-query attention under Megatron's names: the fused QKV column-parallel (its input
     norm fused in as ``layer_norm_weight`` under the TE spec), ``linear_proj`` row-parallel.
     ``gate`` (``attention_output_gate``): each group's rows hold its q heads, then their output
-    gates, then k and v; the output is scaled by the gates' sigmoid."""
+    gates, then k and v; the output is scaled by the gates' sigmoid.  ``lora``: the adapter's
+    terms on q/k/v (added to each part of the fused output) and on ``linear_proj``."""
+
+    lora: LoraTerm | None = None
 
     def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make, *,
                  gate: bool = False) -> None:
@@ -241,6 +246,9 @@ class _GqaAttention(nn.Module):
         q, gate, k, v = fused.view(b, s, self.groups, p + g + 2, d).split([p, g, 1, 1], dim=3)
         q = q.reshape(b, s, self.groups * p, d)
         k, v = k.reshape(b, s, self.groups, d), v.reshape(b, s, self.groups, d)
+        if self.lora is not None:  # this rank's heads, in order: the rows of its B shards
+            q, k, v = (self.lora.add(t, h, y.reshape(b, s, -1)).view_as(y)
+                       for t, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
         if spec.qk_norm:
             # Replicated gains applied to this rank's heads only: their grads sum over TP.
             q = rms_norm(q, w(tp.copy_to(self.q_layernorm.weight)), eps, off)
@@ -250,7 +258,8 @@ class _GqaAttention(nn.Module):
         out = attention(q, k, v, causal_offset=0).transpose(1, 2).reshape(b, s, -1)
         if self.gate:
             out = out * torch.sigmoid(gate.reshape(b, s, -1))
-        return tp.reduce_from(F.linear(out, w(self.linear_proj.weight)))
+        y = F.linear(out, w(self.linear_proj.weight))
+        return tp.reduce_from(y if self.lora is None else self.lora.add("o_proj", out, y))
 
 
 class _LinearAttention(nn.Module):
@@ -320,7 +329,10 @@ ATTENTION = {"gqa": _gqa(False), "gqa_gated": _gqa(True), "gdn": _gdn(True), "gd
 
 
 class _Layer(nn.Module):
-    """One decoder layer under Megatron's names; both norm spellings (fused / separate)."""
+    """One decoder layer under Megatron's names; both norm spellings (fused / separate).
+    ``lora``: the adapter's terms on the dense MLP's gate/up/down."""
+
+    lora: LoraTerm | None = None
 
     def __init__(self, model: TrainerModel, tensors: dict[str, torch.Tensor], prefix: str,
                  layer: int) -> None:
@@ -386,7 +398,11 @@ class _Layer(nn.Module):
         norm = mlp.linear_fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight
         h = tp.copy_to(rms_norm(x, w(norm), eps, off))
         gate, up = F.linear(h, w(mlp.linear_fc1.weight)).chunk(2, dim=-1)
-        m = tp.reduce_from(F.linear(F.silu(gate) * up, w(mlp.linear_fc2.weight)))
+        if self.lora is not None:
+            gate, up = self.lora.add("gate_proj", h, gate), self.lora.add("up_proj", h, up)
+        act = F.silu(gate) * up
+        y = F.linear(act, w(mlp.linear_fc2.weight))
+        m = tp.reduce_from(y if self.lora is None else self.lora.add("down_proj", act, y))
         return x + (rms_norm(m, w(self.post_mlp_layernorm.weight), eps) if self.post_norms else m)
 
 
@@ -423,7 +439,7 @@ class TrainerModel(nn.Module):
                  expert_dp_group: dist.ProcessGroup | None = None, source: TensorSource | None = None,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimConfig | None = None,
                  device: str | torch.device = "cpu",
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, lora: Lora | None = None) -> None:
         super().__init__()
         if par.tp > spec.num_kv_heads or spec.num_kv_heads % par.tp:
             raise ValueError(
@@ -481,6 +497,10 @@ class TrainerModel(nn.Module):
         assert not tensors, f"layout tensors not placed in the module: {sorted(tensors)}"
         names = [n for n, _ in self.named_parameters()]
         assert names == [t.name for t in self.rank_layout.tensors], names
+        self.lora = lora
+        self.adapter: LoraWeights | None = None
+        if lora is not None:
+            self._init_adapter(lora)
 
         trained = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in trained if p.dim() > 1]
@@ -491,6 +511,42 @@ class TrainerModel(nn.Module):
              {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
         self._grads_synced = True
+
+    def _init_adapter(self, lora: Lora) -> None:
+        """Freeze the base and hold the adapter (zeroed; ``load_adapter`` fills it), sharded as
+        Megatron shards each target's base linear (``lora.table``)."""
+        self.requires_grad_(False)
+        par = dataclasses.replace(self.par, dtype="float32")
+        self.adapter_layout = megatron_adapter_layout(self.spec, lora, par)
+        self.adapter = LoraWeights(self.adapter_layout.ranks[self.rank], self.device, trainable=True)
+        for i in range(len(self.decoder.layers)):
+            for name in lora.targets:  # a column target's B and a row target's A are the sharded ones
+                t = TARGETS[name]
+                self.adapter.get_parameter(f"decoder.layers.{i}.{t.megatron}.linear_in.weight") \
+                    .tensor_model_parallel = not t.column
+                self.adapter.get_parameter(f"decoder.layers.{i}.{t.megatron}.linear_out.weight") \
+                    .tensor_model_parallel = t.column
+        tp, dtype = self.tp, self.compute_dtype
+
+        def cast(weight: torch.Tensor, replicated: bool) -> torch.Tensor:
+            return (tp.copy_to(weight) if replicated else weight).to(dtype)
+
+        for i, layer in enumerate(self.decoder.layers):
+            terms = trainer_terms(self.adapter, lora, f"decoder.layers.{i}.", cast)
+            layer.lora = terms  # ``lora.check_lora``: GQA attention, dense MLPs
+            layer.self_attention.lora = terms
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter's parameters by layout name (what an adapter sync reads)."""
+        assert self.adapter is not None, "adapter_tensors needs a trainer built with lora="
+        return self.adapter.tensors()
+
+    @torch.no_grad()
+    def load_adapter(self, source: TensorSource) -> None:
+        """Overwrite the adapter with this rank's pieces of ``source`` (PEFT's logical tensors)."""
+        tensors = load_rank(self.adapter_layout, self.rank, source, device=self.device)
+        for name, t in self.adapter_tensors().items():
+            t.copy_(tensors[name])
 
     def _init_experts(self, group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
                       timeout: datetime.timedelta) -> None:
@@ -661,16 +717,17 @@ class TrainerModel(nn.Module):
         """
         if self._grads_synced:
             return
-        for p in self.parameters():
+        trained = [p for p in self.parameters() if p.requires_grad]  # a LoRA trainer's base is frozen
+        for p in trained:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        dense = [p.grad for p in self.parameters() if not getattr(p, "expert", False)]
-        experts = [p.grad for p in self.parameters() if getattr(p, "expert", False)]
+        dense = [p.grad for p in trained if not getattr(p, "expert", False)]
+        experts = [p.grad for p in trained if getattr(p, "expert", False)]
         if self.dp.size > 1:
             _reduce_grads(self.dp, dense, self.dp.size)
         if experts:
             _reduce_grads(self.expert_dp, experts, self.expert_grad_divisor)
-        if self.tied_copy:
+        if self.tied_copy and self._tied_param().requires_grad:
             mine = self._tied_param().grad
             other = self.pp.exchange(mine, self.par.pp - 1 if self.first else 0)
             first, last = (mine, other) if self.first else (other, mine)
@@ -721,7 +778,8 @@ class TrainerModel(nn.Module):
         if limit is not None and norm > limit:
             scale = limit / (norm + 1e-6)
             for p in self.parameters():
-                p.grad.mul_(scale)
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from shardsync.dtypes import torch_dtype
-from shardsync.layout import Layout, full_layout
+from shardsync.layout import Layout
+from shardsync.layout.full import full_rank
 from shardsync.plan import build_plan
 from shardsync.plan.local import region
 from shardsync.spec import ModelSpec
@@ -24,16 +25,18 @@ from shardsync.spec import ModelSpec
 TensorSource = Callable[[str], torch.Tensor]
 
 
-def random_source(spec: ModelSpec, seed: int = 0, *, std: float = 0.02) -> TensorSource:
+def random_source(spec: ModelSpec, seed: int = 0, *, std: float = 0.02,
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> TensorSource:
     """Deterministic random logical tensors: norms near 1, everything else N(0, std); a tensor an
     engine holds narrower than float32 (SGLang's bfloat16 indexer ``weights_proj``) holds values
-    that dtype represents, as a checkpoint in it would."""
+    that dtype represents, as a checkpoint in it would.  ``shapes``: tensors beside the model's
+    (a LoRA adapter's, ``lora.adapter_tensors``)."""
     from shardsync.layout.raw import narrow_dtypes
 
     narrow = narrow_dtypes(spec, frozenset(), "float32")
 
     def get(name: str) -> torch.Tensor:
-        shape = logical_shape(spec, name)
+        shape = shapes[name] if shapes is not None and name in shapes else logical_shape(spec, name)
         digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         t = torch.randn(shape, generator=g, dtype=torch.float32)
@@ -94,7 +97,9 @@ def checkpoint_source(path: str | Path) -> TensorSource:
 def load_rank(layout: Layout, rank: int, source: TensorSource, *,
               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Rank ``rank``'s local tensors (layout dtype), padding zero, filled from ``source``."""
-    plan = build_plan(full_layout(layout.spec, dtype="float32", names=list(layout.logical)), layout)
+    names = list(layout.logical)
+    full = Layout("full", layout.spec, layout.logical, (full_rank("full0", names, layout.logical, "float32"),))
+    plan = build_plan(full, layout)
     out = {
         t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device)
         for t in layout.ranks[rank].tensors

@@ -9,6 +9,7 @@ from typing import Any
 from shardsync.control.session import Conflict, Invalid
 from shardsync.control.wire import PROTOCOL_VERSION, ConnectRequest
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
+from shardsync.lora import Lora
 from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
@@ -50,6 +51,7 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
         "engine_variants": [sorted(e.variants) for e in topo.engines] if any(e.variants for e in topo.engines) else [],
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc,
         "control": control, "verify": verify, "delta": delta, "rendezvous": dataclasses.asdict(rdv),
+        "lora": None if topo.lora is None else topo.lora.to_dict(),
     })
 
 
@@ -77,7 +79,8 @@ def topology_from_connect(req: ConnectRequest, dtype: str, quantization: str | N
         raise ValueError(f"engine_variants names {len(variants)} engines, engines {len(req.engines)}")
     engines = tuple(EngineParallel(tp=tp, ep=ep, pp=pp, dtype=dtype, whole=w, variants=frozenset(v))
                     for tp, ep, pp, w, v in zip(req.engines, eps, pps, whole, variants, strict=True))
-    return Topology(spec, trainer, engines, quantization=quantization, relay=req.relay)
+    lora = None if req.lora is None else Lora.from_dict(req.lora.model_dump())
+    return Topology(spec, trainer, engines, quantization=quantization, relay=req.relay, lora=lora)
 
 
 PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engine receives into {where}: "
@@ -87,12 +90,13 @@ PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engi
 
 def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1,
                   pp: int = 1, *, staging: str | None = None,
-                  variants: frozenset[str] = frozenset(), quantization: str | None = None) -> dict[str, str]:
+                  variants: frozenset[str] = frozenset(), quantization: str | None = None,
+                  lora: Lora | None = None) -> dict[str, str]:
     """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
     differs when trainer and engine disagree (nothing is joined or changed).  ``staging``:
     where this engine receives, unless it stages whole shards (what a push needs); ``variants``:
     this engine's layout variants, which the plan must have been made for; ``quantization``: the
-    FP8 format it serves."""
+    FP8 format it serves; ``lora``: the adapter it serves (an adapter sync must name the same one)."""
     if req.protocol != PROTOCOL_VERSION:
         raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
     if req.ipc is Ipc.PUSH and staging is not None:
@@ -108,6 +112,11 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
         topo = topology_from_connect(req, dtype, quantization)
     except (TypeError, ValueError) as e:
         raise Invalid(f"cannot build the sync topology: {e}") from None
+    if topo.lora != lora:
+        theirs_lora = "no adapter" if topo.lora is None else f"adapter {topo.lora}"
+        raise Conflict(f"the trainer syncs {theirs_lora}, this engine serves "
+                       f"{'no adapter' if lora is None else f'adapter {lora}'}: start the engine with the "
+                       "trainer's LoRA rank, alpha and targets (or connect a full-model sync)")
     declared = req.engines[req.engine_index] if req.engine_index < len(req.engines) else None
     if declared != tp:
         raise Conflict(f"engine {req.engine_index} declared with TP {declared if declared else '?'}, "

@@ -2,7 +2,10 @@
 attention).
 Mixture of experts: GRPO with the trainer's experts spread over its DP ranks (EP 2) into an
 engine holding them EP 2 inside its TP group, synced by p2p and by broadcast, every update
-checked bitwise and by the engine re-scoring the batch."""
+checked bitwise and by the engine re-scoring the batch.
+
+Heavy per-family runs (~2.5 min on 2 cores): deselected from the main suite, run by CI as their
+own step (``pytest -q -m families``)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import pytest
 
 from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.presets import PRESETS
+
+pytestmark = pytest.mark.families
 
 
 def _demo(out: Path, model: str, *args: str, modes: tuple[str, ...] = ("p2p", "broadcast"),

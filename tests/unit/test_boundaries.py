@@ -46,7 +46,7 @@ def room_of(module: str) -> str:
 
 ROOMS = {"vocab": "mode", "store": "store",
          "spec": "metadata", "presets": "metadata", "family": "metadata", "topology": "metadata",
-         "layout": "metadata", "plan": "metadata", "quant": "metadata",
+         "layout": "metadata", "plan": "metadata", "quant": "metadata", "lora": "metadata",
          "dtypes": "metadata", "gcpause": "metadata", "sync": "trainer", "config": "trainer", "connection": "trainer",
          "fsdp2": "trainer", "launch": "programs", "demo": "programs", "bench": "programs",
          "cli": "programs", "__main__": "programs", "timeline": "programs", "progress": "programs",

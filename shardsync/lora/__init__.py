@@ -1,0 +1,15 @@
+"""LoRA adapters: what an adapter is (``config``), the modules it targets (``table``) and its
+layouts on trainer and engines (``layout``)."""
+
+from shardsync.lora.config import ALL_LINEAR, Lora
+from shardsync.lora.layout import (
+    adapter_tensors,
+    check_lora,
+    engine_adapter_layout,
+    full_adapter_layout,
+    megatron_adapter_layout,
+)
+from shardsync.lora.table import TARGETS, Target
+
+__all__ = ["ALL_LINEAR", "TARGETS", "Lora", "Target", "adapter_tensors", "check_lora", "engine_adapter_layout",
+           "full_adapter_layout", "megatron_adapter_layout"]

@@ -1,0 +1,79 @@
+"""LoRA in both reference models: one rank's adapter tensors under their layout names, and
+the low-rank term each adapted linear adds, ``scale * (x @ A.T) @ B.T``.
+
+The term is computed on the rank's shard as the base linear is: a column-parallel target adds
+its rows of the output (``A`` whole, ``B`` the rank's rows); a row-parallel one adds a partial
+sum (``A`` the rank's columns, ``B`` whole) that the base linear's all-reduce completes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardsync.dtypes import torch_dtype
+from shardsync.layout.piece import RankLayout
+from shardsync.lora import TARGETS, Lora
+
+
+class LoraWeights(nn.Module):
+    """The adapter tensors of one rank (``lora.layout``), as parameters named by the layout
+    (``get_parameter(name)``), zeroed; ``trainable``: a trainer's (fp32 masters, gradients)."""
+
+    def __init__(self, rl: RankLayout, device: torch.device, *, trainable: bool = False) -> None:
+        super().__init__()
+        for t in rl.tensors:
+            *path, attr = t.name.split(".")
+            owner: nn.Module = self
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = owner.get_submodule(part)
+            data = torch.zeros(t.stored, dtype=torch_dtype(t.dtype), device=device)
+            owner.register_parameter(attr, nn.Parameter(data, requires_grad=trainable))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> parameter: what a receiver writes (or a sync reads)."""
+        return dict(self.named_parameters())
+
+
+# (weight, replicated over TP) -> what the math reads: the trainer casts to its compute dtype and
+# sums a replicated weight's gradient over TP (each rank's term sees only its shard)
+Cast = Callable[[torch.Tensor, bool], torch.Tensor]
+
+
+class LoraTerm:
+    """One layer's adapted linears on one rank: ``add(target, x, y)`` returns ``y`` plus the
+    target's low-rank term (``y`` itself where the adapter has no such target).  ``names``: the
+    target's (A, B) local names, formatted from the layer's prefix; ``cast``: what the math reads
+    each weight through (the trainer's compute dtype and TP gradient functions)."""
+
+    def __init__(self, weights: LoraWeights, lora: Lora, names: dict[str, tuple[str, str]],
+                 cast: Cast | None = None) -> None:
+        self.weights, self.scale, self.names = weights, lora.scale, names
+        self.cast: Cast = cast or (lambda w, replicated: w)
+
+    def add(self, target: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pair = self.names.get(target)
+        if pair is None:
+            return y
+        column = TARGETS[target].column  # A whole on every rank (else B)
+        a = self.cast(self.weights.get_parameter(pair[0]), column)
+        b = self.cast(self.weights.get_parameter(pair[1]), not column)
+        return y + self.scale * F.linear(F.linear(x, a), b)
+
+
+def engine_terms(weights: LoraWeights, lora: Lora, layer: int) -> LoraTerm:
+    """Layer ``layer``'s adapted linears on an engine rank (PEFT's names)."""
+    pre = f"model.layers.{layer}."
+    return LoraTerm(weights, lora, {n: (pre + TARGETS[n].a, pre + TARGETS[n].b) for n in lora.targets})
+
+
+def trainer_terms(weights: LoraWeights, lora: Lora, local: str, cast: Cast) -> LoraTerm:
+    """A trainer layer's adapted linears under Megatron's adapter names (``local``: the layer's
+    prefix, ``decoder.layers.{i}.``)."""
+    names = {n: (f"{local}{TARGETS[n].megatron}.linear_in.weight", f"{local}{TARGETS[n].megatron}.linear_out.weight")
+             for n in lora.targets}
+    return LoraTerm(weights, lora, names, cast)
