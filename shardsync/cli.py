@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
+from shardsync.lora import ALL_LINEAR, TARGETS, Lora
 from shardsync.presets import load_spec
 from shardsync.quant.fp8 import FORMATS
 from shardsync.topology import Topology
@@ -144,7 +145,23 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
                               threads=args.threads, log_level=args.log_level, advertise=args.advertise,
                               token_file=args.token_file, delta_root=args.delta_root,
                               staging_bytes=args.staging_bytes, crossing=args.crossing,
-                              commit_wait_s=args.commit_wait_s, quantization=args.quantization))
+                              commit_wait_s=args.commit_wait_s, quantization=args.quantization,
+                              lora=lora_of(args)))
+
+
+def add_lora_args(p: argparse.ArgumentParser, rank_help: str) -> None:
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R", help=rank_help)
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: twice the rank)")
+    p.add_argument("--lora-targets", default=",".join(ALL_LINEAR),
+                   help=f"modules the adapter targets, comma-separated (PEFT's target_modules; of "
+                        f"{', '.join(TARGETS)})")
+
+
+def lora_of(args: argparse.Namespace) -> Lora | None:
+    if not args.lora_rank:
+        return None
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    return Lora(args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
 
 
 ENGINE_EXTRA = ("fastapi", "uvicorn")  # the reference engine's server (pyproject's ``engine`` extra)
@@ -351,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve FP8 weights in this format (fp8: 128 x 128 blocks, float32 scales): the "
                         "linear weights are held in e4m3 with their scales, and each worker quantizes "
                         "what a sync delivers")
+    add_lora_args(p, "serve a LoRA adapter of this rank on the base (zeroed until a sync writes it); a sync "
+                     "then moves the adapter alone")
     p.add_argument("--staging-bytes", type=_staging_bytes, default=0, metavar="N|shard",
                    help="memory per TP worker to receive the next version into while serving; 0 (default): "
                         "receive in place, generation pauses for the whole receive; 'shard': one copy of the "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardsync.lora import Lora
 from shardsync.vocab import Channel, Completion, Crossing, DeltaTransport, Ipc, Request, Signals, Word
 
 # Fields named in ``shardsync.vocab`` take their words or the words' text; ``__post_init__``
@@ -113,6 +114,9 @@ class SyncConfig:
     # JSON lines, one record per update: rank 0's; with "{rank}" in it, every rank's own file
     records_path: str | None = None
     detail: bool = False  # per-bucket timings in records
+    # a LoRA adapter: the sync moves it alone (``params`` are the trainer's adapter tensors) into
+    # engines serving that adapter on their base
+    lora: Lora | None = None
 
     def __post_init__(self) -> None:
         _word(self, "mode", Request, "mode")

@@ -49,7 +49,7 @@ def agree(ranks: TrainerRanks, client: EngineClient | None, cfg: SyncConfig, spe
     refused: str | None = None
     whole, replanned = False, False
     while True:
-        topo = topology_of(decision, spec, parallel, relay=cfg.relay, whole=whole)
+        topo = topology_of(decision, spec, parallel, relay=cfg.relay, whole=whole, lora=cfg.lora)
         mode, reason = (Mode.BROADCAST, refused) if whole else choose_full(topo, cfg.mode)
         if cfg.ipc and mode is not Mode.P2P:
             raise SyncError(f"colocated IPC needs the p2p path, but {reason}")

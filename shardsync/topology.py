@@ -23,7 +23,7 @@ from shardsync.layout import (
     stage_sources,
 )
 from shardsync.layout.fsdp2 import Fsdp2Parallel, fsdp2_layout
-from shardsync.layout.logical import is_expert
+from shardsync.layout.logical import is_expert, model_tensors
 from shardsync.layout.raw import raw_dtypes
 from shardsync.lora import Lora, engine_adapter_layout, full_adapter_layout, megatron_adapter_layout
 from shardsync.plan import Plan, build_plan
@@ -167,6 +167,17 @@ class Topology:
         mine = {p.logical for r in self.trainer_layout.ranks for p in r.pieces} - self.engine_held
         logical = self.trainer_layout.logical
         return sum(math.prod(logical[n]) for n in mine) * dtype_itemsize(self.wire_dtype)
+
+    @cached_property
+    def adapter(self) -> dict[str, int] | None:
+        """An adapter sync's sizes: its rank, the adapter's bytes and the base model's (never moved),
+        at the wire dtype; None for a whole-model sync."""
+        if self.lora is None:
+            return None
+        size = dtype_itemsize(self.wire_dtype)
+        return {"rank": self.lora.rank,
+                "adapter_bytes": sum(math.prod(s) for s in self.trainer_layout.logical.values()) * size,
+                "base_bytes": sum(math.prod(s) for s in model_tensors(self.spec).values()) * size}
 
     @cached_property
     def engines_layout(self) -> Layout:

@@ -4,6 +4,7 @@ rendezvous, and the connection's topology."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from typing import Protocol
@@ -13,6 +14,7 @@ from shardsync.control.sglang import SglangEngines
 from shardsync.control.vllm import VllmEngines
 from shardsync.control.wire import Decision, InfoResponse
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
+from shardsync.lora import Lora
 from shardsync.quant.support import refusal
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
@@ -48,10 +50,11 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
     if len(dtypes) != 1:
         raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
     staged = {i.kind for i in infos} <= set(STAGED_KINDS)  # their pipeline stages are planned per rank
-    facts = {(i.kind, 1 if staged else i.pp, i.quantization) for i in infos}
+    facts = {(i.kind, 1 if staged else i.pp, i.quantization, None if i.lora is None else i.lora.model_dump_json())
+             for i in infos}
     if len(facts) != 1:
-        raise SyncError(f"engines differ in (kind, pp, quantization): {sorted(facts, key=str)}")
-    kind, pp, quantization = facts.pop()
+        raise SyncError(f"engines differ in (kind, pp, quantization, adapter): {sorted(facts, key=str)}")
+    kind, pp, quantization, lora = facts.pop()
     refused = refusal(quantization)
     if refused is not None:
         raise SyncError(refused)
@@ -59,7 +62,8 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
                     pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(), port=port,
                     variants=[i.variants for i in infos] if any(i.variants for i in infos) else [],
                     name=f"shardsync-{uuid.uuid4().hex[:16]}",
-                    facts={"kind": kind, "pp": pp, "quantization": quantization})
+                    facts={"kind": kind, "pp": pp, "quantization": quantization,
+                           "lora": None if lora is None else json.loads(lora)})
 
 
 def rendezvous_of(decision: Decision, trainer_ranks: int, *, host: str, backend: str, timeout_s: float) -> Rendezvous:
@@ -70,9 +74,16 @@ def rendezvous_of(decision: Decision, trainer_ranks: int, *, host: str, backend:
 
 
 def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel | Fsdp2Parallel, *, relay: bool,
-                whole: bool) -> Topology:
+                whole: bool, lora: Lora | None = None) -> Topology:
     """The connection's topology from the engines' facts (``whole``: engines whose own loaders
-    shard whole tensors)."""
+    shard whole tensors; ``lora``: the adapter this trainer syncs, which they must serve)."""
+    served = decision.facts.get("lora")
+    theirs = None if served is None else Lora.from_dict(served)
+    if theirs != lora:
+        raise SyncError(f"the engines serve {'no adapter' if theirs is None else f'adapter {theirs}'}, this trainer "
+                        f"syncs {'the whole model' if lora is None else f'adapter {lora}'}: start the engines with "
+                        "the trainer's LoRA rank, alpha and targets (--lora-rank/--lora-alpha/--lora-targets), or "
+                        "set SyncConfig(lora=...) to what they serve")
     n = len(decision.tps)
     eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
     variants = [[]] * n if whole or not decision.variants else decision.variants
@@ -81,4 +92,4 @@ def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel |
                     tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole, variants=frozenset(v))
                           for t, ep, pp, v in zip(decision.tps, eps, pps, variants, strict=True)),
                     engine_kind=decision.facts["kind"], engine_pp=decision.facts["pp"],
-                    quantization=decision.facts["quantization"], relay=relay)
+                    quantization=decision.facts["quantization"], relay=relay, lora=lora)

@@ -32,6 +32,14 @@ class Msg(BaseModel):
 
 # -- HTTP bodies --
 
+class LoraMsg(Msg):
+    """The adapter a sync moves (``lora.Lora``): the engine must serve the same one."""
+
+    rank: int = Field(ge=1, le=65536)
+    alpha: float = Field(gt=0, le=1e6)
+    targets: list[Annotated[str, Field(max_length=32)]] = Field(min_length=1, max_length=16)
+
+
 class TrainerParallelMsg(Msg):
     kind: Literal["megatron", "fsdp2"] = "megatron"
     shard: int = Field(1, ge=1, le=65536)  # fsdp2: the shard group, and its copies (HSDP)
@@ -59,14 +67,6 @@ class RendezvousMsg(Msg):
 
 # an engine's layout variant words (``layout.engine.ENGINE_VARIANTS``), bounded here, checked there
 Variants = Annotated[list[Annotated[str, Field(max_length=32, pattern=r"^[a-z0-9_]+$")]], Field(max_length=8)]
-
-
-class LoraMsg(Msg):
-    """The adapter a sync moves (``lora.Lora``): the engine must serve the same one."""
-
-    rank: int = Field(ge=1, le=65536)
-    alpha: float = Field(gt=0, le=1e6)
-    targets: list[Annotated[str, Field(max_length=32)]] = Field(min_length=1, max_length=16)
 
 
 class ConnectRequest(Msg):
@@ -147,6 +147,7 @@ class InfoResponse(BaseModel):
     pp: int = 1
     quantization: str | None = None
     variants: Variants = Field(default_factory=list)  # how its layout departs from the default
+    lora: LoraMsg | None = None  # the adapter it serves on its base (a sync moves that adapter alone)
 
 
 class ChecksumResponse(BaseModel):

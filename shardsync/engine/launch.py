@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardsync.lora import Lora
 from shardsync.placement import rank_device
 from shardsync.store.auth import is_loopback
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
@@ -48,6 +49,7 @@ class EngineConfig:
     crossing: Crossing = Crossing.FINISH  # running requests when the weights change: finish | span | abort
     commit_wait_s: float = 30.0  # finish: the longest a change waits for them
     quantization: str | None = None  # an FP8 format (quant.FORMATS): serve FP8 weights, quantize what arrives
+    lora: Lora | None = None  # serve this adapter on the base: syncs then write the adapter alone
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "crossing", Crossing.parse(self.crossing, "crossing"))
@@ -79,6 +81,9 @@ def engine_command(cfg: EngineConfig) -> list[str]:
            "--crossing", cfg.crossing.value, "--commit-wait-s", str(cfg.commit_wait_s)]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
                 "--delta-root": cfg.delta_root, "--quantization": cfg.quantization}
+    if cfg.lora is not None:
+        optional.update({"--lora-rank": str(cfg.lora.rank), "--lora-alpha": repr(cfg.lora.alpha),
+                         "--lora-targets": ",".join(cfg.lora.targets)})
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
 
 
@@ -130,7 +135,7 @@ def _worker(rank: int, cfg: EngineConfig, token: str, tp_port: int, commands: li
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL sync groups use the current device
     model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device, ep=cfg.ep,
-                                    quantization=cfg.quantization)
+                                    quantization=cfg.quantization, lora=cfg.lora)
     worker = EngineWorker(model, rank, cfg.tp, secret=token, staging_bytes=cfg.staging_bytes)
     if rank != 0:
         peer_loop(worker, commands[rank - 1], results, events)

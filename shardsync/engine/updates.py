@@ -18,6 +18,7 @@ from shardsync.control.wire import (
     BeginRequest,
     ConnectRequest,
     InfoResponse,
+    LoraMsg,
     PullRequest,
     VersionResponse,
 )
@@ -66,6 +67,8 @@ class WeightService:
     def info(self) -> InfoResponse:
         return InfoResponse(spec=spec_to_dict(self.worker.spec), tp=self.worker.tp, ep=self.worker.ep,
                             dtype=self.worker.dtype, weight_version=self.session.version, stale=self.session.stale,
+                            lora=None if self.worker.model.lora is None
+                            else LoraMsg.model_validate(self.worker.model.lora.to_dict()),
                             **{"quantization": self.worker.quantization, **self.facts})
 
     def version(self) -> VersionResponse:
@@ -74,7 +77,8 @@ class WeightService:
 
     def connect(self, req: ConnectRequest) -> dict[str, Any]:
         fingerprints = check_connect(req, self.worker.spec, self.worker.tp, self.worker.dtype, self.worker.ep,
-                                     staging=self.worker.receiver.unpushable, quantization=self.worker.quantization)
+                                     staging=self.worker.receiver.unpushable, quantization=self.worker.quantization,
+                                     lora=self.worker.model.lora)
         self.session.offer(req, fingerprints)
         return {"ok": True, "fingerprints": fingerprints}
 

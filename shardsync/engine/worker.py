@@ -48,13 +48,13 @@ class EngineWorker:
         for p in model.parameters():
             p.requires_grad_(False)
         self.ep = model.ep
-        self.destination = destination_for(dict(model.named_parameters()), staging_bytes)
+        self.destination = destination_for(model.synced_tensors(), staging_bytes)
         if model.quantization is not None:  # the trainer's bytes land wide; this rank quantizes them
             self.destination = Quantized(self.destination, model.targets, model.quantization,
                                          dtype=model.dtype, device=model.device)
         self.staging: Staged | None = self.destination.staged()
         self.receiver = Receiver(model.spec, rank, tp, self.destination, dtype=model.dtype, device=model.device,
-                                 secret=secret, ep=model.ep, quantization=self.quantization)
+                                 secret=secret, ep=model.ep, quantization=self.quantization, lora=model.lora)
         self.seqs: dict[int, Decoding] = {}  # sequences being generated, by the dispatcher's id
         self.notify: Notify | None = None  # where a staged receive reports (set by the host)
         self._stage: threading.Thread | None = None

@@ -505,9 +505,10 @@ class EngineModel(nn.Module):
     def from_source(cls, spec: ModelSpec, source: TensorSource, tp_rank: int = 0, tp_size: int = 1,
                     group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", *, ep: int = 1,
-                    quantization: str | None = None) -> EngineModel:
-        """Build rank ``tp_rank`` and fill it from ``source`` (``random_source``, ``checkpoint_source``)."""
-        model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep, quantization=quantization)
+                    quantization: str | None = None, lora: Lora | None = None) -> EngineModel:
+        """Build rank ``tp_rank`` and fill it from ``source`` (``random_source``, ``checkpoint_source``);
+        an adapter (``lora``) starts zeroed, as PEFT's ``B`` does: the base model's outputs."""
+        model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep, quantization=quantization, lora=lora)
         model.load_source(source)
         return model
 

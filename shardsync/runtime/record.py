@@ -42,6 +42,7 @@ class UpdateRecord:
     unsent_bytes: int = 0  # the trainer's tensors no engine holds (MTP layers), at the wire dtype: not moved
     started_at: float = 0.0  # wall-clock seconds when the update began (steps' times are wall-clock too)
     quantized_changed: int = 0  # FP8 engines: this rank's e4m3 bytes and scales that changed since its last send
+    adapter: dict[str, int] | None = None  # an adapter sync: its rank, adapter_bytes and base_bytes (not moved)
 
     @property
     def total_s(self) -> float:
@@ -64,7 +65,12 @@ class UpdateRecord:
         return (f"weight update v{self.version} mode={self.mode}{why} ok={self.ok} "
                 f"bytes={total / 2**20:.2f}MiB busiest_link={self.busiest_link_bytes / 2**20:.2f}MiB "
                 f"buckets={self.buckets} total={self.total_s * 1e3:.1f}ms ({phases}) {gbps:.3f}GB/s"
-                f"{self._serving()}{self._unsent()}")
+                f"{self._serving()}{self._unsent()}{self._adapter()}")
+
+    def _adapter(self) -> str:
+        a = self.adapter
+        return (f" adapter=r{a['rank']} {a['adapter_bytes'] / 2**20:.2f}MiB (base {a['base_bytes'] / 2**20:.1f}MiB "
+                "not moved)" if a else "")
 
     def _unsent(self) -> str:
         return f" unsent={self.unsent_bytes / 2**20:.2f}MiB (no engine holds them)" if self.unsent_bytes else ""
@@ -129,6 +135,7 @@ class _Common(TypedDict):
     unsent_bytes: int
     started_at: float
     quantized_changed: int
+    adapter: dict[str, int] | None
 
 
 def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None,
@@ -147,7 +154,7 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
     common = _Common(version=version, mode=mode.value, ok=error is None, rank=rank, error=error, source=source,
                      bytes_sent=stats.bytes_sent, engines=list(engines), phases=phases,
                      unsent_bytes=topo.unsent_bytes, started_at=started_at,
-                     quantized_changed=stats.derived_changed)
+                     quantized_changed=stats.derived_changed, adapter=topo.adapter)
     if mode.is_delta:
         delta = {"elements": stats.elements, "bytes_sent": stats.bytes_sent, "encodings": dict(stats.encodings),
                  "engine_changed": sum(e.changed for e in engines),
