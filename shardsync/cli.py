@@ -194,7 +194,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                      bucket_mb=args.bucket_mb,
                      seed=args.seed, lr=args.lr, out=args.out, delta_transport=args.delta_transport,
                      engine_dtype=args.engine_dtype, device=args.device, ipc=args.ipc, engine=args.engine,
-                     staging=args.staging, engine_quantization=args.engine_quantization)
+                     staging=args.staging, engine_quantization=args.engine_quantization, lora_rank=args.lora)
     if args.launcher == "ray" and args.engine == "vllm":
         print("error: --engine vllm runs with the local launcher only", file=sys.stderr)
         return 2
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "scales; the trainer quantizes what it sends); the table's |lp diff| is then the "
                         "trainer/FP8-engine gap (a model whose engine shards are whole blocks: tiny-qwen3-fp8)"),
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size in MiB")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="train a LoRA adapter of rank R on every linear (alpha 2R, frozen base) and sync the "
+                        "adapter alone into engines serving it on their base")
     p.add_argument("--lr", type=float, default=None, help="learning rate; None: 1e-2 (1e-5 with --mode delta)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
     p.add_argument("--out", default="out/demo", help="directory for records.jsonl, steps.json and demo.png")

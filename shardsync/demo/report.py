@@ -48,6 +48,13 @@ def summary(rows: list[dict], modes: list[str]) -> list[str]:
     if all(v is not None for vals in lps.values() for v in vals):
         out.append("trainer vs engine logprob |diff| right after each update (mean over steps): " +
                    ", ".join(f"{m} {statistics.mean(v):.2e}" for m, v in lps.items()))
+    adapter = next((u["adapter"] for u in rows[0]["updates"].values() if u.get("adapter")), None) if rows else None
+    if adapter:
+        share = adapter["adapter_bytes"] / adapter["base_bytes"]
+        out.append(f"adapter-only sync: LoRA rank {adapter['rank']}, {adapter['adapter_bytes'] / 2**20:.2f} MiB of a "
+                   f"{adapter['base_bytes'] / 2**20:.1f} MiB base ({share:.1%}), the base never moved; the engines "
+                   "served adapter versions "
+                   f"{', '.join(str(r['version']) for r in rows)}, one per step")
     oks = [u["checksum_ok"] for r in rows for u in r["updates"].values()]
     ok = "skipped" if None in oks else "ok" if all(oks) else "MISMATCH"
     out.append(f"bitwise checksum after every sync: {ok}")

@@ -22,6 +22,7 @@ from shardsync.demo import report
 from shardsync.dtypes import torch_dtype
 from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import Fsdp2Parallel, MegatronParallel
+from shardsync.lora import Lora
 from shardsync.store.rendezvous import free_port
 from shardsync.timeline import render as draw_timeline
 
@@ -59,6 +60,7 @@ class DemoConfig:
     engine: str = "reference"  # or "vllm": real vLLM servers (docs/vllm.md)
     staging: bool = True  # reference engines receive while serving (one shard of staging each)
     engine_quantization: str | None = None  # reference engines serve FP8 in this format (quant.FORMATS)
+    lora_rank: int = 0  # train a LoRA adapter of this rank (alpha 2R, every linear) and sync it alone
 
     def __post_init__(self) -> None:
         if self.engine not in ("reference", "vllm"):
@@ -70,6 +72,9 @@ class DemoConfig:
         if self.engine_quantization is not None and self.engine != "reference":
             raise ValueError("--engine-quantization runs reference engines (the real engines' hosts refuse "
                              "quantized models so far)")
+        if self.lora_rank and (self.engine != "reference" or self.trainer_kind != "megatron" or self.mode == "delta"):
+            raise ValueError("--lora runs the Megatron-layout trainer into reference engines with full updates "
+                             "(p2p, broadcast) so far")
         if self.engine == "vllm" and (self.device != "cpu" or self.ipc):
             raise ValueError("--engine vllm runs vLLM's CPU build here: no --device cuda or --ipc")
 
@@ -79,6 +84,10 @@ class DemoConfig:
             return Fsdp2Parallel(shard=self.trainer_dp, dtype="float32")
         return MegatronParallel(tp=self.trainer_tp, pp=self.trainer_pp, dp=self.trainer_dp, ep=self.trainer_ep,
                                 etp=self.trainer_etp, pp_layers=self.trainer_pp_layers, dtype="float32")
+
+    @property
+    def lora(self) -> Lora | None:
+        return Lora(self.lora_rank, 2.0 * self.lora_rank) if self.lora_rank else None
 
     @property
     def uses_ipc(self) -> bool:
@@ -99,7 +108,7 @@ class DemoConfig:
         dtype = self.engine_dtype or ("bfloat16" if self.mode == "delta" else None)
         fields = {"delta_root": str(Path(self.out).resolve() / "versions"),
                   "staging_bytes": -1 if self.staging else 0, "quantization": self.engine_quantization,
-                  **overrides}
+                  "lora": self.lora, **overrides}
         return EngineConfig(model=self.model, tp=tp, ep=self.engine_ep, seed=self.seed, dtype=dtype,
                             device=self.device, **fields)
 
@@ -200,7 +209,8 @@ def run_demo(cfg: DemoConfig) -> int:
         print(f"shardsync demo: {cfg.model}, trainer {desc} -> "
               f"{'vLLM' if cfg.engine == 'vllm' else 'engines'} TP {list(cfg.engine_tp)}"
               f"{f' EP{cfg.engine_ep}' if cfg.engine_ep > 1 else ''}"
-              f"{f' serving {cfg.engine_quantization}' if cfg.engine_quantization else ''}, "
+              f"{f' serving {cfg.engine_quantization}' if cfg.engine_quantization else ''}"
+              f"{f', a LoRA adapter of rank {cfg.lora_rank} synced alone' if cfg.lora_rank else ''}, "
               f"{cfg.steps} GRPO steps, modes {cfg.modes}")
         modes: list[str] = cfg.modes
         printed = False

@@ -127,6 +127,7 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         TransportConfig,
     )
     from shardsync.control.ranks import share_json
+    from shardsync.models.lora import initial_adapter
     from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
     from shardsync.sync import WeightSync
 
@@ -149,9 +150,13 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
             groups = megatron_groups(par, timeout_s=cfg.timeout_s, moe=spec.is_moe)
             model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
                                  expert_dp_group=groups.expert_dp, source=source,
-                                 optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s, device=device)
+                                 optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s, device=device,
+                                 lora=cfg.lora)
+            if cfg.lora is not None:  # PEFT's start: A random, B zero (the engines' zeroed adapter is the same)
+                model.load_adapter(initial_adapter(spec, cfg.lora, cfg.seed))
             # detached views: the same storage, read in place, never part of an autograd graph
-            params = {n: p.detach() for n, p in model.named_parameters()}
+            synced = model.named_parameters() if cfg.lora is None else model.adapter_tensors().items()
+            params = {n: p.detach() for n, p in synced}
         sync = WeightSync(spec, par, rank, params, list(where.engines),
                           SyncConfig(mode="auto" if cfg.mode in ("both", "delta") else cfg.mode,
                                      transport=TransportConfig(bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
@@ -160,7 +165,7 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
                                      if cfg.mode == "delta" else None,
                                      colocated=ColocatedConfig() if cfg.uses_ipc else None,
                                      control=ControlConfig(channel="vllm" if cfg.engine == "vllm" else "store"),
-                                     records_path=where.records_path, detail=where.detail),
+                                     records_path=where.records_path, detail=where.detail, lora=cfg.lora),
                           trainer_group=dist.group.WORLD)
         sync.connect()
         if cfg.mode == "both":
@@ -195,7 +200,7 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
                                  "bytes": sum(rec.link_bytes.values()), "buckets": rec.buckets,
                                  "checksum_ok": None if bad is None else not bad,
                                  "mismatch": (bad or [])[:5], "fallback": rec.fallback_reason,
-                                 "path": rec.mode, "delta": rec.delta,
+                                 "path": rec.mode, "delta": rec.delta, "adapter": rec.adapter,
                                  "logprob_abs_diff": None if scored is None else
                                  float((new - scored[:, start:]).abs().mean())}
             lp_diff = (old[:, start:] - torch.tensor(batch["engine_logprobs"])).abs().mean()

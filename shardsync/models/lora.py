@@ -7,6 +7,8 @@ sum (``A`` the rank's columns, ``B`` whole) that the base linear's all-reduce co
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -15,7 +17,8 @@ from torch import nn
 
 from shardsync.dtypes import torch_dtype
 from shardsync.layout.piece import RankLayout
-from shardsync.lora import TARGETS, Lora
+from shardsync.lora import TARGETS, Lora, adapter_tensors
+from shardsync.spec import ModelSpec
 
 
 class LoraWeights(nn.Module):
@@ -77,3 +80,19 @@ def trainer_terms(weights: LoraWeights, lora: Lora, local: str, cast: Cast) -> L
     names = {n: (f"{local}{TARGETS[n].megatron}.linear_in.weight", f"{local}{TARGETS[n].megatron}.linear_out.weight")
              for n in lora.targets}
     return LoraTerm(weights, lora, names, cast)
+
+
+def initial_adapter(spec: ModelSpec, lora: Lora, seed: int) -> Callable[[str], torch.Tensor]:
+    """PEFT's initial adapter as a tensor source: ``A`` uniform in +-1/sqrt(fan_in) (its
+    ``kaiming_uniform_(a=sqrt(5))``), ``B`` zero, so the adapted model starts as the base;
+    seeded per tensor, so every TP rank cuts the same values."""
+    shapes = adapter_tensors(spec, lora)
+
+    def get(name: str) -> torch.Tensor:
+        rows, cols = shapes[name]
+        if ".lora_B." in name:
+            return torch.zeros(rows, cols)
+        digest = hashlib.sha256(f"lora:{seed}:{name}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return (torch.rand(rows, cols, generator=g) * 2 - 1) / math.sqrt(cols)
+    return get
