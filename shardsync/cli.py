@@ -146,7 +146,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
                               token_file=args.token_file, delta_root=args.delta_root,
                               staging_bytes=args.staging_bytes, crossing=args.crossing,
                               commit_wait_s=args.commit_wait_s, quantization=args.quantization,
-                              lora=lora_of(args)))
+                              lora=lora_of(args), lora_merge=args.lora_merge))
 
 
 def add_lora_args(p: argparse.ArgumentParser, rank_help: str) -> None:
@@ -373,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "what a sync delivers")
     add_lora_args(p, "serve a LoRA adapter of this rank on the base (zeroed until a sync writes it); a sync "
                      "then moves the adapter alone")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="with --lora-rank: serve the adapter merged into the base (no LoRA kernel): each sync "
+                        "moves A and B only and every worker merges base + scale * B @ A into its shard")
     p.add_argument("--staging-bytes", type=_staging_bytes, default=0, metavar="N|shard",
                    help="memory per TP worker to receive the next version into while serving; 0 (default): "
                         "receive in place, generation pauses for the whole receive; 'shard': one copy of the "

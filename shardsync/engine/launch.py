@@ -50,6 +50,7 @@ class EngineConfig:
     commit_wait_s: float = 30.0  # finish: the longest a change waits for them
     quantization: str | None = None  # an FP8 format (quant.FORMATS): serve FP8 weights, quantize what arrives
     lora: Lora | None = None  # serve this adapter on the base: syncs then write the adapter alone
+    lora_merge: bool = False  # ... merged into the base (no LoRA kernel): base + scale * B @ A served
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "crossing", Crossing.parse(self.crossing, "crossing"))
@@ -84,6 +85,8 @@ def engine_command(cfg: EngineConfig) -> list[str]:
     if cfg.lora is not None:
         optional.update({"--lora-rank": str(cfg.lora.rank), "--lora-alpha": repr(cfg.lora.alpha),
                          "--lora-targets": ",".join(cfg.lora.targets)})
+        if cfg.lora_merge:
+            cmd.append("--lora-merge")
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
 
 
@@ -135,7 +138,7 @@ def _worker(rank: int, cfg: EngineConfig, token: str, tp_port: int, commands: li
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL sync groups use the current device
     model = EngineModel.from_source(spec, source, rank, cfg.tp, group, dtype=spec.dtype, device=device, ep=cfg.ep,
-                                    quantization=cfg.quantization, lora=cfg.lora)
+                                    quantization=cfg.quantization, lora=cfg.lora, lora_merge=cfg.lora_merge)
     worker = EngineWorker(model, rank, cfg.tp, secret=token, staging_bytes=cfg.staging_bytes)
     if rank != 0:
         peer_loop(worker, commands[rank - 1], results, events)

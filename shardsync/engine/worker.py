@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from shardsync.control.wire import ConnectRequest
+from shardsync.lora.merge import merge_plan
 from shardsync.mode import Mode
 from shardsync.models.engine import Decoding, EngineModel, prompt_seed
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts
+from shardsync.receiver.merged import Merged
 from shardsync.receiver.quantized import Quantized
 from shardsync.runtime.ledger import RankReport
 from shardsync.spec import ModelSpec
@@ -41,6 +43,19 @@ def destination_for(params: dict[str, torch.Tensor], staging_bytes: int, *,
     return Staged(params, commit=commit, budget=None if staging_bytes == SHARD else staging_bytes)
 
 
+def destination_of(model: EngineModel, rank: int, staging_bytes: int) -> Destination:
+    """Where a sync writes on this rank: the model's synced tensors; a merging LoRA engine's
+    adapter, merged into its base shard (``receiver.merged``) staged or in place."""
+    if not model.lora_merge:
+        return destination_for(model.synced_tensors(), staging_bytes)
+    assert model.lora is not None
+    adapter = model.adapter_layout.ranks[rank]
+    steps = merge_plan(model.layout.ranks[rank], adapter, model.lora)
+    params = dict(model.named_parameters())
+    inner = destination_for({n: params[n] for n in dict.fromkeys(s.base for s in steps)}, staging_bytes)
+    return Merged(inner, steps, adapter, model.lora, device=model.device)
+
+
 class EngineWorker:
     def __init__(self, model: EngineModel, rank: int, tp: int, *, secret: str,
                  staging_bytes: int = 0) -> None:
@@ -48,7 +63,7 @@ class EngineWorker:
         for p in model.parameters():
             p.requires_grad_(False)
         self.ep = model.ep
-        self.destination = destination_for(model.synced_tensors(), staging_bytes)
+        self.destination = destination_of(model, rank, staging_bytes)
         if model.quantization is not None:  # the trainer's bytes land wide; this rank quantizes them
             self.destination = Quantized(self.destination, model.targets, model.quantization,
                                          dtype=model.dtype, device=model.device)

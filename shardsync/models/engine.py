@@ -436,13 +436,14 @@ class EngineModel(nn.Module):
     scales (SGLang's names and shapes) and dequantized for the math.  ``lora``: the engine serves
     that adapter on top of its base: ``adapter`` holds the rank's adapter tensors (zeroed, PEFT's
     names) and every adapted linear adds its low-rank term; a sync then writes the adapter
-    (``synced_tensors``) and the base stays as loaded.
+    (``synced_tensors``) and the base stays as loaded.  ``lora_merge``: no low-rank term; the
+    engine serves base + ``scale * B @ A`` merged into its base shard (``receiver.merged``).
     """
 
     def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
                  device: str | torch.device = "cpu", *, ep: int = 1, quantization: str | None = None,
-                 lora: Lora | None = None) -> None:
+                 lora: Lora | None = None, lora_merge: bool = False) -> None:
         super().__init__()
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank} tp_size={tp_size}")
@@ -474,11 +475,12 @@ class EngineModel(nn.Module):
             held = self.get_submodule(leaf)
             assert isinstance(held, _Leaf), f"{name}: FP8 weights live on leaves"
             held.quantize_(attr, self.quantization, self.dtype, target.scale_shape)
-        self.lora = lora
+        self.lora, self.lora_merge = lora, lora_merge and lora is not None
         self.adapter: LoraWeights | None = None
         if lora is not None:
             par = EngineParallel(tp=tp_size, ep=ep, dtype=_dtype_name(dtype))
             self.adapter_layout = engine_adapter_layout(spec, lora, par)
+        if lora is not None and not lora_merge:
             self.adapter = LoraWeights(self.adapter_layout.ranks[tp_rank], self.device)
             for i, layer in enumerate(self.model.layers):
                 terms = engine_terms(self.adapter, lora, i)
@@ -505,10 +507,12 @@ class EngineModel(nn.Module):
     def from_source(cls, spec: ModelSpec, source: TensorSource, tp_rank: int = 0, tp_size: int = 1,
                     group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", *, ep: int = 1,
-                    quantization: str | None = None, lora: Lora | None = None) -> EngineModel:
+                    quantization: str | None = None, lora: Lora | None = None,
+                    lora_merge: bool = False) -> EngineModel:
         """Build rank ``tp_rank`` and fill it from ``source`` (``random_source``, ``checkpoint_source``);
         an adapter (``lora``) starts zeroed, as PEFT's ``B`` does: the base model's outputs."""
-        model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep, quantization=quantization, lora=lora)
+        model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep, quantization=quantization, lora=lora,
+                    lora_merge=lora_merge)
         model.load_source(source)
         return model
 

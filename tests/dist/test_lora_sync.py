@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardsync.engine.worker import SHARD, destination_for
+from shardsync.engine.worker import SHARD, destination_of
 from shardsync.layout import EngineParallel, Layout, MegatronParallel
 from shardsync.lora import Lora, adapter_tensors, engine_adapter_layout, megatron_adapter_layout
 from shardsync.mode import Mode
@@ -78,7 +78,8 @@ def _merge(layout: Layout, shards: dict[int, dict[str, torch.Tensor]]) -> dict[s
     return full
 
 
-def _world(rank: int, world: int, port: int, sync_port: int, engine_tp: int, staged: bool, out) -> None:
+def _world(rank: int, world: int, port: int, sync_port: int, engine_tp: int, staged: bool, merge: bool,
+           out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = megatron_groups(TRAINER)
     engine_group = dist.new_group(list(range(2, world))) if engine_tp > 1 else None
@@ -103,10 +104,10 @@ def _world(rank: int, world: int, port: int, sync_port: int, engine_tp: int, sta
                                                              if not n.startswith("adapter."))}))
         return
     tp_rank = rank - 2
-    engine = EngineModel(SPEC, tp_rank, engine_tp, engine_group, lora=LORA)
+    engine = EngineModel(SPEC, tp_rank, engine_tp, engine_group, lora=LORA, lora_merge=merge)
     engine.load_source(_base())
     base = {n: p.clone() for n, p in engine.named_parameters() if not n.startswith("adapter.")}
-    dest = destination_for(engine.synced_tensors(), SHARD if staged else 0)
+    dest = destination_of(engine, tp_rank, SHARD if staged else 0)
     receiver = Receiver(SPEC, tp_rank, engine_tp, dest, dtype=torch.float32, secret=SECRET, lora=LORA)
     req = connect_request(topo, 0, {m.value: topo.fingerprint(m.value) for m in set(MODES)}, rdv,
                           bucket_bytes=16 * 1024, credits=2, ipc=None, control="store")
@@ -114,12 +115,35 @@ def _world(rank: int, world: int, port: int, sync_port: int, engine_tp: int, sta
     got = []
     for version, mode in enumerate(MODES, start=1):
         stats = receiver.receive(mode, UpdateArgs(version=version))
-        served = dest.served() if staged else engine.synced_tensors()
+        served = dest.served()
+        params = dict(engine.named_parameters())
         got.append({"bytes": stats.bytes_received, "logits": engine.forward(ids).detach(),
                     "adapter": {n: t.detach().clone() for n, t in served.items()},
-                    "base_kept": all(torch.equal(p, base[n]) for n, p in engine.named_parameters() if n in base)})
+                    "base_kept": all(torch.equal(params[n], base[n]) for n in base),
+                    "base": {n: params[n].detach().clone() for n in base} if merge else {},
+                    "checksums": receiver.checksums()})
     receiver.leave()
     out.put((rank, got))
+
+
+MERGE_ATOL = 2e-8  # float32 weights of ~0.1: a few ulps (the rank-8 sum's order, the final rounding)
+
+
+def _merge_error(engine_tp: int, rank: int, base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> float:
+    """max |merged base shard - (W + scale * B @ A) of the full tensors| over the rank's pieces."""
+    from shardsync.layout import engine_layout
+
+    source = _base()
+    lay = engine_layout(SPEC, EngineParallel(tp=engine_tp, dtype=SPEC.dtype))
+    worst = 0.0
+    for p in lay.ranks[rank].pieces:
+        module = p.logical.removesuffix(".weight")
+        if module + ".lora_A.weight" not in adapter:
+            continue
+        full = source(p.logical) + LORA.scale * (adapter[module + ".lora_B.weight"] @ adapter[module + ".lora_A.weight"])
+        diff = base[p.local][region(p.local_offsets, p.sizes)] - full[region(p.offsets, p.sizes)]
+        worst = max(worst, float(diff.abs().max()))
+    return worst
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +173,14 @@ def _peft_logits(adapter: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(_batch()[0]).logits.float()
 
 
-@pytest.mark.parametrize("engine_tp,staged", [(1, False), (2, True)], ids=["e1-in-place", "e2-staged"])
-def test_adapter_sync_moves_only_the_adapter(engine_tp: int, staged: bool, tp1_grads) -> None:
+@pytest.mark.parametrize("engine_tp,staged,merge", [(1, False, False), (2, True, False), (2, True, True)],
+                         ids=["e1-in-place", "e2-staged", "e2-staged-merge"])
+def test_adapter_sync_moves_only_the_adapter(engine_tp: int, staged: bool, merge: bool, tp1_grads) -> None:
+    """``merge``: the engine serves base + scale * B @ A, merged by each rank into its own base
+    shard (fused QKV and gate/up rows included) from the base it loaded: within float32 rounding
+    of the merge computed from the full tensors."""
     world = 2 + engine_tp
-    res = run_world(_world, world, args=(world, free_port(), free_port(), engine_tp, staged), timeout=240)
+    res = run_world(_world, world, args=(world, free_port(), free_port(), engine_tp, staged, merge), timeout=240)
     trainer_layout = megatron_adapter_layout(SPEC, LORA, TRAINER)
     engine_lay = engine_adapter_layout(SPEC, LORA, EngineParallel(tp=engine_tp, dtype=SPEC.dtype))
     assert all(res[r]["frozen"] for r in range(2))
@@ -170,7 +198,10 @@ def test_adapter_sync_moves_only_the_adapter(engine_tp: int, staged: bool, tp1_g
         reference = _peft_logits(trained)
         for r in range(engine_tp):
             got = res[2 + r][v]
-            assert got["base_kept"], (v, r)
+            assert got["base_kept"] is not merge, (v, r)
+            assert min(got["checksums"].values()) >= 0, (v, r)  # nothing stale
+            if merge:
+                assert _merge_error(engine_tp, r, got["base"], trained) <= MERGE_ATOL, (v, r)
             assert rel(got["logits"][..., :SPEC.vocab_size], reference) < 1e-5, (v, r)
             # an engine rank's share of the adapter, and not a byte of the base
             share = sum(math.prod(t.shape) for t in engine_lay.ranks[r].tensors) * 4
