@@ -35,6 +35,8 @@ TINY: dict[str, list[str]] = {
                  "--clients", "1", "--max-new-tokens", "2"],
     "delta.py": ["--lrs", "1e-5", "--steps", "1", "--transports", "disk", "--skip-e2e"],
     "fp8_delta.py": ["--steps", "1", "--trainer-tp", "1", "--engine-tp", "1"],
+    "lora_update.py": ["--model", "tiny-qwen3", "--rank", "4", "--updates", "1", "--warmup", "0", "--trainer-tp", "1",
+                       "--engine-tp", "1"],
     "engine_forward.py": ["--tp", "1", "--layers", "1", "--prefill-len", "8", "--prompt-len", "4",
                           "--new-tokens", "2", "--rounds", "1", "--repeat", "1"],
 }
