@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from shardsync.launch.procs import children
 from shardsync.layout import MegatronParallel
+from shardsync.lora import Lora, adapter_tensors
 from shardsync.mode import Mode
 from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import PRESETS, load_spec
@@ -49,9 +50,13 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     spec = load_spec(case["model"])
     par = MegatronParallel(tp=world, dtype="float32")
     _, params = join_trainer(rank, world, port, spec, par, seed=case["seed"])
+    lora = case.get("lora")
+    if lora is not None:  # the trainer syncs an adapter alone
+        params = load_rank(Topology(spec, par, lora=lora).trainer_layout, rank,
+                           random_source(spec, case["seed"], shapes=adapter_tensors(spec, lora)))
     sync = WeightSync(spec, par, rank, params, [url],
                       SyncConfig(transport=TransportConfig(bucket_mb=0.05, timeout_s=case.get("timeout", 30)),
-                                 **case["config"]),
+                                 lora=lora, **case["config"]),
                       trainer_group=dist.group.WORLD)
     sync.connect()
     res: dict = {"mode": sync.mode, "reason": sync.fallback_reason}
@@ -116,9 +121,9 @@ def test_forced_p2p_refuses_with_reason() -> None:
     assert choose_full(topo, "broadcast") == ("broadcast", None)
 
 
-def _a_new_trainer_updates(url: str) -> None:
-    """A new trainer connects and sends a full update: the engine serves version 1."""
-    case = {"model": "tiny-qwen3", "seed": 6, "config": {"mode": "p2p"}}
+def _a_new_trainer_updates(url: str, lora: Lora | None = None) -> None:
+    """A new trainer connects and sends a full update (of ``lora``): the engine serves version 1."""
+    case = {"model": "tiny-qwen3", "seed": 6, "config": {"mode": "p2p"}, "lora": lora}
     res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
     assert res[0]["ok"] and res[0]["verify"] == []
     r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
@@ -155,6 +160,28 @@ def test_trainer_rank_killed_mid_staged_update_leaves_engine_serving_its_version
         r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["weight_version"] == 0
         _a_new_trainer_updates(url)  # the engine serves again
+    finally:
+        stop_engine(proc)
+
+
+def test_trainer_rank_killed_mid_adapter_sync_leaves_the_old_adapter_serving() -> None:
+    """An engine serving a LoRA adapter, staged: a trainer rank dies mid adapter sync; the engine
+    keeps serving its adapter (version 0, PEFT's zero start) bit for bit, and a new trainer's
+    adapter lands."""
+    lora = Lora(8, 16.0)
+    proc, url = start_engine("tiny-qwen3", 2, staging_bytes=-1, lora=lora)
+    try:
+        before = httpx.get(url + "/weights/checksum", timeout=30).json()
+        case = {"model": "tiny-qwen3", "seed": 5, "die": True, "timeout": 5, "config": {"mode": "p2p"}, "lora": lora}
+        res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
+        assert "error" in res[0], res[0]
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert not health["stale"] and health["weight_version"] == 0 and health["status"] == "ok"
+        assert httpx.get(url + "/weights/checksum", timeout=30).json() == before, "the served adapter untouched"
+        r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 0
+        _a_new_trainer_updates(url, lora)
+        assert httpx.get(url + "/weights/checksum", timeout=30).json() != before
     finally:
         stop_engine(proc)
 
