@@ -120,7 +120,8 @@ def test_the_merge_lands_where_the_full_merge_would(tp: int) -> None:
             if module + ".lora_A.weight" not in ad_lay.logical:
                 assert not touched[p.local][region(p.local_offsets, p.sizes)].any(), p.local
                 continue
-            full = base(p.logical) + LORA.scale * (adapter(module + ".lora_B.weight") @ adapter(module + ".lora_A.weight"))
+            term = adapter(module + ".lora_B.weight") @ adapter(module + ".lora_A.weight")
+            full = base(p.logical) + LORA.scale * term
             assert torch.all(touched[p.local][region(p.local_offsets, p.sizes)] == 1), p.local
             got = held[p.local][region(p.local_offsets, p.sizes)]
             assert torch.allclose(got, full[region(p.offsets, p.sizes)], rtol=0, atol=1e-7), p.local
