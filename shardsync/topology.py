@@ -25,7 +25,13 @@ from shardsync.layout import (
 from shardsync.layout.fsdp2 import Fsdp2Parallel, fsdp2_layout
 from shardsync.layout.logical import is_expert, model_tensors
 from shardsync.layout.raw import raw_dtypes
-from shardsync.lora import Lora, engine_adapter_layout, full_adapter_layout, megatron_adapter_layout
+from shardsync.lora import (
+    Lora,
+    engine_adapter_layout,
+    fsdp2_adapter_layout,
+    full_adapter_layout,
+    megatron_adapter_layout,
+)
 from shardsync.plan import Plan, build_plan
 from shardsync.plan.plan import dtype_itemsize
 from shardsync.quant.fp8 import FORMATS
@@ -68,9 +74,8 @@ class Topology:
         """The trainer's own tensors (what its ``params`` hold); ``trainer_layout`` adds the
         tensors an FP8 engine's sends derive from them (``derived``)."""
         if self.lora is not None:
-            if not isinstance(self.trainer, MegatronParallel):
-                raise ValueError("adapter sync from an FSDP2 trainer is not supported yet: use a Megatron-layout "
-                                 "trainer, or sync the merged model")
+            if isinstance(self.trainer, Fsdp2Parallel):
+                return fsdp2_adapter_layout(self.spec, self.lora, self.trainer)
             return megatron_adapter_layout(self.spec, self.lora, self.trainer)
         return TRAINER_LAYOUTS[self.trainer.kind](self.spec, self.trainer)
 

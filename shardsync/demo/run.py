@@ -72,9 +72,8 @@ class DemoConfig:
         if self.engine_quantization is not None and self.engine != "reference":
             raise ValueError("--engine-quantization runs reference engines (the real engines' hosts refuse "
                              "quantized models so far)")
-        if self.lora_rank and (self.engine != "reference" or self.trainer_kind != "megatron"):
-            raise ValueError("--lora runs the Megatron-layout trainer into reference engines so far (vLLM's and "
-                             "SGLang's adapters and the FSDP2 + PEFT trainer are not built yet)")
+        if self.lora_rank and self.engine != "reference":
+            raise ValueError("--lora runs reference engines so far (vLLM's and SGLang's adapters are not built yet)")
         if self.engine == "vllm" and (self.device != "cpu" or self.ipc):
             raise ValueError("--engine vllm runs vLLM's CPU build here: no --device cuda or --ipc")
 

@@ -144,8 +144,9 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         if par.kind == "fsdp2":  # a real transformers model under fully_shard; the sync reads its shards
             from shardsync.models.fsdp2_trainer import Fsdp2Trainer
 
-            model = Fsdp2Trainer(spec, par, source, optim=OptimConfig(lr=cfg.learning_rate))
-            params = model.local_shards()
+            model = Fsdp2Trainer(spec, par, source, optim=OptimConfig(lr=cfg.learning_rate), lora=cfg.lora,
+                                 lora_seed=cfg.seed)
+            params = model.local_shards() if cfg.lora is None else model.adapter_shards()
         else:
             groups = megatron_groups(par, timeout_s=cfg.timeout_s, moe=spec.is_moe)
             model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,

@@ -66,13 +66,18 @@ def check_fsdp2(spec: ModelSpec, par: Fsdp2Parallel) -> None:
 def fsdp2_layout(spec: ModelSpec, par: Fsdp2Parallel) -> Layout:
     """Every rank's local shards (HF names, full trailing dims) of every tensor of the
     transformers model (which holds no MTP layer)."""
+    return row_blocks(spec, par, model_tensors(spec), logical_tensors(spec))
+
+
+def row_blocks(spec: ModelSpec, par: Fsdp2Parallel, held: dict[str, tuple[int, ...]],
+               logical: dict[str, tuple[int, ...]], **params: object) -> Layout:
+    """The ``held`` tensors (logical names) split by rows as ``fully_shard`` splits them."""
     check_fsdp2(spec, par)
-    logical = logical_tensors(spec)
     dtype = par.dtype or spec.dtype
     per_shard = []
     for s in range(par.shard):
         tensors, pieces = [], []
-        for name, shape in model_tensors(spec).items():
+        for name, shape in held.items():
             lo, n = par.rows(shape[0], s)
             tensors.append(TensorMeta(name, (n, *shape[1:]), dtype))
             if n:
@@ -82,4 +87,5 @@ def fsdp2_layout(spec: ModelSpec, par: Fsdp2Parallel) -> Layout:
     for g in range(par.world_size):
         rep, s = par.coords(g)
         ranks.append(RankLayout(f"rep{rep}.shard{s}", *per_shard[s]))
-    return Layout("fsdp2", spec, logical, tuple(ranks), (("shard", par.shard), ("replicate", par.replicate)))
+    return Layout("fsdp2", spec, logical, tuple(ranks),
+                  (("shard", par.shard), ("replicate", par.replicate), *params.items()))

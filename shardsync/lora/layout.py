@@ -8,6 +8,7 @@ import functools
 
 from shardsync.layout.cut import Cut, Local, cut_rows
 from shardsync.layout.engine import EngineParallel
+from shardsync.layout.fsdp2 import Fsdp2Parallel, row_blocks
 from shardsync.layout.full import full_rank
 from shardsync.layout.logical import model_tensors
 from shardsync.layout.megatron import MegatronParallel
@@ -75,6 +76,13 @@ def megatron_adapter_layout(spec: ModelSpec, lora: Lora, par: MegatronParallel) 
         ranks.append(RankLayout(f"pp{s}.dp{dp_rank}.tp{r}", held.tensors, held.pieces))
     return Layout("megatron-lora", spec, adapter_tensors(spec, lora), tuple(ranks),
                   (("tp", par.tp), ("pp", par.pp), ("dp", par.dp), ("lora", lora.rank)))
+
+
+def fsdp2_adapter_layout(spec: ModelSpec, lora: Lora, par: Fsdp2Parallel) -> Layout:
+    """An FSDP2 trainer's adapter (PEFT on the transformers model, under ``fully_shard``): every
+    adapter tensor split by rows over the shard group, as its other parameters are."""
+    logical = adapter_tensors(spec, lora)
+    return row_blocks(spec, par, logical, logical, lora=lora.rank)
 
 
 def engine_adapter_layout(spec: ModelSpec, lora: Lora, par: EngineParallel) -> Layout:

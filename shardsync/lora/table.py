@@ -51,5 +51,14 @@ TARGETS = {
     "up_proj": Target("mlp.up_proj", True, _FC1 + "adapter_up", False),
     "down_proj": Target("mlp.down_proj", False, "mlp.linear_fc2.adapter", False),
 }
+PEFT_PREFIX = "base_model.model."  # a PeftModel's parameters: the wrapped model's names under it
+
+
+def from_peft(name: str, adapter: str = "default") -> str:
+    """A PeftModel parameter's logical name: ``base_model.model.<module>.lora_A.default.weight``
+    -> ``<module>.lora_A.weight`` (PEFT's checkpoint name)."""
+    return name.removeprefix(PEFT_PREFIX).replace(f".{adapter}.", ".")
+
+
 # the attention kinds whose q/k/v/o are plain linears an adapter can sit on
 ADAPTED_ATTENTION = frozenset({"gqa"})

@@ -717,12 +717,14 @@ class TrainerModel(nn.Module):
         """
         if self._grads_synced:
             return
-        trained = [p for p in self.parameters() if p.requires_grad]  # a LoRA trainer's base is frozen
-        for p in trained:
+        # every parameter ends with a gradient (zeros where frozen: MTP layers, an indexer), except a
+        # LoRA trainer's frozen base, which takes no gradient memory at all
+        held = [p for p in self.parameters() if p.requires_grad or self.adapter is None]
+        for p in held:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        dense = [p.grad for p in trained if not getattr(p, "expert", False)]
-        experts = [p.grad for p in trained if getattr(p, "expert", False)]
+        dense = [p.grad for p in held if not getattr(p, "expert", False)]
+        experts = [p.grad for p in held if getattr(p, "expert", False)]
         if self.dp.size > 1:
             _reduce_grads(self.dp, dense, self.dp.size)
         if experts:

@@ -135,14 +135,17 @@ def test_adapter_sync_serves_what_peft_computes(lora_engine: str) -> None:
     assert r0["generated"][0]["outputs"] != r0["generated"][2]["outputs"]  # the steps changed what is served
 
 
-def test_demo_trains_and_syncs_an_adapter(tmp_path) -> None:
+@pytest.mark.parametrize("trainer", [(), ("--trainer", "fsdp2", "--trainer-dp", "2")], ids=["megatron", "fsdp2-peft"])
+def test_demo_trains_and_syncs_an_adapter(tmp_path, trainer: tuple[str, ...]) -> None:
     """``shardsync demo --lora 8``: GRPO on the adapter, p2p and broadcast every step, each checked
-    bitwise and by the engine re-scoring the batch as the trainer does."""
+    bitwise and by the engine re-scoring the batch as the trainer does; ``fsdp2-peft``: the trainer
+    is transformers + PEFT's LoraConfig under ``fully_shard``, the sync reads its adapter's shards."""
     import json
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "shardsync.cli", "demo", "--lora", "8", "--steps", "2", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "shardsync.cli", "demo", "--lora", "8", "--steps", "2", *trainer,
+           "--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "adapter-only sync: LoRA rank 8" in r.stdout and "versions 1, 2" in r.stdout, r.stdout
