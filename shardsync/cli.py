@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
-from shardsync.lora import ALL_LINEAR, TARGETS, Lora
+from shardsync.lora.flags import add_lora_args, lora_of
 from shardsync.presets import load_spec
 from shardsync.quant.fp8 import FORMATS
 from shardsync.topology import Topology
@@ -62,7 +62,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                        expert_names=args.expert_names,
                                        make_vocab_size_divisible_by=args.vocab_divisible_by)
         engines = tuple(EngineParallel(tp=t, ep=args.engine_ep) for t in _engine_tps(args.engine_tp, args.engines))
-        topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind, quantization=args.engine_quantization)
+        topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind, quantization=args.engine_quantization,
+                        lora=lora_of(args))
         t0 = time.perf_counter()
         report = summarize(topo, int(args.bucket_mb * 2**20), progress=Progress(f"planning {spec.name}"))
         report["plan_s"] = round(time.perf_counter() - t0, 3)
@@ -94,6 +95,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"model {spec.name} ({spec.num_parameters() / 1e9:.3f} B params, {spec.dtype}); trainer "
           f"{desc} -> engines TP {list(report['engines'])}{engine_ep}{served}; "
           f"buckets of {args.bucket_mb:g} MiB; planned in {report['plan_s']:.2f} s")
+    if topo.adapter is not None:
+        a = topo.adapter
+        print(f"LoRA adapter of rank {a['rank']} alone: {_fmt_bytes(a['adapter_bytes'])} of a "
+              f"{_fmt_bytes(a['base_bytes'])} base ({a['adapter_bytes'] / a['base_bytes']:.2%}); the base never moves")
     if topo.fp8 is not None:
         print(f"FP8 on the wire: {len(topo.fp8.sent)} weights sent as e4m3 bytes and scales (quantized by the "
               f"trainer); the engines quantize the rest of their {topo.fp8.fmt.name} tensors")
@@ -147,21 +152,6 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
                               staging_bytes=args.staging_bytes, crossing=args.crossing,
                               commit_wait_s=args.commit_wait_s, quantization=args.quantization,
                               lora=lora_of(args), lora_merge=args.lora_merge))
-
-
-def add_lora_args(p: argparse.ArgumentParser, rank_help: str) -> None:
-    p.add_argument("--lora-rank", type=int, default=0, metavar="R", help=rank_help)
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: twice the rank)")
-    p.add_argument("--lora-targets", default=",".join(ALL_LINEAR),
-                   help=f"modules the adapter targets, comma-separated (PEFT's target_modules; of "
-                        f"{', '.join(TARGETS)})")
-
-
-def lora_of(args: argparse.Namespace) -> Lora | None:
-    if not args.lora_rank:
-        return None
-    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
-    return Lora(args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
 
 
 ENGINE_EXTRA = ("fastapi", "uvicorn")  # the reference engine's server (pyproject's ``engine`` extra)
@@ -262,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-quantization", default=None,
                    help="the engines serve FP8 in this format (quant.FORMATS, e.g. fp8): the plans carry the "
                         "weights the trainer quantizes as e4m3 bytes and scales")
+    add_lora_args(p, "plan the sync of a LoRA adapter of this rank alone (the base never moves)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--bucket-memory-mb", type=float, default=None,
                    help="with --fabric: buffer memory the recommended bucket size must fit (2 in flight)")

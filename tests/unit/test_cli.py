@@ -65,3 +65,15 @@ def test_plan_for_an_fp8_engine_carries_half_the_bytes(capsys) -> None:
     for a, b in zip(wide["paths"], fp8["paths"], strict=True):
         assert b["total_bytes"] <= 0.55 * a["total_bytes"], (a["path"], b["total_bytes"] / a["total_bytes"])
     assert fp8["p2p_ok"]
+
+
+def test_plan_of_an_adapter_moves_the_adapter_alone(capsys) -> None:
+    args = ["plan", "--model", "Qwen3-8B", "--trainer-tp", "4", "--engine-tp", "2"]
+    assert cli.main([*args, "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert cli.main([*args, "--lora-rank", "16", "--lora-targets", "q_proj,v_proj", "--json"]) == 0
+    adapter = json.loads(capsys.readouterr().out)
+    for a, b in zip(whole["paths"], adapter["paths"], strict=True):
+        assert b["total_bytes"] < 0.01 * a["total_bytes"], (a["path"], b["total_bytes"] / a["total_bytes"])
+    assert cli.main([*args, "--lora-rank", "16"]) == 0
+    assert "LoRA adapter of rank 16 alone" in capsys.readouterr().out

@@ -26,7 +26,7 @@ RANK_KEYS = ["ok", "error", "pack_s", "transfer_s", "unpack_s", "derive_s", "tot
 RESULT_KEYS = [*RANK_KEYS, "version", "mode"]
 RECORD_KEYS = ["version", "mode", "fallback_reason", "ok", "rank", "bytes_sent", "buckets", "phases", "buffer_bytes",
                "link_bytes", "engines", "steps", "error", "delta", "source", "unsent_bytes",
-               "started_at", "quantized_changed"]
+               "started_at", "quantized_changed", "adapter"]
 
 
 def _stats(scale: int = 1) -> Stats:

@@ -81,10 +81,18 @@ def test_adapters_the_engines_cannot_hold_are_refused_by_name() -> None:
     adapter_tensors(PRESETS["tiny-qwen3-moe"], Lora(8, 16.0, ("q_proj", "o_proj")))  # attention only: fine
     with pytest.raises(ValueError, match="replicates KV heads"):
         engine_adapter_layout(SPEC, LORA, EngineParallel(tp=2 * SPEC.num_kv_heads))
-    with pytest.raises(ValueError, match="FSDP2"):
-        from shardsync.layout.fsdp2 import Fsdp2Parallel
 
-        _ = Topology(SPEC, Fsdp2Parallel(shard=2), lora=LORA).trainer_layout
+
+
+def test_an_fsdp2_trainer_s_adapter_is_split_by_rows() -> None:
+    """PEFT under ``fully_shard``: each adapter tensor's rows over the shard group (torch.chunk)."""
+    from shardsync.layout.fsdp2 import Fsdp2Parallel
+
+    lay = Topology(SPEC, Fsdp2Parallel(shard=2), lora=LORA).trainer_layout
+    lay.validate()
+    a = "model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert [r.tensor(a).shape for r in lay.ranks] == [(4, SPEC.hidden_size), (4, SPEC.hidden_size)]
+    assert set(lay.logical) == set(adapter_tensors(SPEC, LORA))
 
 
 def test_a_lora_topology_plans_the_adapter_alone() -> None:
