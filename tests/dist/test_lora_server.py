@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import time
 
 import httpx
 import pytest
@@ -155,3 +156,83 @@ def test_demo_trains_and_syncs_an_adapter(tmp_path, trainer: tuple[str, ...]) ->
             u = row["updates"][mode]
             assert u["path"] == mode and u["checksum_ok"] is True and u["logprob_abs_diff"] < 1e-5, (row["step"], u)
             assert u["adapter"]["rank"] == 8 and u["bytes"] < u["adapter"]["base_bytes"] / 10
+
+
+UPDATES = 8
+
+
+def _adapter_v(version: int):
+    return random_source(SPEC, 100 + version, shapes=adapter_tensors(SPEC, LORA))
+
+
+def _swapping_trainer(rank: int, world: int, port: int, url: str, out) -> None:
+    from shardsync.models.weights import load_rank
+    from shardsync.topology import Topology
+    from tests.dist._world import join_trainer
+
+    join_trainer(rank, world, port, SPEC, PAR, seed=0)
+    lay = Topology(SPEC, PAR, lora=LORA).trainer_layout
+    params = load_rank(lay, rank, _adapter_v(0))
+    sync = WeightSync(SPEC, PAR, rank, params, [url],
+                      SyncConfig(mode="p2p", lora=LORA, transport=TransportConfig(bucket_mb=0.05, timeout_s=60)),
+                      trainer_group=dist.group.WORLD)
+    sync.connect()
+    res: dict = {"ok": [], "begun": {}, "done": {}}
+    for version in range(1, UPDATES + 1):
+        for name, t in load_rank(lay, rank, _adapter_v(version)).items():
+            params[name].copy_(t)
+        res["begun"][version] = time.monotonic()
+        res["ok"].append(sync.update(version).ok)
+        res["done"][version] = time.monotonic()
+        time.sleep(0.15)
+    res["verify"] = sync.verify()
+    sync.close()
+    dist.destroy_process_group()
+    out.put((rank, res))
+
+
+def test_clients_generating_across_adapter_swaps_get_one_adapter_per_response() -> None:
+    """Three clients generate while the trainer swaps in 8 adapters (staged, ``--crossing finish``):
+    every response comes from one adapter version, committed while it ran, and every token's
+    logprob is the trainer model's with that version's adapter."""
+    import threading
+
+    from shardsync.models.trainer import TrainerModel
+    from tests.dist.test_serving import _client
+
+    proc, url = start_engine("tiny-qwen3", 2, seed=0, lora=LORA, staging_bytes=-1, crossing="finish")
+    stop, got, errors = threading.Event(), [], []
+    clients = [threading.Thread(target=_client, args=(url, stop, i, got, errors), daemon=True) for i in range(3)]
+    try:
+        httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 1}, timeout=30)
+        for c in clients:
+            c.start()
+        res = run_world(_swapping_trainer, 2, args=(2, free_port(), url), timeout=300)
+        stop.set()
+        for c in clients:
+            c.join(60)
+    finally:
+        stop.set()
+        stop_engine(proc)
+    r0 = res[0]
+    assert all(r0["ok"]) and r0["verify"] == [] and errors == [], (r0, errors[:3])
+    done = {int(k): v for k, v in r0["done"].items()}
+    models: dict[int, TrainerModel] = {}
+    worst, versions = 0.0, set()
+    for resp in got:
+        out = resp["outputs"][0]
+        assert len(out["spans"]) == 1, f"a response mixes adapters: {out['spans']}"
+        v = out["spans"][0]["version"]
+        versions.add(v)
+        assert v + 1 not in done or resp["sent"] <= done[v + 1], f"adapter {v} served after {v + 1} was committed"
+        if v not in models:
+            models[v] = TrainerModel(SPEC, MegatronParallel(), source=random_source(SPEC, 0), lora=LORA)
+            if v:  # version 0: the engine's zeroed adapter (PEFT's start: the base model)
+                models[v].load_adapter(_adapter_v(v))
+        seq = resp["prompt"] + out["tokens"]
+        logp = torch.log_softmax(models[v].logits(torch.tensor([seq]))[0], dim=-1)
+        n = len(resp["prompt"])
+        worst = max([worst] + [abs(float(logp[n + i - 1, tok]) - out["logprobs"][i])
+                               for i, tok in enumerate(out["tokens"])])
+    assert len(versions) >= UPDATES // 2, sorted(versions)
+    assert worst < 1e-4, worst
