@@ -27,13 +27,14 @@ class LoraWeights(nn.Module):
 
     def __init__(self, rl: RankLayout, device: torch.device, *, trainable: bool = False) -> None:
         super().__init__()
+        made: dict[tuple[str, ...], nn.Module] = {(): self}  # the container modules, by path
         for t in rl.tensors:
             *path, attr = t.name.split(".")
-            owner: nn.Module = self
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, nn.Module())
-                owner = owner.get_submodule(part)
+            for i in range(1, len(path) + 1):
+                if tuple(path[:i]) not in made:
+                    made[tuple(path[:i])] = nn.Module()
+                    made[tuple(path[:i - 1])].add_module(path[i - 1], made[tuple(path[:i])])
+            owner = made[tuple(path)]
             data = torch.zeros(t.stored, dtype=torch_dtype(t.dtype), device=device)
             owner.register_parameter(attr, nn.Parameter(data, requires_grad=trainable))
 

@@ -78,6 +78,27 @@ class Destination:
         return set()
 
 
+class Deriving(Destination):
+    """A destination that receives into tensors of its own and derives what ``inner`` serves
+    from them in ``received`` (an FP8 engine quantizes, a merging LoRA engine merges): the
+    commit lifecycle is the inner destination's (in place, or its staging copy swapped in)."""
+
+    def __init__(self, inner: Destination) -> None:
+        self.inner = inner
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def prepare(self, *, overwrites: bool = False) -> None:
+        self.inner.prepare(overwrites=overwrites)
+
+    def discard(self) -> None:
+        self.inner.discard()
+
+    def staged(self) -> Staged | None:
+        return self.inner.staged()
+
+
 class Params(Destination):
     """The engine's live parameters, written in place (``commit`` has nothing left to do)."""
 

@@ -21,10 +21,10 @@ from shardsync.layout.piece import RankLayout
 from shardsync.lora.config import Lora
 from shardsync.lora.merge import MergeStep
 from shardsync.plan.local import region
-from shardsync.receiver.destination import Destination, Staged
+from shardsync.receiver.destination import Deriving, Destination
 
 
-class Merged(Destination):
+class Merged(Deriving):
     """``inner`` holds the engine's adapted base tensors (live or staged: ``merge_plan``'s
     ``base`` names); ``steps`` the rank's merge, ``adapter`` its adapter layout.  Memory: the
     adapter, and a copy of the adapted base tensors (``W0``)."""
@@ -33,7 +33,8 @@ class Merged(Destination):
 
     def __init__(self, inner: Destination, steps: tuple[MergeStep, ...], adapter: RankLayout, lora: Lora, *,
                  device: torch.device | str = "cpu") -> None:
-        self.inner, self.scale, self.steps = inner, lora.scale, steps
+        super().__init__(inner)
+        self.scale, self.steps = lora.scale, steps
         self._adapter = {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device)
                          for t in adapter.tensors}
         served = inner.served()
@@ -63,18 +64,6 @@ class Merged(Destination):
             changed += int((served[step.base][box] != merged).sum())
             into[step.base][box].copy_(merged)
         return changed + self.inner.received()
-
-    def commit(self) -> None:
-        self.inner.commit()
-
-    def prepare(self, *, overwrites: bool = False) -> None:
-        self.inner.prepare(overwrites=overwrites)
-
-    def discard(self) -> None:
-        self.inner.discard()
-
-    def staged(self) -> Staged | None:
-        return self.inner.staged()
 
     def unpushable(self) -> str | None:
         return "a merging LoRA engine (it merges what it receives into its base)"

@@ -22,10 +22,10 @@ from shardsync.layout.piece import RankLayout
 from shardsync.quant.fp8 import Fp8Format, quantize
 from shardsync.quant.targets import Target
 from shardsync.quant.wire import WORD
-from shardsync.receiver.destination import Destination, Staged
+from shardsync.receiver.destination import Deriving, Destination
 
 
-class Quantized(Destination):
+class Quantized(Deriving):
     """``inner`` holds the engine's served tensors (FP8 weights, their scales, the rest);
     ``targets`` the quantized ones (``quant.quantized``).  Memory: a model-dtype copy of the
     rank's quantized weights that arrive wide (all of them until a connection ``bind``s)."""
@@ -38,7 +38,8 @@ class Quantized(Destination):
         if staged is not None and not staged.whole:
             raise ValueError("an FP8 engine stages whole shards or receives in place; a staging window "
                              "(--staging-bytes below one shard) is not supported with quantization")
-        self.inner, self.all, self.fmt = inner, dict(targets), fmt
+        super().__init__(inner)
+        self.all, self.fmt = dict(targets), fmt
         self.dtype, self.device = dtype, device
         self.direct: frozenset[str] = frozenset()  # targets whose e4m3 words and scales are received
         self._wide: dict[str, torch.Tensor] = {}
@@ -96,18 +97,6 @@ class Quantized(Destination):
             into[name].copy_(q)
             into[target.scale].copy_(s)
         return changed + self.inner.received()
-
-    def commit(self) -> None:
-        self.inner.commit()
-
-    def prepare(self, *, overwrites: bool = False) -> None:
-        self.inner.prepare(overwrites=overwrites)
-
-    def discard(self) -> None:
-        self.inner.discard()
-
-    def staged(self) -> Staged | None:
-        return self.inner.staged()
 
     def unpushable(self) -> str | None:
         return "an FP8 engine (it quantizes what it receives; a pushing trainer would write its FP8 tensors)"

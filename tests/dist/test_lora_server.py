@@ -25,6 +25,7 @@ from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync
 from tests.dist._engine import start_engine, stop_engine
+from tests.dist._peft import peft_model
 from tests.dist._world import free_port, run_world
 from tests.dist.test_lora_sync import _merge
 
@@ -79,21 +80,9 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
 
 
 def _peft_greedy(adapter: dict[str, torch.Tensor]) -> list[tuple[list[int], list[float]]]:
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    config = transformers.AutoConfig.for_model(**SPEC.to_hf_config())
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    base = random_source(SPEC, 0)
+    model = peft_model(SPEC, random_source(SPEC, 0), LORA, adapter)
     out = []
     with torch.no_grad():
-        for name, param in hf.named_parameters():
-            param.copy_(base(name))
-        model = get_peft_model(hf, LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules=list(LORA.targets),
-                                              init_lora_weights=False)).eval()
-        for name, param in model.named_parameters():
-            if ".lora_" in name:
-                param.copy_(adapter[name.removeprefix("base_model.model.").replace(".default.", ".")])
         for prompt in PROMPTS:
             seq, lps = list(prompt), []
             for _ in range(NEW):

@@ -33,6 +33,7 @@ from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from tests.dist._compare import rel
+from tests.dist._peft import peft_model
 from tests.dist._world import free_port, run_world
 
 SECRET = "a-test-secret-0123456789"
@@ -155,22 +156,9 @@ def tp1_grads() -> dict[str, torch.Tensor]:
     return _merge(megatron_adapter_layout(SPEC, LORA, par), {0: _train(model)})
 
 
+@torch.no_grad()
 def _peft_logits(adapter: dict[str, torch.Tensor]) -> torch.Tensor:
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    config = transformers.AutoConfig.for_model(**SPEC.to_hf_config())
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    base = _base()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            param.copy_(base(name))
-        model = get_peft_model(hf, LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules=list(LORA.targets),
-                                              init_lora_weights=False)).eval()
-        for name, param in model.named_parameters():
-            if ".lora_" in name:  # base_model.model.<HF name with the adapter's name>
-                param.copy_(adapter[name.removeprefix("base_model.model.").replace(".default.", ".")])
-        return model(_batch()[0]).logits.float()
+    return peft_model(SPEC, _base(), LORA, adapter)(_batch()[0]).logits.float()
 
 
 @pytest.mark.parametrize("engine_tp,staged,merge", [(1, False, False), (2, True, False), (2, True, True)],
