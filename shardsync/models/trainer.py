@@ -167,8 +167,8 @@ class _Experts(nn.Module):
                                             tp_sharded=False))
                 self.experts.local_experts.append(m)
             self._local = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in self.experts.local_experts]
-        for p in self.experts.parameters():
-            p.expert = True  # Megatron's allreduce=False: reduced over the expert-DP group
+        # Megatron's allreduce=False: reduced over the expert-DP group, counted apart in the norm
+        model.expert_params.update(id(p) for p in self.experts.parameters())
         self.shared_gate = spec.family_table.moe is not None and spec.family_table.moe.shared.gated
         if spec.shared_expert_intermediate_size:  # a dense gated MLP split over TP (its gate replicated)
             self.shared_experts = _Weights(tensors, prefix + "shared_experts",
@@ -480,6 +480,7 @@ class TrainerModel(nn.Module):
             self.embedding = nn.Module()
             self.embedding.word_embeddings = _Weights(
                 tensors, "embedding.word_embeddings", ("weight",), tp_sharded=True)
+        self.expert_params: set[int] = set()  # ids of the routed experts' parameters (``_Experts``)
         self.baton = Baton()  # sparse attention: the last indexer choice, for the layers that reuse it
         self.decoder = nn.Module()
         layers = par.stage_layers(spec.num_layers)[pp_rank]
@@ -723,8 +724,8 @@ class TrainerModel(nn.Module):
         for p in held:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        dense = [p.grad for p in held if not getattr(p, "expert", False)]
-        experts = [p.grad for p in held if getattr(p, "expert", False)]
+        dense = [p.grad for p in held if id(p) not in self.expert_params]
+        experts = [p.grad for p in held if id(p) in self.expert_params]
         if self.dp.size > 1:
             _reduce_grads(self.dp, dense, self.dp.size)
         if experts:
@@ -756,7 +757,7 @@ class TrainerModel(nn.Module):
             if p.grad is None or (self.tied_copy and self.last and name == self._copy_name):
                 continue
             sq = p.grad.double().pow(2).sum()
-            if getattr(p, "expert", False):
+            if id(p) in self.expert_params:
                 experts += sq
             elif p.tensor_model_parallel:
                 sharded += sq

@@ -145,30 +145,11 @@ def test_trainer_rank_killed_mid_update_leaves_engine_stale_until_full_update() 
         stop_engine(proc)
 
 
-def test_trainer_rank_killed_mid_staged_update_leaves_engine_serving_its_version() -> None:
+@pytest.mark.parametrize("lora", [None, Lora(8, 16.0)], ids=["model", "adapter"])
+def test_trainer_rank_killed_mid_staged_update_leaves_engine_serving_its_version(lora: Lora | None) -> None:
     """Staged (``--staging-bytes shard``): the cut receive wrote only staging, so the engine
-    keeps serving version 0 bit for bit, not stale; the next trainer's update lands."""
-    proc, url = start_engine("tiny-qwen3", 2, staging_bytes=-1)
-    try:
-        before = httpx.get(url + "/weights/checksum", timeout=30).json()
-        case = {"model": "tiny-qwen3", "seed": 5, "die": True, "timeout": 5, "config": {"mode": "p2p"}}
-        res = run_world(_trainer, 2, args=(2, free_port(), url, case), timeout=180)
-        assert "error" in res[0], res[0]
-        health = httpx.get(url + "/health", timeout=30).json()
-        assert not health["stale"] and health["weight_version"] == 0 and health["status"] == "ok"
-        assert httpx.get(url + "/weights/checksum", timeout=30).json() == before, "served weights untouched"
-        r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
-        assert r.status_code == 200 and r.json()["weight_version"] == 0
-        _a_new_trainer_updates(url)  # the engine serves again
-    finally:
-        stop_engine(proc)
-
-
-def test_trainer_rank_killed_mid_adapter_sync_leaves_the_old_adapter_serving() -> None:
-    """An engine serving a LoRA adapter, staged: a trainer rank dies mid adapter sync; the engine
-    keeps serving its adapter (version 0, PEFT's zero start) bit for bit, and a new trainer's
-    adapter lands."""
-    lora = Lora(8, 16.0)
+    keeps serving version 0 bit for bit, not stale; the next trainer's update lands.
+    ``adapter``: an engine serving a LoRA adapter keeps its adapter (PEFT's zero start)."""
     proc, url = start_engine("tiny-qwen3", 2, staging_bytes=-1, lora=lora)
     try:
         before = httpx.get(url + "/weights/checksum", timeout=30).json()
@@ -177,10 +158,10 @@ def test_trainer_rank_killed_mid_adapter_sync_leaves_the_old_adapter_serving() -
         assert "error" in res[0], res[0]
         health = httpx.get(url + "/health", timeout=30).json()
         assert not health["stale"] and health["weight_version"] == 0 and health["status"] == "ok"
-        assert httpx.get(url + "/weights/checksum", timeout=30).json() == before, "the served adapter untouched"
+        assert httpx.get(url + "/weights/checksum", timeout=30).json() == before, "served weights untouched"
         r = httpx.post(url + "/generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["weight_version"] == 0
-        _a_new_trainer_updates(url, lora)
+        _a_new_trainer_updates(url, lora)  # the engine serves again
         assert httpx.get(url + "/weights/checksum", timeout=30).json() != before
     finally:
         stop_engine(proc)
