@@ -146,7 +146,8 @@ class WeightSync:
     def _client(self) -> EngineClient:
         ctl = self.config.control
         return engine_client(ctl.channel, self.urls, ctl.http_timeout_s, self._secret, crossing=ctl.crossing,
-                             update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s)
+                             update_timeout_s=self.config.transport.timeout_s + ctl.http_timeout_s,
+                             lora=self.config.lora)
 
     # -- connect --
 

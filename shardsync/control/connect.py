@@ -26,7 +26,8 @@ class HostedClient(Protocol):
     """How a client of engines that host the receiver behind their own endpoints is made."""
 
     def __call__(self, urls: Sequence[str], timeout_s: float, token: str, *,
-                 update_timeout_s: float = 600.0, crossing: str | None = None) -> EngineClient: ...
+                 update_timeout_s: float = 600.0, crossing: str | None = None,
+                 lora: Lora | None = None) -> EngineClient: ...
 
 
 # control channels whose engines host the receiver behind their own endpoints (answers
@@ -35,11 +36,12 @@ HOSTED: dict[Channel, HostedClient] = {Channel.VLLM: VllmEngines, Channel.SGLANG
 
 
 def engine_client(channel: Channel, urls: Sequence[str], http_timeout_s: float, secret: str, *,
-                  update_timeout_s: float, crossing: Crossing | None) -> EngineClient:
-    """The client of every engine of one trainer, for the control channel they speak."""
+                  update_timeout_s: float, crossing: Crossing | None, lora: Lora | None = None) -> EngineClient:
+    """The client of every engine of one trainer, for the control channel they speak (``lora``:
+    the adapter the trainer syncs, for engines whose facts cannot name the adapter they serve)."""
     hosted = HOSTED.get(channel)
     if hosted is not None:
-        return hosted(urls, http_timeout_s, secret, update_timeout_s=update_timeout_s, crossing=crossing)
+        return hosted(urls, http_timeout_s, secret, update_timeout_s=update_timeout_s, crossing=crossing, lora=lora)
     return Engines(urls, http_timeout_s, secret, store_channel=channel is Channel.STORE)
 
 

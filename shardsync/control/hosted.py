@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -160,9 +161,12 @@ class HostedEngines:
             out.append(UpdateResult.of(version, mode, reports))
         return out
 
-    def settle(self, version: int, mode: Mode) -> list[UpdateResult]:
+    def settle(self, version: int, mode: Mode, paused_at: float | None = None) -> list[UpdateResult]:
         """Every rank's report; on success the engines move to ``version`` and resume, on any
-        failure they stay paused on their previous weights (``SyncError`` says which rank)."""
+        failure they stay paused on their previous weights (``SyncError`` says which rank).
+        ``paused_at`` (``time.monotonic`` when the engines answered the pause): each result's
+        ``pause_s`` is the window until they answered the resume, as this client saw it (the
+        engines do not report their pause)."""
         try:
             results = self.results(version, mode)
         except Exception as err:
@@ -174,7 +178,10 @@ class HostedEngines:
             self.close_session_quietly()
             raise SyncError(f"{bad.error}; {self.name} stays paused until a full update succeeds")
         self.end(version)
-        return results
+        if paused_at is None:
+            return results
+        paused = time.monotonic() - paused_at
+        return [r.model_copy(update={"pause_s": paused}) for r in results]
 
     def close_session_quietly(self) -> None:
         """``close_session``, when a failure is already being reported."""
@@ -190,8 +197,9 @@ class HostedEngines:
         """A disk delta: one round whose receive reads the published parts."""
         self.seq += 1
         self.start()
+        paused_at = time.monotonic()
         self.send(self.update_info(version, Mode.DELTA_DISK, root=root))  # the manifest names its base
-        return self.settle(version, Mode.DELTA_DISK)
+        return self.settle(version, Mode.DELTA_DISK, paused_at)
 
     def checksums(self) -> list[ChecksumResponse]:
         """Each rank's checksums of what it holds (a round that changes no weight)."""
@@ -217,11 +225,13 @@ class HostedChannel(UpdateChannel):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{engines.kind}-update")
         self._sending: Future | None = None
         self._mode: Mode | None = None
+        self._paused_at: float | None = None
 
     def begin(self, req: BeginRequest) -> None:
         e = self.engines
         e.seq += 1
         e.start()
+        self._paused_at = time.monotonic()
         info = e.update_info(req.version, Mode(req.mode), fingerprint=req.fingerprint, base_version=req.base_version)
         self._mode = Mode(req.mode)
         self._sending = self._pool.submit(e.send, info)  # returns once every rank received
@@ -235,4 +245,4 @@ class HostedChannel(UpdateChannel):
             e.close_session_quietly()
             raise SyncError(f"{e.name} update {version} failed: {err}; {e.name} stays paused on its previous "
                             "weights until a full update succeeds") from None
-        return e.settle(version, self._mode)
+        return e.settle(version, self._mode, self._paused_at)

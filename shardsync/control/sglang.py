@@ -28,6 +28,7 @@ from pydantic import Field
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import HostedEngines, canonical, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, Variants, VersionResponse
+from shardsync.lora import Lora
 from shardsync.store import auth
 from shardsync.store.sealed import get
 from shardsync.vocab import Reason, Refused
@@ -121,7 +122,9 @@ class SglangEngines(HostedEngines):
 
     def __init__(self, urls: Sequence[str], timeout_s: float, token: str, *,
                  update_timeout_s: float = 600.0, crossing: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, lora: Lora | None = None) -> None:
+        # lora: SGLang's adapters are not synced yet; its info names no adapter, so an adapter
+        # sync is refused at connect (control.connect.topology_of)
         pause_mode = self.pause_mode_for(crossing)
         self.http = Engines(urls, timeout_s, api_key or os.environ.get(ENV_API_KEY) or None, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines, call_body, connect_body, weight_version
-from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
+from shardsync.control.wire import ConnectRequest, InfoResponse, LoraMsg, VersionResponse
+from shardsync.lora import Lora
 from shardsync.store import auth
 from shardsync.vocab import Reason, Refused
 
@@ -26,6 +27,7 @@ MAC_KEY = "shardsync/vllm/connect"  # what the worker checks the connect's signa
 UPDATE_MAC_KEY = "shardsync/vllm/update"  # and an update call's
 EXPIRY_GRACE_S = 300.0  # an update call expires this long after its HTTP timeout
 ENV_LAYOUT = "SHARDSYNC_VLLM_LAYOUT"  # "whole" in vLLM's environment: always receive whole tensors
+ENV_LORA_DIR = "SHARDSYNC_VLLM_LORA_DIR"  # in vLLM's environment: the adapter directory shardsync syncs
 
 
 class VllmEngines(HostedEngines):
@@ -39,14 +41,26 @@ class VllmEngines(HostedEngines):
     REFUSED = {"span": "vLLM's pause mode 'keep' resumes running requests on KV caches built on the old weights"}
 
     def __init__(self, urls: Sequence[str], timeout_s: float, token: str, *,
-                 update_timeout_s: float = 600.0, crossing: str | None = None) -> None:
+                 update_timeout_s: float = 600.0, crossing: str | None = None, lora: Lora | None = None) -> None:
         # vLLM's own routes take no shardsync bearer; a fresh connection per call: after a 500
         # vLLM's server drops the kept-alive one (seen: the next call reads a reset)
         self.http = Engines(urls, timeout_s, None, keepalive=False)  # vLLM's routes: no bearer
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode = self.pause_mode_for(crossing)
+        self.lora = lora
 
     # -- connect-time --
+
+    def _served_lora(self, url: str, cfg: dict) -> LoraMsg | None:
+        """vLLM's HTTP facts say whether it serves LoRA adapters, not which: a LoRA engine is
+        taken to serve the trainer's adapter, and every worker checks that claim at connect
+        against the adapter directory it loads (``ENV_LORA_DIR``), refusing another by name."""
+        if cfg.get("lora_config") is None:
+            return None
+        if self.lora is None:
+            raise SyncError(f"{url}: vLLM serves LoRA adapters (--enable-lora): shardsync syncs its adapter alone; "
+                            "set SyncConfig(lora=Lora(rank, alpha, targets)) to the adapter it serves (docs/lora.md)")
+        return LoraMsg.model_validate(self.lora.to_dict())
 
     def info(self) -> list[InfoResponse]:
         out = []
@@ -61,7 +75,7 @@ class VllmEngines(HostedEngines):
             out.append(InfoResponse(spec={}, tp=par["tensor_parallel_size"], pp=par["pipeline_parallel_size"],
                                     dtype=str(model["dtype"]).removeprefix("torch."), kind="vllm",
                                     variants=sorted(VARIANTS),
-                                    quantization=model.get("quantization"),
+                                    quantization=model.get("quantization"), lora=self._served_lora(url, cfg),
                                     weight_version=weight_version(ver.get("weight_version")), stale=False))
         return out
 

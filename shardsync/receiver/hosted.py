@@ -33,6 +33,7 @@ from shardsync.control.wire import (
 )
 from shardsync.delta.disk import read_manifest
 from shardsync.dtypes import dtype_name
+from shardsync.lora import Lora
 from shardsync.mode import Mode
 from shardsync.paths import UpdateArgs
 from shardsync.receiver.connect import check_connect
@@ -85,15 +86,17 @@ def hosted_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, *, whole: bool,
 class HostedRank:
     """The connection state one engine rank keeps between the engine's calls.
 
-    ``receiver_for(whole)`` builds (once) this rank's receiver for engine-layout shards
-    (False) or whole tensors (True); ``layout_reason`` says why shards cannot land here
+    ``receiver_for(whole, lora)`` builds (once) this rank's receiver for engine-layout shards
+    (False) or whole tensors (True), of the model or of the adapter ``lora`` the trainer syncs
+    (it raises, saying why, for an adapter the engine does not serve); ``layout_reason`` says
+    why shards cannot land here
     (None when they can); ``variants``: the engine layout variants its parameters are;
     ``engine`` names the engine in every message a user reads.
     """
 
-    def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, receiver_for: Callable[[bool], Receiver], *,
-                 secret: str, mac_key: str, engine: str, layout_reason: str | None = None,
-                 dtype_name: str, ep: int = 1, pp_rank: int = 0, pp: int = 1,
+    def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int,
+                 receiver_for: Callable[[bool, Lora | None], Receiver], *, secret: str, mac_key: str, engine: str,
+                 layout_reason: str | None = None, dtype_name: str, ep: int = 1, pp_rank: int = 0, pp: int = 1,
                  variants: frozenset[str] = frozenset()) -> None:
         self.spec, self.tp_rank, self.tp_size, self.ep, self.pp = spec, tp_rank, tp_size, ep, pp
         self.variants = variants
@@ -128,9 +131,10 @@ class HostedRank:
             raise Refused(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: planned with layout variants "
                           f"{sorted(planned)}, its parameters are {sorted(self.variants)}", Reason.LAYOUT_MISMATCH,
                           {req.engine_index: sorted(self.variants)})
-        rx = self._receiver_for(whole)
+        rx = self._receiver_for(whole, None if req.lora is None else Lora.from_dict(req.lora.model_dump()))
         return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp,
-                                      staging=rx.unpushable, variants=frozenset() if whole else self.variants)
+                                      staging=rx.unpushable, variants=frozenset() if whole else self.variants,
+                                      lora=rx.lora)
 
     def join(self, connect: dict, mac: str | None, *, session_open: bool = False) -> None:
         """Check, then join the sync group (bounded); tells the trainer whether an update

@@ -5,7 +5,7 @@ engine holding them EP 2 inside its TP group, synced by p2p and by broadcast, ev
 checked bitwise and by the engine re-scoring the batch.
 
 Heavy per-family runs (~2.5 min on 2 cores): deselected from the main suite, run by CI as their
-own step (``pytest -q -m families``)."""
+own step (``pytest -q -m demos``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.presets import PRESETS
 
-pytestmark = pytest.mark.families
+pytestmark = pytest.mark.demos
 
 
 def _demo(out: Path, model: str, *args: str, modes: tuple[str, ...] = ("p2p", "broadcast"),

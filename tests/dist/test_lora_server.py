@@ -125,6 +125,7 @@ def test_adapter_sync_serves_what_peft_computes(lora_engine: str) -> None:
     assert r0["generated"][0]["outputs"] != r0["generated"][2]["outputs"]  # the steps changed what is served
 
 
+@pytest.mark.demos  # ~20 s each: CI runs the demos as their own step
 @pytest.mark.parametrize("trainer", [(), ("--trainer", "fsdp2", "--trainer-dp", "2")], ids=["megatron", "fsdp2-peft"])
 def test_demo_trains_and_syncs_an_adapter(tmp_path, trainer: tuple[str, ...]) -> None:
     """``shardsync demo --lora 8``: GRPO on the adapter, p2p and broadcast every step, each checked

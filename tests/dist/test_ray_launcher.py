@@ -30,6 +30,7 @@ def test_bundles_gpu_and_cpu():
     assert trainer == [{"CPU": 1.0}] * 4 and engines == [{"CPU": 4.0}, {"CPU": 2.0}]
 
 
+@pytest.mark.demos  # ~20 s: CI runs the demos as their own step
 def test_demo_on_ray_bitwise(local_ray, tmp_path, capsys):
     cfg = DemoConfig(model="tiny-qwen3", trainer_tp=2, engine_tp=(2,), steps=2, mode="both",
                      out=str(tmp_path), timeout_s=60)

