@@ -27,7 +27,7 @@ from pydantic import Field
 
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import HostedEngines, canonical, weight_version
-from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, Variants, VersionResponse
+from shardsync.control.wire import ConnectRequest, InfoResponse, LoraMsg, Msg, Variants, VersionResponse
 from shardsync.lora import Lora
 from shardsync.store import auth
 from shardsync.store.sealed import get
@@ -40,6 +40,7 @@ MAX_CALL_BYTES = 1 << 20  # a connect names a spec and four fingerprints: far be
 PAUSE_MODES = ("abort", "retract", "in_place")
 ENV_API_KEY = "SHARDSYNC_SGLANG_API_KEY"  # the trainer's bearer for SGLang's --api-key / --admin-api-key
 ENV_LAYOUT = "SHARDSYNC_SGLANG_LAYOUT"  # "whole" in SGLang's environment: always receive whole tensors
+ENV_LORA_DIR = "SHARDSYNC_SGLANG_LORA_DIR"  # in SGLang's environment: the adapter directory shardsync syncs
 # a call expires this long after its HTTP timeout (clocks of trainer and engine hosts may differ)
 EXPIRY_GRACE_S = 300.0
 
@@ -123,14 +124,14 @@ class SglangEngines(HostedEngines):
     def __init__(self, urls: Sequence[str], timeout_s: float, token: str, *,
                  update_timeout_s: float = 600.0, crossing: str | None = None,
                  api_key: str | None = None, lora: Lora | None = None) -> None:
-        # lora: SGLang's adapters are not synced yet; its info names no adapter, so an adapter
-        # sync is refused at connect (control.connect.topology_of)
         pause_mode = self.pause_mode_for(crossing)
         self.http = Engines(urls, timeout_s, api_key or os.environ.get(ENV_API_KEY) or None, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode, self.timeout_s = pause_mode, timeout_s
         self.attempt = 0
         self.nonces: dict[int, dict[str, str]] = {}  # engine -> its ranks' nonces from the last check
+        self.lora = lora  # the adapter the trainer syncs
+        self.adapters: list[tuple[str, str] | None] = []  # each engine's served adapter (name, directory)
 
     def _all(self, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> list[dict]:
         """POST ``path`` to every engine; an answer ``success: false`` is a ``SyncError``."""
@@ -161,8 +162,22 @@ class SglangEngines(HostedEngines):
 
     # -- connect-time --
 
+    def _served_lora(self, url: str, raw: dict) -> tuple[LoraMsg | None, tuple[str, str] | None]:
+        """The adapter SGLang serves (its one ``--lora-paths`` entry: name and directory).  Its
+        facts do not say the adapter's rank: a LoRA engine is taken to serve the trainer's, and
+        every rank checks that claim at connect against the directory's config (``engines.sglang``)."""
+        if not raw.get("enable_lora"):
+            return None, None
+        entries = [lora_entry(e) for e in raw.get("lora_paths") or []]
+        if self.lora is None or len(entries) != 1 or entries[0] is None:
+            raise SyncError(f"{url}: SGLang serves LoRA adapters ({raw.get('lora_paths')}): shardsync syncs one "
+                            "adapter, given as --lora-paths NAME=DIR, with SyncConfig(lora=Lora(rank, alpha, "
+                            "targets)) of it (docs/lora.md)")
+        return LoraMsg.model_validate(self.lora.to_dict()), entries[0]
+
     def info(self) -> list[InfoResponse]:
         out = []
+        self.adapters = []
         for url, raw, ver in zip(self.urls, self.http.call("GET", "/server_info"),
                                  self.http.call("GET", "/model_info"), strict=True):
             loaders = raw.get("custom_weight_loader") or []
@@ -173,9 +188,11 @@ class SglangEngines(HostedEngines):
             if dp != 1:
                 raise SyncError(f"{url}: SGLang runs --dp-size {dp}; give each data-parallel replica its own "
                                 "server (one engine URL per replica)")
+            lora, adapter = self._served_lora(url, raw)
+            self.adapters.append(adapter)
             out.append(InfoResponse(spec={}, tp=int(raw.get("tp_size") or 1), pp=int(raw.get("pp_size") or 1),
                                     ep=int(raw.get("ep_size") or 1), dtype=server_dtype(url, raw.get("dtype")),
-                                    kind="sglang", quantization=raw.get("quantization"),
+                                    kind="sglang", quantization=raw.get("quantization"), lora=lora,
                                     weight_version=weight_version(ver.get("weight_version")), stale=False))
         return out
 
@@ -245,8 +262,22 @@ class SglangEngines(HostedEngines):
 
     def end(self, version: int) -> None:
         self._all("/end_weight_update")
+        self._reload_adapters()
         self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         self._all("/continue_generation", {})
+
+    def _reload_adapters(self) -> None:
+        """SGLang keeps a loaded adapter in memory: the version the commit wrote into its directory
+        is served once SGLang loads it again, under the same name, while generation is paused."""
+        for i, adapter in enumerate(self.adapters if self.lora is not None else []):
+            if adapter is None:
+                continue
+            name, path = adapter
+            for route, body in (("/unload_lora_adapter", {"lora_name": name}),
+                                ("/load_lora_adapter", {"lora_name": name, "lora_path": path})):
+                answer = self.http.call_one(i, "POST", route, body)
+                if isinstance(answer, dict) and answer.get("success") is False:
+                    raise SyncError(f"{self.urls[i]}{route}: {answer.get('error_message') or answer}")
 
     def close_session(self) -> None:
         self._all("/end_weight_update")
@@ -277,6 +308,17 @@ class SglangEngines(HostedEngines):
 
 
 DTYPES = ("bfloat16", "float16", "float32")
+
+
+def lora_entry(entry: object) -> tuple[str, str] | None:
+    """(name, directory) of one ``--lora-paths`` entry as ``/server_info`` shows it (``NAME=DIR``,
+    or a dict with ``lora_name`` and ``lora_path``), None for a bare path."""
+    if isinstance(entry, dict) and isinstance(entry.get("lora_name"), str) and isinstance(entry.get("lora_path"), str):
+        return entry["lora_name"], entry["lora_path"]
+    if isinstance(entry, str) and "=" in entry:
+        name, _, path = entry.partition("=")
+        return name, path
+    return None
 
 
 def server_dtype(url: str, raw: object) -> str:

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from shardsync.control.sglang import ENTRY
-from tests.sglang import _models
+from tests.sglang import _lora, _models
 
 ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_struct)
     "/pause_generation": "PauseGenerationReqInput",
@@ -32,11 +32,13 @@ ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_stru
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 
 
 def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: int, variants: frozenset[str], spec,
-               dtype: str, initial: dict, env: dict, conn) -> None:
+               dtype: str, initial: dict, env: dict, lora: dict | None, conn) -> None:
     """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``."""
     os.environ.update(env)
     from prometheus_client import values  # the fork server imported it before the directory was set:
@@ -51,6 +53,10 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
                  indexer_fused="indexer_fused" in variants)
     model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,), **stage)
     _models.sglang_load(model, initial)
+    adapters = None  # SGLang's LoRA manager, when the server serves an adapter
+    if lora is not None:
+        adapters = _lora.manager(model, _models.hf_config(spec), rank=lora["rank"], targets=lora["targets"], dtype=dt)
+        _lora.load_ref(adapters, lora["ref"])
     updater = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=[ENTRY],
                             get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None,
                             get_model_runner=None)
@@ -78,6 +84,24 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
                 conn.send(("ok", bad))
             elif op == "params":
                 conn.send(("ok", {n: p.data.clone() for n, p in model.named_parameters()}))
+            elif op == "lora_unload":
+                out = adapters.unload_lora_adapter(arg)
+                conn.send(("ok", (out.success, out.error_message)))
+            elif op == "lora_load":
+                try:
+                    _lora.load_ref(adapters, arg)
+                    conn.send(("ok", (True, None)))
+                except RuntimeError as e:  # SGLang answers a failed load, the scheduler lives
+                    conn.send(("ok", (False, str(e))))
+            elif op == "lora_compare":  # the served slot vs SGLang's own load of these PEFT tensors, bit for bit
+                ref = next(iter(adapters.lora_refs.values()))
+                got = _lora.slot_buffers(adapters, ref)
+                fresh = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, **stage)
+                mgr = _lora.manager(fresh, _models.hf_config(spec), rank=lora["rank"], targets=lora["targets"],
+                                    dtype=dt)
+                want = _lora.slot_buffers(mgr, _lora.load_tensors(mgr, arg["tensors"], arg["config"]))
+                _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,), pp_rank, pp_size, ep_size)
+                conn.send(("ok", [n for n in want if not torch.equal(got[n], want[n])]))
         except BaseException:  # SGLang's scheduler dies on any exception of a weight update
             conn.send(("died", traceback.format_exc()))
             raise
@@ -90,12 +114,25 @@ class FakeSglang:
 
     def __init__(self, spec, tp: int, initial: dict, *, pp: int = 1, ep: int = 1,
                  variants: frozenset[str] = frozenset(), dtype: str = "float32", env: dict | None = None,
-                 ctx=None) -> None:
+                 ctx=None, lora: dict | None = None) -> None:
+        """``lora``: serve one adapter, ``{name, path, rank, targets}`` (``--lora-paths NAME=PATH``)."""
         from sglang.srt.server_args import ServerArgs
 
         self.spec, self.tp, self.pp, self.dtype = spec, tp, pp, dtype
+        lora_args = {} if lora is None else {
+            "enable_lora": True, "lora_paths": [f"{lora['name']}={lora['path']}"], "max_lora_rank": lora["rank"],
+            "lora_target_modules": lora["targets"], "lora_backend": "torch_native"}
         self.args = ServerArgs(model_path=spec.name, tp_size=tp, pp_size=pp, ep_size=ep, device="cpu", dtype=dtype,
-                               custom_weight_loader=[ENTRY])
+                               custom_weight_loader=[ENTRY], **lora_args)
+        self.lora = lora
+        self.lora_refs: dict[str, object] = {}  # SGLang's registry: adapter name -> its loaded reference
+        if lora is not None:  # --lora-paths: loaded at start, under a reference every rank shares
+            from sglang.srt.lora.lora_registry import LoRARef
+
+            ref = LoRARef(lora_id=LoRARef.deterministic_id(lora["name"], lora["path"]), lora_name=lora["name"],
+                          lora_path=lora["path"], pinned=False)
+            self.lora_refs[lora["name"]] = ref
+            lora = {**lora, "ref": ref}
         self.events: list[tuple[str, object]] = []
         self.paused = False
         self.session: dict | None = None  # {"loaded": bool} while a weight-update session is open
@@ -110,7 +147,7 @@ class FakeSglang:
         self._conns, self._procs = [], []
         for r in range(tp * pp):  # stage-major, as SGLang numbers its world
             mine, theirs = ctx.Pipe()
-            args = (r % tp, tp, r // tp, pp, ep, variants, spec, dtype, initial, env, theirs)
+            args = (r % tp, tp, r // tp, pp, ep, variants, spec, dtype, initial, env, lora, theirs)
             p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             self._conns.append(mine)
@@ -200,6 +237,8 @@ class FakeSglang:
         if path == "/continue_generation":
             self.paused = False
             return 200, {"message": "Generation continued successfully.", "status": "ok"}
+        if path in ("/load_lora_adapter", "/unload_lora_adapter"):
+            return self._lora(path, req)
         if path == "/update_weight_version":
             self.weight_version = req.new_version
             return 200, {"success": True, "message": f"Weight version updated to {req.new_version}",
@@ -229,6 +268,29 @@ class FakeSglang:
             if req.weight_version is not None:
                 self.weight_version = req.weight_version
         return (200 if ok else 400), {"success": ok, "message": answers[0][1]}
+
+    def _lora(self, path: str, req) -> tuple[int, dict]:
+        """SGLang's adapter routes: its registry names a reference per load, every rank runs it."""
+        from sglang.srt.lora.lora_registry import LoRARef
+
+        if path == "/unload_lora_adapter":
+            ref = self.lora_refs.pop(req.lora_name, None)
+            if ref is None:
+                return 400, {"success": False, "error_message": f"LoRA adapter {req.lora_name} is not loaded"}
+            answers = self._ranks("lora_unload", ref)
+        else:
+            if req.lora_name in self.lora_refs:
+                return 400, {"success": False, "error_message": f"LoRA adapter {req.lora_name} is already loaded"}
+            ref = LoRARef(lora_name=req.lora_name, lora_path=req.lora_path, pinned=False)
+            answers = self._ranks("lora_load", ref)
+            if all(ok for ok, _ in answers):
+                self.lora_refs[req.lora_name] = ref
+        bad = next((msg for ok, msg in answers if not ok), None)
+        return (400, {"success": False, "error_message": bad}) if bad else (200, {"success": True})
+
+    def compare_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> list[list[str]]:
+        """Per rank, the pool buffers of the served adapter unlike SGLang's own load of ``tensors``."""
+        return self._ranks("lora_compare", {"tensors": tensors, "config": config})
 
     def _get(self, path: str) -> tuple[int, dict]:
         if path == "/health":

@@ -136,6 +136,49 @@ def test_adapter_sync_into_vllm_serves_what_peft_computes(vllm_lora) -> None:
     assert r0["generated"][0] != r0["generated"][2]  # the GRPO steps changed what vLLM serves
 
 
+def _fsdp2_peft_trainer(rank: int, world: int, port: int, url: str, out) -> None:
+    """transformers + PEFT's LoraConfig under ``fully_shard`` (2 ranks): the sync reads its adapter's shards."""
+    from shardsync.layout import Fsdp2Parallel
+    from shardsync.lora import from_peft
+    from shardsync.models.fsdp2_trainer import Fsdp2Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    par = Fsdp2Parallel(shard=world, dtype="float32")
+    trainer = Fsdp2Trainer(SPEC, par, random_source(SPEC, 0), optim=OptimConfig(lr=1e-2), lora=LORA, lora_seed=4)
+    sync = WeightSync(SPEC, par, rank, trainer.adapter_shards(), [url],
+                      SyncConfig(lora=LORA, control=ControlConfig(channel="vllm", token=TOKEN),
+                                 transport=TransportConfig(timeout_s=60)), trainer_group=dist.group.WORLD)
+    sync.connect()
+    ids = torch.randint(0, SPEC.vocab_size, (4, 12), generator=torch.Generator().manual_seed(7))
+    res: dict = {"steps": []}
+    for version in range(1, 3):
+        if version > 1:  # a GRPO step: PEFT's B leaves zero, so vLLM's outputs leave the base's
+            old = trainer.policy_logprobs(ids)
+            trainer.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, mask=torch.ones(4, 11),
+                                                      advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])))
+        rec = sync.update(version)
+        adapter = {from_peft(n): p.full_tensor().detach() for n, p in trainer.model.named_parameters()
+                   if p.requires_grad}  # the test's reference only
+        step = {"ok": rec.ok, "verify": sync.verify(), "adapter": adapter}
+        if rank == 0:
+            step["generated"] = vllm_generate(url, NAME)
+        res["steps"].append(step)
+    sync.close()
+    dist.destroy_process_group()
+    out.put((rank, res))
+
+
+def test_fsdp2_peft_trainer_into_vllm(vllm_lora) -> None:
+    got = run_world(_fsdp2_peft_trainer, 2, args=(2, free_port(), vllm_lora["url"]), timeout=400)
+    steps = got[0]["steps"]
+    for s in steps:
+        assert s["ok"] and s["verify"] == [], s
+        assert compare(s["generated"], _peft_greedy(s["adapter"])) is None
+    assert any(t.abs().max() > 0 for n, t in steps[1]["adapter"].items() if ".lora_B." in n)  # trained
+
+
 def _dies_mid_update(rank: int, world: int, port: int, url: str, out) -> None:
     """Connect an adapter sync, then rank 0 opens an update on vLLM and every rank exits
     before sending a byte."""

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 
 import torch
 
-from shardsync.control.hosted import connect_body
-from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall
+from shardsync.control.hosted import LAYOUT_MISMATCH, connect_body
+from shardsync.control.sglang import ENV_LAYOUT, ENV_LORA_DIR, MAC_KEY, Checked, SglangCall
 from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
 from shardsync.layout.engine import EngineParallel, variant_choices
 from shardsync.lora import Lora
-from shardsync.receiver import Params, Receiver, Slice
+from shardsync.receiver import Loader, Params, Receiver, Slice, peft_dir
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
 from shardsync.receiver.receiver import engine_rank
@@ -33,7 +33,7 @@ from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.store.sealed import put
 from shardsync.store.secret import load_secret
-from shardsync.vocab import Refused
+from shardsync.vocab import Reason, Refused
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class SglangHost:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self._receivers: dict[bool, Receiver] = {}
+        self._adapters: dict[Lora, Receiver] = {}  # the adapter SGLang serves (--lora-paths), by its config
         self.problem: str | None = None
         self.rank: HostedRank | None = None
         self.variants: frozenset[str] = frozenset()
@@ -140,12 +141,39 @@ class SglangHost:
             first = first or reason
         return frozenset(), first
 
+    def _adapter(self, whole: bool, lora: Lora) -> Receiver:
+        """The whole adapter into a ``Loader`` whose commit replaces the weights of the adapter
+        directory SGLang serves (``ENV_LORA_DIR``; TP rank 0 writes); the trainer's client then
+        has SGLang reload it (``control.sglang``).  SGLang's LoRA manager shards an adapter per
+        TP rank itself: shards are refused with that reason (the trainer plans whole tensors)."""
+        root = os.environ.get(ENV_LORA_DIR)
+        if not root:
+            raise ValueError(f"{ENV_LORA_DIR} is not set in SGLang's environment: set it to the directory of the one "
+                             "--lora-paths entry shardsync syncs (docs/lora.md)")
+        if self.pp > 1:
+            raise ValueError("adapter syncs into SGLang run at PP 1 only")
+        if not whole:
+            raise Refused(f"SGLang's {LAYOUT_MISMATCH}: its LoRA manager takes the whole adapter and shards it "
+                          "itself", Reason.LAYOUT_MISMATCH)
+        served = peft_dir.read_config(root)
+        if served != lora:
+            raise ValueError(f"the trainer syncs adapter {lora}, SGLang's adapter directory {root} holds adapter "
+                             f"{served}: start SGLang on an adapter of the trainer's rank, alpha and targets")
+        if lora not in self._adapters:
+            layout, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
+                                       whole=True, lora=lora)
+            dest = Loader(rank, layout.logical, peft_dir.writer(root, write=self.tp_rank == 0), dtype=self.dtype,
+                          device="cpu")
+            self._adapters[lora] = Receiver(self.spec, self.tp_rank, self.tp_size, dest, dtype=self.dtype,
+                                            device="cpu", secret=self.secret, whole=True, lora=lora)
+        return self._adapters[lora]
+
     def _receiver(self, whole: bool, lora: Lora | None = None) -> Receiver:
         """Shards in place (SGLang's parameters are shardsync's layout, or the connect is
-        refused before this), whole tensors through SGLang's own ``load_weights``."""
+        refused before this), whole tensors through SGLang's own ``load_weights``; an adapter
+        into the directory SGLang loads it from (``_adapter``)."""
         if lora is not None:
-            raise ValueError("shardsync does not sync LoRA adapters into SGLang yet: sync the whole model, or serve "
-                             "the adapter from vLLM or the reference engine (docs/lora.md)")
+            return self._adapter(whole, lora)
         if whole not in self._receivers:
             self._receivers[whole] = hosted_receiver(
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=True, params=self._live,
