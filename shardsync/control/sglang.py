@@ -125,6 +125,9 @@ class SglangEngines(HostedEngines):
                  update_timeout_s: float = 600.0, crossing: str | None = None,
                  api_key: str | None = None, lora: Lora | None = None) -> None:
         pause_mode = self.pause_mode_for(crossing)
+        if lora is not None and pause_mode == "retract":
+            raise ValueError("an adapter sync into SGLang reloads the adapter, under a new id; a retracted request "
+                             "keeps the old one: use crossing='abort' (the default) for adapter syncs into SGLang")
         self.http = Engines(urls, timeout_s, api_key or os.environ.get(ENV_API_KEY) or None, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode, self.timeout_s = pause_mode, timeout_s

@@ -19,6 +19,9 @@ import torch
 from shardsync.quant.fp8 import AMAX_FLOOR, E4M3_MAX, Fp8Format
 
 _SCALES = {"float32": 0, "ue8m0": 1}
+# 1 / 448 rounded to float32: ``amax / E4M3_MAX`` on a CUDA tensor multiplies by it (seen on H100:
+# a true division differs in the last bit of some float32 scales)
+INV_E4M3_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(E4M3_MAX, dtype=torch.float32))
 
 
 def fused(fmt: Fp8Format, w: torch.Tensor) -> bool:
@@ -34,39 +37,29 @@ def _kernel() -> Any:
     @triton.jit
     def block_cast(x_ptr, q_ptr, qb_ptr, s_ptr, n_ptr, N, K, sx0, sx1, sq0, ss0,
                    BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr,
-                   AMAX: tl.constexpr, FMAX: tl.constexpr):
+                   AMAX: tl.constexpr, INV_FMAX: tl.constexpr):
         pm, pn = tl.program_id(0), tl.program_id(1)
         rows = pm * BM + tl.arange(0, BM)
         cols = pn * BN + tl.arange(0, BN)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * sx0 + cols[None, :] * sx1, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), AMAX)
-        s = tl.math.div_rn(amax, FMAX)
+        s = amax * INV_FMAX  # torch divides by a scalar as a multiply by its float32 reciprocal
         if UE8M0:
             bits = s.to(tl.int32, bitcast=True)
             e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
             e = tl.minimum(tl.maximum(e, 1), 254)
             s = (e << 23).to(tl.float32, bitcast=True)
-        v = x * tl.math.div_rn(1.0, s)
-        # round to e4m3 in float32 first (round to nearest even), so the cast below is exact:
-        # Triton's float32 -> e4m3 cast rounds through float16 (seen on sm_90a: off by one e4m3
-        # step at midpoints), torch's rounds once.  Normal e4m3 keeps 3 mantissa bits; below
-        # 2**-6 (subnormal) the step is 2**-9, the float32 ulp of 2**14.
-        bits = v.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-        mag = tl.abs(v)
-        sub = (mag + 16384.0) - 16384.0
-        sub = tl.where(bits < 0, -sub, sub)  # the sign bit: -0.0 stays -0.0
-        q = tl.where(mag < 0.015625, sub, normal).to(tl.float8e4nv)
+        q = (x * tl.math.div_rn(1.0, s)).to(tl.float8e4nv)
         at = rows[:, None] * sq0 + cols[None, :]
-        # bytes that change, compared as the float32 bits of the e4m3 values (the conversion is
-        # exact, and keeps the sign of zero): ptxas (Triton 3.6, sm_90a) dies on a bitcast of the
-        # e4m3 block to integers
-        old = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
-        new = q.to(tl.float32).to(tl.int32, bitcast=True)
-        changed = tl.sum(tl.sum(tl.where(mask & (old != new), 1, 0), axis=1), axis=0)
+        # bytes that change: the old bytes read, then the new ones written and read back as bytes
+        # (ptxas of Triton 3.6 dies on sm_90a on a bitcast of the e4m3 block to integers)
+        old = tl.load(qb_ptr + at, mask=mask, other=0)
         tl.debug_barrier()  # every thread read the old bytes before any writes the new ones
         tl.store(q_ptr + at, q, mask=mask)
+        tl.debug_barrier()
+        new = tl.load(qb_ptr + at, mask=mask, other=0)
+        changed = tl.sum(tl.sum(tl.where(mask & (old != new), 1, 0), axis=1), axis=0)
         old_s = tl.load(s_ptr + pm * ss0 + pn)
         tl.store(s_ptr + pm * ss0 + pn, s)
         tl.atomic_add(n_ptr, changed + (old_s != s).to(tl.int32))
@@ -90,7 +83,7 @@ def quantize_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8For
     bm, bn = fmt.block
     grid = (triton_cdiv(n, bm), triton_cdiv(k, bn))
     _kernel()[grid](w, q8, q8.view(torch.uint8), s, changed, n, k, w.stride(0), w.stride(1), q8.stride(0), s.stride(0),
-                    BM=bm, BN=bn, UE8M0=_SCALES[fmt.scale], AMAX=AMAX_FLOOR, FMAX=E4M3_MAX, num_warps=8)
+                    BM=bm, BN=bn, UE8M0=_SCALES[fmt.scale], AMAX=AMAX_FLOOR, INV_FMAX=INV_E4M3_MAX, num_warps=8)
 
 
 def triton_cdiv(a: int, b: int) -> int:

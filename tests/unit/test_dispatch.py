@@ -278,6 +278,11 @@ def test_each_engine_kind_maps_the_policy_onto_its_own_pause_or_refuses_it() -> 
         SglangEngines.pause_mode_for("finish")
     with pytest.raises(ValueError, match="crossing must be one of"):
         ControlConfig(crossing="later")
+    # an adapter sync reloads SGLang's adapter under a new id: a retracted request would keep the old one
+    from shardsync.lora import Lora
+
+    with pytest.raises(ValueError, match="use crossing='abort'"):
+        SglangEngines(["http://127.0.0.1:1"], 1.0, "t" * 32, crossing="span", lora=Lora(8, 16.0))
 
 
 @pytest.mark.parametrize("tokens_per_step", [1, 3])
