@@ -100,6 +100,7 @@ def test_prepare_refuses_other_family(tiny_ckpt, tmp_path):
     assert proc.returncode != 0 and "qwen3 model but Llama-3.1-8B is llama" in proc.stderr
 
 
+@pytest.mark.demos  # ~15 s: the example's run end to end, in CI's demos step
 def test_run_tiny_from_checkpoint(tiny_ckpt, tmp_path):
     out = ok(example("run", "Qwen3-4B", "--size", "tiny", "--checkpoint", str(tiny_ckpt),
                      "--steps", "2", "--mode", "p2p", "--out", str(tmp_path)))
@@ -109,6 +110,7 @@ def test_run_tiny_from_checkpoint(tiny_ckpt, tmp_path):
     assert rows[0]["logprob_abs_diff"] < 1e-4  # engine and trainer started from the same weights
 
 
+@pytest.mark.demos  # ~15 s
 def test_run_bucket_env_and_delta(tmp_path):
     proc = example("run", "Qwen3-4B", "--size", "tiny", "--steps", "2", "--mode", "delta",
                    "--out", str(tmp_path), env={"SHARDSYNC_BUCKET_MB": "0.25"})
