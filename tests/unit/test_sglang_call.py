@@ -72,3 +72,25 @@ def test_server_dtype_must_be_named() -> None:
     assert server_dtype("http://e", "bfloat16") == "bfloat16" and server_dtype("http://e", "torch.float32") == "float32"
     with pytest.raises(SyncError, match="--dtype"):
         server_dtype("http://e", "auto")  # SGLang's default: resolved inside its scheduler, never reported
+
+
+def test_the_served_adapter_is_read_off_server_info() -> None:
+    """SGLang's ``--lora-paths`` entry as ``/server_info`` shows it: the adapter an adapter sync
+    reloads by name; no entry, several, or a trainer syncing the whole model are refused by name."""
+    from shardsync.control.sglang import SglangEngines, lora_entry
+    from shardsync.lora import Lora
+
+    assert lora_entry("policy=/ckpt/adapter") == ("policy", "/ckpt/adapter")
+    assert lora_entry({"lora_name": "policy", "lora_path": "/a", "pinned": False}) == ("policy", "/a")
+    assert lora_entry("/ckpt/adapter") is None and lora_entry(7) is None
+    lora = Lora(8, 16.0)
+    engines = SglangEngines(["http://127.0.0.1:1"], 1.0, "t" * 32, lora=lora)
+    msg, adapter = engines._served_lora("u", {"enable_lora": True, "lora_paths": ["policy=/a"]})
+    assert adapter == ("policy", "/a") and msg is not None and Lora.from_dict(msg.model_dump()) == lora
+    assert engines._served_lora("u", {"enable_lora": False, "lora_paths": ["policy=/a"]}) == (None, None)
+    for paths in ([], ["a=/a", "b=/b"], ["/bare"]):
+        with pytest.raises(SyncError, match="shardsync syncs one adapter"):
+            engines._served_lora("u", {"enable_lora": True, "lora_paths": paths})
+    whole = SglangEngines(["http://127.0.0.1:1"], 1.0, "t" * 32)
+    with pytest.raises(SyncError, match="SGLang serves LoRA adapters"):
+        whole._served_lora("u", {"enable_lora": True, "lora_paths": ["policy=/a"]})
