@@ -8,7 +8,6 @@ trainer that syncs the whole model into it (or another adapter) is refused at co
 from __future__ import annotations
 
 import datetime
-import functools
 import time
 
 import httpx
@@ -20,12 +19,12 @@ from shardsync.config import SyncConfig, TransportConfig
 from shardsync.control.client import SyncError
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.lora import Lora, adapter_tensors, engine_adapter_layout, megatron_adapter_layout
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync
 from tests.dist._engine import start_engine, stop_engine
-from tests.dist._peft import peft_model
+from tests.dist._peft import grpo_step, peft_greedy
 from tests.dist._world import free_port, run_world
 from tests.dist.test_lora_sync import _merge
 
@@ -62,9 +61,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     ids = torch.randint(0, SPEC.vocab_size, (4, 12), generator=g)
     for version in range(1, 4):
         if version > 1:
-            old = model.policy_logprobs(ids)
-            model.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, mask=torch.ones(4, 11),
-                                                    advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])))
+            grpo_step(model, ids)
         rec = sync.update(version)
         res["records"].append({"ok": rec.ok, "adapter": rec.adapter, "bytes": sum(rec.link_bytes.values()),
                                "summary": rec.summary()})
@@ -80,18 +77,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
 
 
 def _peft_greedy(adapter: dict[str, torch.Tensor]) -> list[tuple[list[int], list[float]]]:
-    model = peft_model(SPEC, random_source(SPEC, 0), LORA, adapter)
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            seq, lps = list(prompt), []
-            for _ in range(NEW):
-                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), dim=-1)
-                tok = int(logp.argmax())
-                seq.append(tok)
-                lps.append(float(logp[tok]))
-            out.append((seq[len(prompt):], lps))
-    return out
+    return peft_greedy(SPEC, random_source(SPEC, 0), LORA, adapter, PROMPTS, NEW)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ server needs a GPU build); models, LoRA manager, loaders and schemas are SGLang'
 from __future__ import annotations
 
 import datetime
-import functools
 
 import pytest
 import torch
@@ -20,10 +19,11 @@ from shardsync.control.client import SyncError
 from shardsync.layout import MegatronParallel
 from shardsync.layout.logical import logical_tensors
 from shardsync.lora import Lora, adapter_tensors, megatron_adapter_layout
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
 from shardsync.models.weights import random_source
 from shardsync.receiver import peft_dir
 from shardsync.sync import WeightSync
+from tests.dist._peft import grpo_step
 from tests.dist._world import free_port, run_world
 from tests.dist.test_lora_sync import _merge
 from tests.sglang import _models
@@ -77,9 +77,7 @@ def _trainer(rank: int, world: int, port: int, urls: list[str], out) -> None:
     ids = torch.randint(0, SPEC.vocab_size, (4, 12), generator=torch.Generator().manual_seed(7))
     for version in range(1, 4):
         if version > 1:
-            old = model.policy_logprobs(ids)
-            model.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, mask=torch.ones(4, 11),
-                                                    advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])))
+            grpo_step(model, ids)
         rec = sync.update(version)
         res["records"].append({"ok": rec.ok, "verify": sync.verify(), "adapter": rec.adapter, "pause_s": rec.pause_s})
         res["adapters"].append({n: t.detach().clone() for n, t in model.adapter_tensors().items()})

@@ -7,7 +7,6 @@ killed mid-sync leaves the previous adapter serving."""
 from __future__ import annotations
 
 import datetime
-import functools
 import tempfile
 import time
 
@@ -22,15 +21,15 @@ from shardsync.engines.vllm import serve
 from shardsync.layout import MegatronParallel
 from shardsync.lora import Lora, adapter_tensors, megatron_adapter_layout
 from shardsync.models.checkpoint import write_checkpoint
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.receiver import peft_dir
 from shardsync.sync import WeightSync
-from tests.dist._peft import peft_model
+from tests.dist._peft import grpo_step, peft_greedy
 from tests.dist._world import free_port, run_world
 from tests.dist.test_lora_sync import _merge
-from tests.vllm._check import compare, vllm_generate
+from tests.vllm._check import MAX_TOKENS, PROMPTS, compare, vllm_generate
 
 SPEC = PRESETS["tiny-qwen3"]
 LORA = Lora(rank=8, alpha=16.0, targets=("q_proj", "v_proj", "o_proj", "down_proj"))
@@ -82,9 +81,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
     ids = torch.randint(0, SPEC.vocab_size, (4, 12), generator=g)
     for version in range(1, 4):
         if version > 1:
-            old = model.policy_logprobs(ids)
-            model.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, mask=torch.ones(4, 11),
-                                                    advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])))
+            grpo_step(model, ids)
         rec = sync.update(version)
         res["records"].append({"ok": rec.ok, "adapter": rec.adapter, "pause_s": rec.pause_s})
         res["verify"].append(sync.verify())
@@ -99,20 +96,7 @@ def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
 
 
 def _peft_greedy(adapter: dict[str, torch.Tensor]) -> list[tuple[list[int], list[float]]]:
-    from tests.vllm._check import MAX_TOKENS, PROMPTS
-
-    model = peft_model(SPEC, random_source(SPEC, 0), LORA, adapter)
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            seq, lps = list(prompt), []
-            for _ in range(MAX_TOKENS):
-                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), dim=-1)
-                tok = int(logp.argmax())
-                seq.append(tok)
-                lps.append(float(logp[tok]))
-            out.append((seq[len(prompt):], lps))
-    return out
+    return peft_greedy(SPEC, random_source(SPEC, 0), LORA, adapter, PROMPTS, MAX_TOKENS)
 
 
 def test_adapter_sync_into_vllm_serves_what_peft_computes(vllm_lora) -> None:
@@ -155,9 +139,7 @@ def _fsdp2_peft_trainer(rank: int, world: int, port: int, url: str, out) -> None
     res: dict = {"steps": []}
     for version in range(1, 3):
         if version > 1:  # a GRPO step: PEFT's B leaves zero, so vLLM's outputs leave the base's
-            old = trainer.policy_logprobs(ids)
-            trainer.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, mask=torch.ones(4, 11),
-                                                      advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])))
+            grpo_step(trainer, ids)
         rec = sync.update(version)
         adapter = {from_peft(n): p.full_tensor().detach() for n, p in trainer.model.named_parameters()
                    if p.requires_grad}  # the test's reference only
