@@ -18,9 +18,12 @@ from pathlib import Path
 
 import torch
 
+from shardsync.dtypes import dtype_name
 from shardsync.lora import Lora
 from shardsync.plan.local import region
-from shardsync.receiver.destination import Slice
+from shardsync.receiver.destination import Loader, Slice
+from shardsync.receiver.receiver import Receiver, engine_rank
+from shardsync.spec import ModelSpec
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -107,3 +110,18 @@ def read_weights(root: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(str(Path(root) / WEIGHTS)).items()}
+
+
+def adapter_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, root: str | Path, lora: Lora, *,
+                     dtype: torch.dtype, secret: str, engine: str) -> Receiver:
+    """One rank of an engine that loads its adapter from ``root``: the whole adapter (the engine
+    shards it per TP rank itself) into a ``Loader`` whose commit replaces the directory's weights
+    (TP rank 0 writes; every rank received the same bytes).  Refuses, naming ``engine``, an
+    adapter other than the one the directory holds."""
+    served = read_config(root)
+    if served != lora:
+        raise ValueError(f"the trainer syncs adapter {lora}, {engine}'s adapter directory {root} holds adapter "
+                         f"{served}: start {engine} on an adapter of the trainer's rank, alpha and targets")
+    layout, rank = engine_rank(spec, tp_rank, tp_size, dtype_name=dtype_name(dtype), whole=True, lora=lora)
+    dest = Loader(rank, layout.logical, writer(root, write=tp_rank == 0), dtype=dtype, device="cpu")
+    return Receiver(spec, tp_rank, tp_size, dest, dtype=dtype, device="cpu", secret=secret, whole=True, lora=lora)

@@ -55,3 +55,42 @@ def grpo_step(model, ids: torch.Tensor) -> None:
     mask = torch.ones(ids.shape[0], ids.shape[1] - 1)
     model.train_step(ids, functools.partial(grpo_loss, old_logprobs=old, mask=mask,
                                             advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])))
+
+
+def lora_trainer(spec: ModelSpec, lora: Lora, rank: int, world: int, port: int, *, adapter_seed: int = 3):
+    """In a spawned rank: join the default group (gloo) and build the TP ``world`` reference LoRA
+    trainer on the base of seed 0 (AdamW, lr 1e-3), its adapter from seed ``adapter_seed``.
+    Returns (the trainer, its ``MegatronParallel``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from shardsync.layout import MegatronParallel
+    from shardsync.lora import adapter_tensors
+    from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
+    from shardsync.models.weights import random_source
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    par = MegatronParallel(tp=world, dtype="float32")
+    groups = megatron_groups(par)
+    model = TrainerModel(spec, par, rank, groups.tp, groups.pp, source=random_source(spec, 0),
+                         optim=OptimConfig(lr=1e-3), lora=lora)
+    model.load_adapter(random_source(spec, adapter_seed, shapes=adapter_tensors(spec, lora)))
+    return model, par
+
+
+def whole_model_refusal(spec: ModelSpec, par, rank: int, model, urls: list[str], cfg) -> str:
+    """What a whole-model connect of ``model`` into adapter engines answers (``cfg``: its
+    ``SyncConfig``); fails the test when it connects."""
+    import torch.distributed as dist
+
+    from shardsync.control.client import SyncError
+    from shardsync.sync import WeightSync
+
+    whole = WeightSync(spec, par, rank, dict(model.named_parameters()), urls, cfg, trainer_group=dist.group.WORLD)
+    try:
+        whole.connect()
+    except SyncError as e:
+        return str(e)
+    raise AssertionError("a whole-model sync connected to engines serving an adapter")

@@ -24,7 +24,7 @@ from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync
 from tests.dist._engine import start_engine, stop_engine
-from tests.dist._peft import grpo_step, peft_greedy
+from tests.dist._peft import grpo_step, lora_trainer, peft_greedy, whole_model_refusal
 from tests.dist._world import free_port, run_world
 from tests.dist.test_lora_sync import _merge
 
@@ -35,24 +35,13 @@ PROMPTS = [[5, 17, 300, 42, 9], [801, 3, 64]]
 NEW = 6
 
 
-def _adapter():
-    return random_source(SPEC, 3, shapes=adapter_tensors(SPEC, LORA))
-
 
 def _trainer(rank: int, world: int, port: int, url: str, out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    groups = megatron_groups(PAR)
-    model = TrainerModel(SPEC, PAR, rank, groups.tp, groups.pp, source=random_source(SPEC, 0),
-                         optim=OptimConfig(lr=1e-3), lora=LORA)
-    model.load_adapter(_adapter())
+    model, par = lora_trainer(SPEC, LORA, rank, world, port)
+    assert par == PAR
     res: dict = {"adapters": [], "records": [], "verify": [], "generated": []}
-    whole = WeightSync(SPEC, PAR, rank, dict(model.named_parameters()), [url],
-                       SyncConfig(transport=TransportConfig(timeout_s=30)), trainer_group=dist.group.WORLD)
-    try:
-        whole.connect()
-    except SyncError as e:
-        res["whole_refused"] = str(e)
+    res["whole_refused"] = whole_model_refusal(SPEC, PAR, rank, model, [url],
+                                               SyncConfig(transport=TransportConfig(timeout_s=30)))
     sync = WeightSync(SPEC, PAR, rank, model.adapter_tensors(), [url],
                       SyncConfig(lora=LORA, transport=TransportConfig(bucket_mb=0.25, timeout_s=30)),
                       trainer_group=dist.group.WORLD)

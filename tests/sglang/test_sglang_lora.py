@@ -8,22 +8,18 @@ server needs a GPU build); models, LoRA manager, loaders and schemas are SGLang'
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from shardsync.config import ControlConfig, SyncConfig, TransportConfig
-from shardsync.control.client import SyncError
 from shardsync.layout import MegatronParallel
 from shardsync.layout.logical import logical_tensors
 from shardsync.lora import Lora, adapter_tensors, megatron_adapter_layout
-from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
 from shardsync.models.weights import random_source
 from shardsync.receiver import peft_dir
 from shardsync.sync import WeightSync
-from tests.dist._peft import grpo_step
+from tests.dist._peft import grpo_step, lora_trainer, whole_model_refusal
 from tests.dist._world import free_port, run_world
 from tests.dist.test_lora_sync import _merge
 from tests.sglang import _models
@@ -53,22 +49,11 @@ def sglang_lora(tmp_path_factory):
 
 
 def _trainer(rank: int, world: int, port: int, urls: list[str], out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    par = MegatronParallel(tp=world, dtype="float32")
-    groups = megatron_groups(par)
-    model = TrainerModel(SPEC, par, rank, groups.tp, groups.pp, source=random_source(SPEC, 0),
-                         optim=OptimConfig(lr=1e-3), lora=LORA)
-    model.load_adapter(random_source(SPEC, 3, shapes=adapter_tensors(SPEC, LORA)))
+    model, par = lora_trainer(SPEC, LORA, rank, world, port)
     control = ControlConfig(channel="sglang", token=TOKEN)
     res: dict = {"adapters": [], "records": []}
-    whole = WeightSync(SPEC, par, rank, dict(model.named_parameters()), urls,
-                       SyncConfig(control=control, transport=TransportConfig(timeout_s=30)),
-                       trainer_group=dist.group.WORLD)
-    try:
-        whole.connect()
-    except SyncError as e:
-        res["whole_refused"] = str(e)
+    res["whole_refused"] = whole_model_refusal(SPEC, par, rank, model, urls, SyncConfig(
+        control=control, transport=TransportConfig(timeout_s=30)))
     sync = WeightSync(SPEC, par, rank, model.adapter_tensors(), urls,
                       SyncConfig(lora=LORA, control=control, transport=TransportConfig(timeout_s=60)),
                       trainer_group=dist.group.WORLD)

@@ -23,7 +23,7 @@ from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
 from shardsync.layout.engine import EngineParallel, variant_choices
 from shardsync.lora import Lora
-from shardsync.receiver import Loader, Params, Receiver, Slice, peft_dir
+from shardsync.receiver import Params, Receiver, Slice, peft_dir
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
 from shardsync.receiver.receiver import engine_rank
@@ -155,17 +155,9 @@ class SglangHost:
         if not whole:
             raise Refused(f"SGLang's {LAYOUT_MISMATCH}: its LoRA manager takes the whole adapter and shards it "
                           "itself", Reason.LAYOUT_MISMATCH)
-        served = peft_dir.read_config(root)
-        if served != lora:
-            raise ValueError(f"the trainer syncs adapter {lora}, SGLang's adapter directory {root} holds adapter "
-                             f"{served}: start SGLang on an adapter of the trainer's rank, alpha and targets")
         if lora not in self._adapters:
-            layout, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
-                                       whole=True, lora=lora)
-            dest = Loader(rank, layout.logical, peft_dir.writer(root, write=self.tp_rank == 0), dtype=self.dtype,
-                          device="cpu")
-            self._adapters[lora] = Receiver(self.spec, self.tp_rank, self.tp_size, dest, dtype=self.dtype,
-                                            device="cpu", secret=self.secret, whole=True, lora=lora)
+            self._adapters[lora] = peft_dir.adapter_receiver(self.spec, self.tp_rank, self.tp_size, root, lora,
+                                                             dtype=self.dtype, secret=self.secret, engine="SGLang")
         return self._adapters[lora]
 
     def _receiver(self, whole: bool, lora: Lora | None = None) -> Receiver:

@@ -40,7 +40,6 @@ from shardsync.engines.vllm import mla, moe, params
 from shardsync.lora import Lora
 from shardsync.plan.local import region
 from shardsync.receiver import Receiver, Slice, peft_dir
-from shardsync.receiver.destination import Loader
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
@@ -195,21 +194,12 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                  self.lora_dir)
 
     def _adapter_receiver(self, lora: Lora) -> Receiver:
-        """The whole adapter into a ``Loader`` whose commit replaces the adapter directory's
-        weights (TP rank 0 writes; every worker received the same bytes)."""
+        """The whole adapter into the directory vLLM reloads it from (``peft_dir``)."""
         if self.lora_dir is None:
             raise ValueError("this vLLM serves no LoRA adapter: start it with --enable-lora --max-lora-rank R "
                              f"--lora-modules NAME=DIR and {ENV_LORA_DIR}=DIR to sync an adapter (docs/lora.md)")
-        served = peft_dir.read_config(self.lora_dir)
-        if served != lora:
-            raise ValueError(f"the trainer syncs adapter {lora}, vLLM's adapter directory {self.lora_dir} holds "
-                             f"adapter {served}: start vLLM on an adapter of the trainer's rank, alpha and targets")
-        layout, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
-                                   whole=True, lora=lora)
-        dest = Loader(rank, layout.logical, peft_dir.writer(self.lora_dir, write=self.tp_rank == 0),
-                      dtype=self.dtype, device="cpu")
-        return Receiver(self.spec, self.tp_rank, self.tp_size, dest, dtype=self.dtype, device="cpu",
-                        secret=self.secret, whole=True, lora=lora)
+        return peft_dir.adapter_receiver(self.spec, self.tp_rank, self.tp_size, self.lora_dir, lora, dtype=self.dtype,
+                                         secret=self.secret, engine="vLLM")
 
     def _receiver(self, whole: bool, lora: Lora | None) -> Receiver:
         """This worker's receiver for engine-layout shards, for whole tensors or for a whole
