@@ -175,7 +175,8 @@ class WeightSync:
         topo = conn.topo
         self.plan_s = time.perf_counter() - t0
         derived = topo.derived(self.rank)
-        self._fp8 = None if topo.fp8 is None or not derived else SourceQuantizer(derived, self.params, topo.fp8.fmt)
+        self._fp8 = None if topo.fp8 is None or not derived else SourceQuantizer(
+            derived, self.params, topo.fp8.fmt, count=self.config.detail)
         self._local = self.params if self._fp8 is None else self._fp8.tensors
         if self.config.delta is not None and (self._snapshot is None or self._snapshot.params is not self._local):
             raw = {p.local: torch_dtype(topo.raw_dtypes[p.logical])

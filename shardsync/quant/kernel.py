@@ -2,8 +2,9 @@
 once and writes its e4m3 bytes and its scale where they are kept, bit for bit ``fp8.quantize``.
 
 ``fp8.quantize`` in torch ops reads the matrix about five times (abs, amax, multiply, cast,
-copy into the kept words); this reads it once, reads the kept e4m3 bytes once to count those
-that change, and writes the new ones: 4 bytes per element moved against a bf16 copy's 4.
+copy into the kept words); this reads it once and writes the e4m3 bytes: 3 bytes per element
+moved against a bf16 copy's 4.  Counting the bytes that change reads the kept ones too (4 bytes
+per element, and the arithmetic that encodes each new byte): asked for, not by default.
 Divisions are IEEE-rounded (``div_rn``) as torch's are; the fp32 -> e4m3 conversion is the
 hardware's round-to-nearest-even, as torch's.  Block formats with float32 or exponent-bit
 (``ue8m0``) scales; others (per channel, vLLM's log2 rounding) take the torch path.
@@ -22,6 +23,8 @@ _SCALES = {"float32": 0, "ue8m0": 1}
 # 1 / 448 rounded to float32: ``amax / E4M3_MAX`` on a CUDA tensor multiplies by it (seen on H100:
 # a true division differs in the last bit of some float32 scales)
 INV_E4M3_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(E4M3_MAX, dtype=torch.float32))
+# warps per 128 x 128 block: fastest measured on an H100 with and without the count (docs/fp8.md)
+_WARPS = {False: 4, True: 16}
 
 
 def fused(fmt: Fp8Format, w: torch.Tensor) -> bool:
@@ -36,7 +39,7 @@ def _kernel() -> Any:
 
     @triton.jit
     def block_cast(x_ptr, q_ptr, qb_ptr, s_ptr, n_ptr, N, K, sx0, sx1, sq0, ss0,
-                   BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, COUNT: tl.constexpr,
                    AMAX: tl.constexpr, INV_FMAX: tl.constexpr):
         pm, pn = tl.program_id(0), tl.program_id(1)
         rows = pm * BM + tl.arange(0, BM)
@@ -52,26 +55,32 @@ def _kernel() -> Any:
             s = (e << 23).to(tl.float32, bitcast=True)
         q = (x * tl.math.div_rn(1.0, s)).to(tl.float8e4nv)
         at = rows[:, None] * sq0 + cols[None, :]
-        # bytes that change: the old bytes read, then the new ones written and read back as bytes
-        # (ptxas of Triton 3.6 dies on sm_90a on a bitcast of the e4m3 block to integers)
-        old = tl.load(qb_ptr + at, mask=mask, other=0)
-        tl.debug_barrier()  # every thread read the old bytes before any writes the new ones
-        tl.store(q_ptr + at, q, mask=mask)
-        tl.debug_barrier()
-        new = tl.load(qb_ptr + at, mask=mask, other=0)
-        changed = tl.sum(tl.sum(tl.where(mask & (old != new), 1, 0), axis=1), axis=0)
         old_s = tl.load(s_ptr + pm * ss0 + pn)
+        if COUNT:
+            old = tl.load(qb_ptr + at, mask=mask, other=0).to(tl.int32)
+            # each new byte encoded from its float value (ptxas of Triton 3.6 dies on sm_90a on a
+            # bitcast of e4m3 to integers): sign, then exponent + 7 and 3 mantissa bits, or the
+            # subnormal's multiple of 2^-9
+            b = q.to(tl.float32).to(tl.int32, bitcast=True)
+            a = b & 0x7FFFFFFF
+            e8 = (a >> 23) - 127
+            normal = ((e8 + 7) << 3) | ((a >> 20) & 7)
+            sub = (a.to(tl.float32, bitcast=True) * 512.0).to(tl.int32)
+            new = tl.where(e8 >= -6, normal, sub) | ((b >> 24) & 0x80)
+            changed = tl.sum(tl.sum(tl.where(mask & (old != new), 1, 0), axis=1), axis=0)
+            tl.atomic_add(n_ptr, (changed + (old_s != s).to(tl.int32)).to(tl.int64))
+            tl.debug_barrier()  # every thread read the old bytes before any writes the new ones
+        tl.store(q_ptr + at, q, mask=mask)
         tl.store(s_ptr + pm * ss0 + pn, s)
-        tl.atomic_add(n_ptr, changed + (old_s != s).to(tl.int32))
 
     return block_cast
 
 
 def quantize_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format,
-                  changed: torch.Tensor) -> None:
+                  changed: torch.Tensor | None = None) -> None:
     """``q``, ``s`` := ``fp8.quantize(w, fmt)`` in one pass (``q``: e4m3 or its int32 words,
-    rows contiguous; ``s``: float32 scales); adds the e4m3 bytes and scales that changed to
-    ``changed`` (int32, one element, on the device).  Queued on the current stream."""
+    rows contiguous; ``s``: float32 scales); with ``changed`` (int64, one element, on the
+    device) adds to it the e4m3 bytes and scales that changed.  Queued on the current stream."""
     if not fused(fmt, w):
         raise ValueError(f"the fused quantizer takes CUDA matrices in block formats; got {fmt.name}, "
                          f"{w.device} {tuple(w.shape)}")
@@ -79,11 +88,15 @@ def quantize_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8For
     q8 = q.view(torch.float8_e4m3fn).view(n, k)
     if q8.stride(1) != 1 or s.stride(1) != 1:
         raise ValueError("the kept e4m3 bytes and scales must have contiguous rows")
+    if changed is not None and changed.dtype != torch.int64:
+        raise ValueError(f"the count of changed bytes is an int64 tensor; got {changed.dtype}")
     assert fmt.block is not None
     bm, bn = fmt.block
+    count = changed is not None
     grid = (triton_cdiv(n, bm), triton_cdiv(k, bn))
-    _kernel()[grid](w, q8, q8.view(torch.uint8), s, changed, n, k, w.stride(0), w.stride(1), q8.stride(0), s.stride(0),
-                    BM=bm, BN=bn, UE8M0=_SCALES[fmt.scale], AMAX=AMAX_FLOOR, INV_FMAX=INV_E4M3_MAX, num_warps=8)
+    _kernel()[grid](w, q8, q8.view(torch.uint8), s, changed if count else s, n, k, w.stride(0), w.stride(1),
+                    q8.stride(0), s.stride(0), BM=bm, BN=bn, UE8M0=_SCALES[fmt.scale], COUNT=count,
+                    AMAX=AMAX_FLOOR, INV_FMAX=INV_E4M3_MAX, num_warps=_WARPS[count])
 
 
 def triton_cdiv(a: int, b: int) -> int:

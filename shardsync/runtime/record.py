@@ -41,7 +41,8 @@ class UpdateRecord:
     source: str = "device"  # where the trainer's weights were read from: device | host | host-pinned
     unsent_bytes: int = 0  # the trainer's tensors no engine holds (MTP layers), at the wire dtype: not moved
     started_at: float = 0.0  # wall-clock seconds when the update began (steps' times are wall-clock too)
-    quantized_changed: int = 0  # FP8 engines: this rank's e4m3 bytes and scales that changed since its last send
+    # FP8 engines, with ``detail``: this rank's e4m3 bytes and scales that changed since its last send
+    quantized_changed: int = 0
     adapter: dict[str, int] | None = None  # an adapter sync: its rank, adapter_bytes and base_bytes (not moved)
 
     @property

@@ -32,7 +32,7 @@ def test_fused_quantizer_is_bitwise_and_counts_changes(fmt: str, shape: tuple[in
     ref_q, ref_s = quantize(w, f)
     q = torch.full((shape[0], shape[1] // 4), -1, dtype=torch.int32, device="cuda")  # poisoned
     s = torch.full(f.scale_shape(shape), -1.0, device="cuda")
-    n = torch.zeros(1, dtype=torch.int32, device="cuda")
+    n = torch.zeros(1, dtype=torch.int64, device="cuda")
     quantize_into(w, q, s, f, n)
     assert torch.equal(q.view(torch.uint8).view(shape), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
     assert int(n) == w.numel() + s.numel() - int((ref_q.view(torch.uint8) == 0xFF).sum())  # every byte new
@@ -61,7 +61,7 @@ def test_a_gpu_trainer_syncs_an_fp8_engine_through_ipc() -> None:
     try:
         params = load_rank(topo.trainer_base, 0, random_source(spec, seed=3), device="cuda")
         sync = WeightSync(spec, par, 0, params, [url],
-                          SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="map"),
+                          SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="map"), detail=True,
                                      transport=TransportConfig(timeout_s=120)))
         sync.connect()
         try:
