@@ -238,7 +238,7 @@ def main() -> None:
                          "Qwen3-14B does not fit beside the engine on one H200 with them)")
     ap.add_argument("--engine-quantization", default=None,
                     help="the engine serves FP8 in this format (e.g. fp8): the trainer quantizes before each "
-                         "send; the in-process kernels measured are the quantizer's (push is refused)")
+                         "send; the in-process kernels measured are the quantizer's")
     ap.add_argument("--out", default="gpu_update.json")
     args = ap.parse_args()
     spec = load_spec(args.model, dtype="bfloat16")

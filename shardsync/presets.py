@@ -160,12 +160,22 @@ _PRESET_LIST = [
             dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
             **_mla(64, 32, 32, 16, 32, nextn=1), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5),
             **_dsa(8, 32, 8)),
+    # FP8 engines: DeepSeek-V3-fp8's numbers plus the indexer (replicated: any size is whole blocks)
+    _preset("tiny-deepseek-v32-fp8", "deepseek_v32", 256, 4, 8, 8, 128, 512, 1100, False, max_position_embeddings=2048,
+            dtype="bfloat16", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
+            **_mla(128, 128, 64, 64, 64, nextn=1),
+            **_sigmoid_moe(8, 2, 256, shared=1, dense=1, groups=(2, 1), scale=2.5), **_dsa(8, 64, 8)),
     # gated DeltaNet hybrids: Qwen3-Next-80B-A3B as slime's script and the published config give it (every layer
     # MoE; rope theta 1e7: slime's; some third-party copies say 5e6); tiny: 4 key heads (engine TP up to 4)
     _preset("Qwen3-Next-80B-A3B", "qwen3_next", 2048, 48, 16, 2, 256, 5120, 151936, False,
             max_position_embeddings=262144, rope_theta=10_000_000.0, partial_rotary_factor=0.25, **_next(16, 32, 128)),
     _preset("tiny-qwen3-next", "qwen3_next", 256, 4, 4, 2, 64, 512, 1100, False, max_position_embeddings=2048,
             dtype="float32", **_TINY_HYBRID),
+    # FP8 engines: whole 128 x 128 blocks at engine TP 1 and 2 (linear key and value heads of 64: SGLang wants each
+    # of q, k, v, z of a rank's in_proj_qkvz whole blocks; KV heads of 128, experts of 256 rows)
+    _preset("tiny-qwen3-next-fp8", "qwen3_next", 256, 4, 4, 2, 128, 512, 1100, False, max_position_embeddings=2048,
+            dtype="bfloat16", **{**_TINY_HYBRID, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+                                 "linear_key_head_dim": 64, "linear_value_head_dim": 64}),
     # Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults; slime's qwen3.5-35B-A3B.sh gives
     # rope theta 1e7; max positions 262144 from third-party copies of its config): separate linear projections
     _preset("Qwen3.5-35B-A3B", "qwen3_5_moe_text", 2048, 40, 16, 2, 256, 512, 248320, False,
@@ -173,6 +183,10 @@ _PRESET_LIST = [
             **{**_next(16, 32, 128), "num_experts": 256, "num_experts_per_tok": 8}),
     _preset("tiny-qwen3.5-moe", "qwen3_5_moe_text", 256, 4, 4, 2, 64, 128, 1100, False, max_position_embeddings=2048,
             dtype="float32", **_TINY_HYBRID),
+    _preset("tiny-qwen3.5-moe-fp8", "qwen3_5_moe_text", 256, 4, 4, 2, 128, 128, 1100, False,
+            max_position_embeddings=2048, dtype="bfloat16",
+            **{**_TINY_HYBRID, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+               "linear_key_head_dim": 64, "linear_value_head_dim": 64}),
     # mixture of experts
     _preset("Qwen3-30B-A3B", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False,
             max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),

@@ -157,7 +157,8 @@ _INDEX_KEY = (_I + "wk.weight", _I + "weights_proj.weight")
 def with_indexer(mla: Block) -> Block:
     """DeepSeek sparse attention: MLA plus its lightning indexer (``wq_b`` reads the query's
     latent, ``wk`` and ``weights_proj`` the layer input, ``k_norm`` a LayerNorm with a bias).
-    Replicated on every TP rank of every side.  SGLang holds ``weights_proj`` in bfloat16 and
+    Replicated on every TP rank of every side.  An FP8 engine quantizes ``wq_b`` and ``wk`` (SGLang's
+    ``Fp8Config``); ``weights_proj`` and the fused key stay bfloat16.  SGLang holds ``weights_proj`` in bfloat16 and
     ``k_norm`` in float32 whatever the model's dtype, and on CUDA fuses ``wk`` and
     ``weights_proj`` into one bfloat16 ``wk_weights_proj`` when the indexer's rotary is
     interleaved (GLM-5; variant ``indexer_fused``); vLLM always fuses them, in the model's
@@ -181,8 +182,8 @@ def with_indexer(mla: Block) -> Block:
                   Row(m + "linear_weights_proj.weight", Whole(_I + "weights_proj.weight")),
                   *mla.megatron[1:]),
         engine=(*mla.engine,
-                Row(_I + "wq_b.weight", Whole()),
-                Row(_I + "wk.weight", Whole(), unless=("indexer_fused", "vllm")),
+                Row(_I + "wq_b.weight", Whole(), fp8=True),
+                Row(_I + "wk.weight", Whole(), unless=("indexer_fused", "vllm"), fp8=True),
                 Row(_I + "weights_proj.weight", Whole(), dtype="bfloat16", unless=("indexer_fused", "vllm")),
                 Row(_I + "wk_weights_proj.weight", Concat(_INDEX_KEY), dtype="bfloat16", variant="indexer_fused",
                     unless="vllm"),

@@ -9,7 +9,9 @@ not interleaved: a rank holds its heads' channels of each (``Fused`` of ``Rows``
 float32 on the engines.  Megatron: slime's layer (an HF-style module replicated on every TP rank
 under ``self_attention.``); megatron-core's own ``GatedDeltaNet`` (per rank ``[q|k|v|z|b|a]``,
 ``out_norm`` stored minus one) is not held yet.  Full attention: ``q_proj`` holds each head's query
-then its gate; SGLang names the layer's tensors without ``self_attn.``, vLLM with it."""
+then its gate; SGLang names the layer's tensors without ``self_attn.``, vLLM with it.  FP8
+checkpoints quantize ``in_proj_qkvz``, ``out_proj`` and the full attention's projections, not
+``in_proj_ba`` (its rows are no whole block: vLLM #25079) nor the conv."""
 
 from __future__ import annotations
 
@@ -60,11 +62,11 @@ def gated_deltanet(*, interleaved: bool) -> Block:
             Row("input_layernorm.weight", Whole()),
             Row(_L + "dt_bias", Split()),
             Row(_L + "A_log", Split(), dtype="float32"),
-            Row(_L + "in_proj_qkvz.weight", qkvz),
+            Row(_L + "in_proj_qkvz.weight", qkvz, fp8=True),
             Row(_L + "in_proj_ba.weight", ba),
             Row(_CONV, Fused((Rows(_CONV, "lq"), Rows(_CONV, "lq", start="lq"), Rows(_CONV, "lvd", start="2lq")))),
             Row(_L + "norm.weight", Whole()),
-            Row(_L + "out_proj.weight", Split(dim=1)),
+            Row(_L + "out_proj.weight", Split(dim=1), fp8=True),
         ),
     )
 
@@ -75,9 +77,9 @@ GATED_DELTANET_SEPARATE = gated_deltanet(interleaved=False)
 _A = "self_attn."
 
 
-def _engine(name: str, kind: Whole | Split | QkvHeads) -> tuple[Row, Row]:
+def _engine(name: str, kind: Whole | Split | QkvHeads, *, fp8: bool = False) -> tuple[Row, Row]:
     """SGLang's row (no ``self_attn.`` level) and vLLM's (with it) of one attention tensor."""
-    return Row(name, kind, unless="vllm"), Row(_A + name, kind, variant="vllm")
+    return Row(name, kind, unless="vllm", fp8=fp8), Row(_A + name, kind, variant="vllm", fp8=fp8)
 
 
 GATED_GQA = Block(
@@ -100,10 +102,10 @@ GATED_GQA = Block(
     ),
     engine=(
         Row("input_layernorm.weight", Whole()),
-        *_engine("qkv_proj.weight", QkvHeads("weight", gate=True)),
+        *_engine("qkv_proj.weight", QkvHeads("weight", gate=True), fp8=True),
         *_engine("q_norm.weight", Whole(_A + "q_norm.weight")),
         *_engine("k_norm.weight", Whole(_A + "k_norm.weight")),
-        *_engine("o_proj.weight", Split(_A + "o_proj.weight", dim=1)),
+        *_engine("o_proj.weight", Split(_A + "o_proj.weight", dim=1), fp8=True),
     ),
 )
 

@@ -226,9 +226,9 @@ class _LinearAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 layer: int) -> torch.Tensor:
-        weights = DeltaWeights(self.in_proj_qkvz.weight, self.in_proj_ba.weight, self.conv1d.weight,
+        weights = DeltaWeights(self.in_proj_qkvz.dense(), self.in_proj_ba.dense(), self.conv1d.weight,
                                self.get_parameter("dt_bias"), self.get_parameter("A_log"), self.norm.weight,
-                               self.out_proj.weight)
+                               self.out_proj.dense())
         state = cache.linear[layer] if cache is not None else None
         out, state = deltanet(self.spec, x, weights, interleaved=self.interleaved, state=state)
         if cache is not None:

@@ -116,13 +116,13 @@ class LatentAttention(nn.Module):
         if self.kind == "dsa_shared":
             return self.baton.take(layer)
         ix = self.indexer
-        keys = index_keys(self.spec, x, ix.wk.weight, ix.k_norm.weight, ix.k_norm.bias, cos, sin)
+        keys = index_keys(self.spec, x, ix.wk.dense(), ix.k_norm.weight, ix.k_norm.bias, cos, sin)
         start = 0
         if cache is not None:
             start, s = cache.length, x.shape[1]
             cache.index_keys[layer][:, start:start + s] = keys
             keys = cache.index_keys[layer][:, :start + s]
-        self.baton.chosen = select(self.spec, x, q_latent, keys, ix.wq_b.weight, ix.weights_proj.weight, cos, sin,
+        self.baton.chosen = select(self.spec, x, q_latent, keys, ix.wq_b.dense(), ix.weights_proj.weight, cos, sin,
                                    start)
         return self.baton.chosen
 

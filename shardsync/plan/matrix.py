@@ -141,7 +141,7 @@ def extra_cases() -> list[Case]:
         Case(**base, engine_kind="sglang", engine_stages=2, note="SGLang PP 2: each stage's ranks get its layers"),
         Case(**base, quantization="fp8", note="FP8 engine: the trainer sends e4m3 bytes and scales"),
         Case(**base, engine_kind="sglang", quantization="fp8",
-             note="SGLang FP8 (its host refuses a quantized model so far)"),
+             note="SGLang serving block FP8: its host writes e4m3 bytes and scales in place"),
         Case(**base, quantization="fp8-per-tensor", note="one scale per tensor: the loader quantizes it whole"),
         Case(**{**base, "trainer_tp": 3, "relation": "trainer non-pow2"},
              note="Megatron refuses TP 3 for 8 heads"),

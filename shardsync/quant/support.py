@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from shardsync.quant.fp8 import FORMATS
 
-RECEIVER_QUANTIZES = frozenset({"reference"})  # engine kinds whose receiver takes FP8 (receiver.quantized)
+# engine kinds whose receiver takes FP8 (receiver.quantized): SGLang's into its block-FP8 parameters
+RECEIVER_QUANTIZES = frozenset({"reference", "sglang"})
 
 _OFFLINE = ("its engine loads only weights quantized offline (packed low-bit integers or micro-scaled floats), "
             "which shardsync does not produce; serve the rollout engine in bf16 or FP8")

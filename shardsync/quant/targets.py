@@ -23,8 +23,9 @@ from shardsync.quant.fp8 import Fp8Format
 from shardsync.spec import ModelSpec
 
 # the attention kinds whose engine rows carry every linear an FP8 checkpoint quantizes
-# (``Row.fp8``): grouped-query and latent; sparse and linear attention are refused by name so far
-COVERED_ATTENTION = frozenset({"gqa", "mla"})
+# (``Row.fp8``): grouped-query, latent, sparse (the indexer's ``wq_b``, ``wk``), gated DeltaNet
+# (``in_proj_qkvz``, ``out_proj``) and the hybrids' gated full attention
+COVERED_ATTENTION = frozenset({"gqa", "mla", "dsa", "dsa_shared", "gdn", "gdn_stacked", "gqa_gated"})
 
 
 @dataclass(frozen=True)

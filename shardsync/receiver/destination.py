@@ -59,6 +59,11 @@ class Destination:
         steps), or None where receives land in what is served."""
         return None
 
+    def pushed(self, staging: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """One of ``staged().sets()`` as a pushing trainer writes it (the engine-layout names
+        ``tensors()`` has): itself, unless a deriving destination receives into tensors of its own."""
+        return staging
+
     def unpushable(self) -> str | None:
         """Why a pushing trainer (CUDA IPC, writing from its own process) cannot write here;
         None when it can (a whole staging copy)."""

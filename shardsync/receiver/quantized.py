@@ -28,7 +28,8 @@ from shardsync.receiver.destination import Deriving, Destination
 class Quantized(Deriving):
     """``inner`` holds the engine's served tensors (FP8 weights, their scales, the rest);
     ``targets`` the quantized ones (``quant.quantized``).  Memory: a model-dtype copy of the
-    rank's quantized weights that arrive wide (all of them until a connection ``bind``s)."""
+    rank's quantized weights that arrive wide, made when first addressed (a connection
+    ``bind``s first: the weights it carries quantized need none)."""
 
     name = "quantized"
 
@@ -52,10 +53,15 @@ class Quantized(Deriving):
         self.direct = direct
         self.targets = {n: t for n, t in self.all.items() if n not in direct}
         self._scales = {t.scale for t in self.targets.values()}  # hidden: derived here
-        self._wide = {n: self._wide[n] if n in self._wide else torch.zeros(t.shape, dtype=self.dtype,
-                                                                           device=self.device)
-                      for n, t in self.targets.items()}
+        self._wide = {n: t for n, t in self._wide.items() if n in self.targets}
         self._joined.clear()
+
+    def _copy(self, name: str) -> torch.Tensor:
+        """``name``'s model-dtype copy (zeros until a receive writes it)."""
+        hit = self._wide.get(name)
+        if hit is None:
+            hit = self._wide[name] = torch.zeros(self.targets[name].shape, dtype=self.dtype, device=self.device)
+        return hit
 
     def bind(self, rank: RankLayout) -> None:
         self._arrange(frozenset(t.name for t in rank.tensors if t.name in self.all and t.dtype == WORD))
@@ -64,15 +70,15 @@ class Quantized(Deriving):
     def _view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if name in self.direct:
             return t.view(torch.int32)
-        return self._wide.get(name, t)
+        return self._copy(name) if name in self.targets else t
 
     def _join(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``inner`` with the wide copies in place of the FP8 weights and without the scales:
-        the engine layout the paths write; one dict per inner mapping (a staged one alternates
-        two), made once."""
+        the engine layout the paths write; one dict per inner mapping (the served one and two
+        staging sets), made once."""
         hit = self._joined.get(id(inner))
         if hit is None or hit[0] is not inner:
-            if len(self._joined) >= 2:
+            if len(self._joined) >= 3:  # served and two staging sets
                 self._joined.pop(next(iter(self._joined)))
             hit = (inner, {n: self._view(n, t) for n, t in inner.items() if n not in self._scales})
             self._joined[id(inner)] = hit
@@ -91,22 +97,27 @@ class Quantized(Deriving):
         into, served = self.inner.tensors(), self.inner.served()
         changed = 0
         for name, target in self.targets.items():
-            q, s = quantize(self._wide[name], self.fmt)
+            q, s = quantize(self._copy(name), self.fmt)
             changed += int((served[name].view(torch.uint8) != q.view(torch.uint8)).sum())
             changed += int((served[target.scale] != s).sum())
             into[name].copy_(q)
             into[target.scale].copy_(s)
         return changed + self.inner.received()
 
+    def pushed(self, staging: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """A staging set as the paths write it: the e4m3 weights sent quantized as words, the
+        others into their model-dtype copies (quantized into the set by ``received``)."""
+        return self._join(staging)
+
     def unpushable(self) -> str | None:
-        return "an FP8 engine (it quantizes what it receives; a pushing trainer would write its FP8 tensors)"
+        return self.inner.unpushable()
 
     @torch.no_grad()
     def stale(self) -> set[str]:
         served = self.inner.served()
         out = set()
         for name, target in self.targets.items():
-            q, s = quantize(self._wide[name], self.fmt)
+            q, s = quantize(self._copy(name), self.fmt)
             if not (torch.equal(served[name].view(torch.uint8), q.view(torch.uint8))
                     and torch.equal(served[target.scale], s)):
                 out.add(name)

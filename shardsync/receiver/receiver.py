@@ -170,7 +170,8 @@ class Receiver:
         dest = self.destination.staged()
         if dest is None or self.unpushable is not None:
             raise ValueError(PUSH_NEEDS_STAGING.format(where=self.unpushable))
-        return Staging(sets=[self._addressed(s) for s in dest.sets()], index=lambda: dest.staging_index,
+        return Staging(sets=[self._addressed(self.destination.pushed(s)) for s in dest.sets()],
+                       index=lambda: dest.staging_index,
                        ready_at=dest.ready_at, fence=dest.fence)
 
     def _plan_window(self, topo, me: int, req: ConnectRequest, full: list[Mode]) -> None:

@@ -1,7 +1,7 @@
 """FP8 on a GPU (marked ``gpu``: ``pytest -m gpu``): the fused block quantizer (``quant.kernel``)
 equals ``fp8.quantize`` bit for bit on random bf16 matrices (partial blocks, strided views,
 float32 and ue8m0 scales) and counts exactly the e4m3 bytes and scales that change; a trainer on
-the GPU syncs an FP8 reference engine on the same GPU through CUDA IPC (map), bitwise."""
+the GPU syncs an FP8 reference engine on the same GPU through CUDA IPC (map and push), bitwise."""
 
 from __future__ import annotations
 
@@ -53,15 +53,19 @@ def test_fused_quantizer_is_bitwise_and_counts_changes(fmt: str, shape: tuple[in
     assert torch.equal(q.view(torch.uint8).view(shape), ref3_q.view(torch.uint8)) and torch.equal(s, ref3_s)
 
 
-def test_a_gpu_trainer_syncs_an_fp8_engine_through_ipc() -> None:
+@pytest.mark.parametrize("ipc", ["map", "push"])
+def test_a_gpu_trainer_syncs_an_fp8_engine_through_ipc(ipc: str) -> None:
+    """map: the engine reads the e4m3 words the trainer quantized; push: the trainer writes them
+    into the engine's staging copy (whole shards staged)."""
     spec = PRESETS["tiny-qwen3-fp8"]
     par = MegatronParallel(tp=1, dtype="bfloat16")
     topo = Topology(spec, par, quantization="fp8")
-    proc, url = start_engine(spec.name, 1, device="cuda", dtype="bfloat16", quantization="fp8")
+    proc, url = start_engine(spec.name, 1, device="cuda", dtype="bfloat16", quantization="fp8",
+                             staging_bytes=-1 if ipc == "push" else 0)
     try:
         params = load_rank(topo.trainer_base, 0, random_source(spec, seed=3), device="cuda")
         sync = WeightSync(spec, par, 0, params, [url],
-                          SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="map"), detail=True,
+                          SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc=ipc), detail=True,
                                      transport=TransportConfig(timeout_s=120)))
         sync.connect()
         try:

@@ -27,7 +27,7 @@ CONFIGS = {"qwen3_next": ("sglang.srt.configs.qwen3_next", "Qwen3NextConfig"),
            "qwen3_5_moe_text": ("sglang.srt.configs.qwen3_5", "Qwen3_5MoeTextConfig")}
 # tensors SGLang derives from loaded ones after loading (MLA: w_kc / w_vc from kv_b_proj; zero-centred
 # norms: gemma_weight = weight + 1, a buffer), per module
-DERIVED = ("w_kc", "w_vc", "gemma_weight")
+DERIVED = ("w_kc", "w_vc", "w_scale", "gemma_weight")
 
 def _specs():
     from shardsync.presets import PRESETS
@@ -134,6 +134,42 @@ def build(hf_config, tp_rank: int, tp_size: int, dtype: torch.dtype = torch.floa
         torch.get_device_module, qwen2_moe._is_cuda = device_module, moe_cuda
     model.shared_experts_config = shared  # as SGLang's loader keeps it on the model
     return model.eval()
+
+
+def fp8_config(spec=None):
+    """SGLang's config of a 128 x 128 block FP8 checkpoint (DeepSeek-V3's, Qwen3-FP8's) of ``spec``:
+    Qwen3-Next's lists each linear-attention ``in_proj_ba`` among its unquantized modules (its
+    rows are no whole block), as the released checkpoints do."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    ba = {"gdn": ("in_proj_ba",), "gdn_stacked": ("in_proj_b", "in_proj_a")}
+    ignored = [] if spec is None else [f"model.layers.{i}.linear_attn.{m}" for i in range(spec.num_layers)
+                                       for m in ba.get(spec.family_table.blocks(spec, i)[0].kind, ())]
+    return Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128],
+                     ignored_layers=ignored)
+
+
+def fp8_names(spec) -> frozenset[str]:
+    """The checkpoint tensors an FP8 checkpoint of ``spec`` holds in e4m3: those of every engine
+    tensor an FP8 engine quantizes (``quant.targets``; the family tables' ``fp8`` rows)."""
+    from shardsync.layout import EngineParallel, engine_layout
+    from shardsync.quant import fp8_format, quantized
+
+    rank = engine_layout(spec, EngineParallel(tp=1, dtype=spec.dtype)).ranks[0]
+    targets = quantized(rank, spec, fp8_format("fp8"))
+    return frozenset(p.logical for p in rank.pieces if p.local in targets)
+
+
+def fp8_checkpoint(full: dict[str, torch.Tensor], quantize, names: frozenset[str]) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint of ``full``: the tensors ``names`` in e4m3 with their ``weight_scale_inv``
+    made by ``quantize`` (a tensor -> e4m3, scales), the rest as they are."""
+    out = {}
+    for name, t in full.items():
+        if name in names:
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = quantize(t)
+        else:
+            out[name] = t
+    return out
 
 
 def sglang_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from shardsync.control.sglang import ENTRY
+from shardsync.engines.sglang.fp8 import KV_CACHE_SCALES
 from tests.sglang import _lora, _models
 
 ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_struct)
@@ -38,8 +39,9 @@ ROUTES = {  # POST route -> SGLang's request schema (sglang.srt.managers.io_stru
 
 
 def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: int, variants: frozenset[str], spec,
-               dtype: str, initial: dict, env: dict, lora: dict | None, conn) -> None:
-    """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``."""
+               dtype: str, initial: str, env: dict, lora: dict | None, quantization: str | None, conn) -> None:
+    """One TP rank's scheduler: SGLang's model and WeightUpdater, driven over ``conn``
+    (``quantization``: "fp8", SGLang's block FP8 config, 128 x 128, as an FP8 checkpoint's)."""
     os.environ.update(env)
     from prometheus_client import values  # the fork server imported it before the directory was set:
 
@@ -50,9 +52,12 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
 
     dt = getattr(torch, dtype)
     stage = dict(pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size, shared_fused="shared_fused" in variants,
-                 indexer_fused="indexer_fused" in variants)
+                 indexer_fused="indexer_fused" in variants,
+                 quant_config=None if quantization is None else _models.fp8_config(spec))
     model = _models.build(_models.hf_config(spec), tp_rank, tp_size, dt, loaders=(ENTRY,), **stage)
-    _models.sglang_load(model, initial)
+    from safetensors.torch import load_file
+
+    _models.sglang_load(model, load_file(initial))  # the checkpoint the server starts from
     adapters = None  # SGLang's LoRA manager, when the server serves an adapter
     if lora is not None:
         adapters = _lora.manager(model, _models.hf_config(spec), rank=lora["rank"], targets=lora["targets"], dtype=dt)
@@ -80,7 +85,9 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
                 _models.publish_rank(tp_rank, tp_size, dtype, (ENTRY,), pp_rank, pp_size, ep_size)
                 want = {**dict(ref.named_parameters()), **_models.derived(ref)}
                 got = {**dict(model.named_parameters()), **_models.derived(model)}
-                bad = [n for n in want if n not in got or not torch.equal(got[n].data, want[n].data)]
+                # an FP8 config's KV-cache scales are not weights: nothing syncs them (SGLang's loader sets 1.0)
+                bad = [n for n in want if not n.endswith(KV_CACHE_SCALES)
+                       and (n not in got or not torch.equal(got[n].data, want[n].data))]
                 conn.send(("ok", bad))
             elif op == "params":
                 conn.send(("ok", {n: p.data.clone() for n, p in model.named_parameters()}))
@@ -107,6 +114,26 @@ def _rank_main(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_size: 
             raise
 
 
+def _trainer_float32(spec) -> frozenset[str]:
+    """The checkpoint tensors a Megatron trainer holds in float32 whatever its dtype (the family
+    rows': DeepSeek's router expert bias)."""
+    from shardsync.layout import MegatronParallel
+    from shardsync.topology import Topology
+
+    rank = Topology(spec, MegatronParallel(dtype="bfloat16")).trainer_layout.ranks[0]
+    fp32 = {t.name for t in rank.tensors if t.dtype == "float32"}
+    return frozenset(p.logical for p in rank.pieces if p.local in fp32)
+
+
+def fp8_quantizer():
+    """The quantizer of the FP8 checkpoints the stand-in serves: float32 block scales (the
+    DeepSeek-V3 / Qwen3 FP8 checkpoints'), as ``--quantization fp8`` with 128 x 128 blocks holds."""
+    from shardsync.quant import fp8_format, quantize
+
+    fmt = fp8_format("fp8")
+    return lambda t: quantize(t, fmt)
+
+
 class FakeSglang:
     """One SGLang server of ``tp`` x ``pp`` ranks serving ``spec``, started with shardsync's loader
     (experts over ``ep``; ``variants``: what SGLang fuses on CUDA, forced: ``shared_fused``, the
@@ -114,16 +141,17 @@ class FakeSglang:
 
     def __init__(self, spec, tp: int, initial: dict, *, pp: int = 1, ep: int = 1,
                  variants: frozenset[str] = frozenset(), dtype: str = "float32", env: dict | None = None,
-                 ctx=None, lora: dict | None = None) -> None:
-        """``lora``: serve one adapter, ``{name, path, rank, targets}`` (``--lora-paths NAME=PATH``)."""
+                 ctx=None, lora: dict | None = None, quantization: str | None = None) -> None:
+        """``lora``: serve one adapter, ``{name, path, rank, targets}`` (``--lora-paths NAME=PATH``);
+        ``quantization``: "fp8" serves ``initial``, a block FP8 checkpoint (``--quantization fp8``)."""
         from sglang.srt.server_args import ServerArgs
 
-        self.spec, self.tp, self.pp, self.dtype = spec, tp, pp, dtype
+        self.spec, self.tp, self.pp, self.dtype, self.quantization = spec, tp, pp, dtype, quantization
         lora_args = {} if lora is None else {
             "enable_lora": True, "lora_paths": [f"{lora['name']}={lora['path']}"], "max_lora_rank": lora["rank"],
             "lora_target_modules": lora["targets"], "lora_backend": "torch_native"}
         self.args = ServerArgs(model_path=spec.name, tp_size=tp, pp_size=pp, ep_size=ep, device="cpu", dtype=dtype,
-                               custom_weight_loader=[ENTRY], **lora_args)
+                               custom_weight_loader=[ENTRY], quantization=quantization, **lora_args)
         self.lora = lora
         self.lora_refs: dict[str, object] = {}  # SGLang's registry: adapter name -> its loaded reference
         if lora is not None:  # --lora-paths: loaded at start, under a reference every rank shares
@@ -142,12 +170,17 @@ class FakeSglang:
         # SGLang under --enable-metrics: every process writes its Prometheus values under one
         # directory, set before they start, and the server's /metrics reads them all
         self.metrics_dir = tempfile.mkdtemp(prefix="fake-sglang-metrics-")
+        # the initial weights as a checkpoint file (a process start passes a descriptor per tensor otherwise)
+        checkpoint = os.path.join(self.metrics_dir, "initial.safetensors")
+        from safetensors.torch import save_file
+
+        save_file({n: t.contiguous() for n, t in initial.items()}, checkpoint)
         env = {**(env or {}), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         ctx = ctx or mp.get_context("spawn")
         self._conns, self._procs = [], []
         for r in range(tp * pp):  # stage-major, as SGLang numbers its world
             mine, theirs = ctx.Pipe()
-            args = (r % tp, tp, r // tp, pp, ep, variants, spec, dtype, initial, env, lora, theirs)
+            args = (r % tp, tp, r // tp, pp, ep, variants, spec, dtype, checkpoint, env, lora, quantization, theirs)
             p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             self._conns.append(mine)
@@ -195,7 +228,12 @@ class FakeSglang:
         from tests.vllm._check import version_source
 
         source = version_source(self.spec, version, base)
-        return self.compare({n: source(n).to(getattr(torch, self.dtype)) for n in logical_tensors(self.spec)})
+        kept = _trainer_float32(self.spec)  # a trainer sends these in float32 whatever its dtype
+        full = {n: source(n).to(torch.float32 if n in kept else getattr(torch, self.dtype))
+                for n in logical_tensors(self.spec)}
+        if self.quantization is not None:
+            full = _models.fp8_checkpoint(full, fp8_quantizer(), _models.fp8_names(self.spec))
+        return self.compare(full)
 
     def params(self) -> list[dict[str, torch.Tensor]]:
         with self._lock:

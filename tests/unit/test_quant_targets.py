@@ -47,16 +47,35 @@ def test_a_shard_cutting_blocks_is_refused_with_the_tensor_and_rows() -> None:
         quantized(rank, spec, FP8)
 
 
-@pytest.mark.parametrize(("model", "kind"), [("tiny-deepseek-v32", "dsa"), ("tiny-qwen3-next", "linear")])
-def test_families_with_other_linears_are_refused(model: str, kind: str) -> None:
+@pytest.mark.parametrize(("model", "fp8", "kept"), [
+    ("tiny-deepseek-v32-fp8", ("indexer.wq_b.weight", "indexer.wk.weight"), ("indexer.weights_proj.weight",)),
+    ("tiny-qwen3-next-fp8", ("linear_attn.in_proj_qkvz.weight", "linear_attn.out_proj.weight", "qkv_proj.weight"),
+     ("linear_attn.in_proj_ba.weight", "linear_attn.conv1d.weight", "mlp.shared_expert_gate.weight")),
+])
+def test_sparse_and_linear_attention_quantize_what_their_checkpoints_do(model: str, fp8: tuple[str, ...],
+                                                                        kept: tuple[str, ...]) -> None:
     spec = PRESETS[model]
-    with pytest.raises(ValueError, match=kind):
-        quantized(engine_layout(spec, EngineParallel(tp=1)).ranks[0], spec, FP8)
+    rank = engine_layout(spec, EngineParallel(tp=2, dtype="bfloat16")).ranks[0]
+    names = set(quantized(rank, spec, FP8))
+    assert all(any(n.endswith(f) for n in names) for f in fp8), sorted(names)
+    held = {t.name for t in rank.tensors}
+    assert all(any(n.endswith(k) for n in held) and not any(n.endswith(k) for n in names) for k in kept)
+
+
+def test_every_family_attention_is_in_the_fp8_table() -> None:
+    """A new attention kind must say which of its linears an FP8 checkpoint quantizes (its rows'
+    ``fp8``) before FP8 engines of it are planned: ``check_family`` refuses it until then."""
+    from shardsync.quant.targets import COVERED_ATTENTION
+
+    kinds = {spec.family_table.blocks(spec, layer)[0].kind for spec in PRESETS.values()
+             for layer in range(spec.num_layers)}
+    assert kinds <= COVERED_ATTENTION, kinds - COVERED_ATTENTION
 
 
 def test_which_engines_take_shards_and_which_are_refused() -> None:
     assert receiver_quantizes("reference", None) and receiver_quantizes("reference", "fp8")
-    assert not receiver_quantizes("sglang", "fp8") and not receiver_quantizes("reference", "fp8-per-tensor")
+    assert receiver_quantizes("sglang", "fp8") and not receiver_quantizes("vllm", "fp8")
+    assert not receiver_quantizes("reference", "fp8-per-tensor")
     assert refusal(None) is None and refusal("fp8") is None
     reason = refusal("compressed-tensors")
     assert reason is not None and "INT4" in reason and "bf16 or FP8" in reason

@@ -95,5 +95,7 @@ def test_per_channel_scales_of_a_column_shard_are_its_own() -> None:
 def test_unquantized_and_engine_quantizing_topologies_plan_as_before() -> None:
     plain = _topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2), None)
     assert plain.fp8 is None and plain.trainer_layout is plain.trainer_base
-    hosted = dataclasses.replace(_topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2)), engine_kind="sglang")
+    hosted = dataclasses.replace(_topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2)), engine_kind="vllm")
     assert hosted.fp8 is None  # an engine without shardsync's receiver loads whole tensors
+    sglang = dataclasses.replace(hosted, engine_kind="sglang")  # its host writes SGLang's FP8 parameters
+    assert sglang.fp8 is not None and sglang.fp8.sent

@@ -54,9 +54,16 @@ def test_received_quantizes_the_copy_into_what_is_served(staged: bool) -> None:
     assert dest.stale() == {name}
 
 
-def test_refuses_a_staging_window_and_pushes() -> None:
+def test_refuses_a_staging_window_and_takes_pushes_into_whole_staging() -> None:
+    """A pushing trainer writes a staging set as the paths address it: e4m3 words where the plan
+    carries them quantized, the model-dtype copy of the others (``received`` quantizes it)."""
     live, targets = _live()
     with pytest.raises(ValueError, match="staging window"):
         Quantized(Staged(live, budget=1024), targets, FMT, dtype=torch.bfloat16)
-    reason = Quantized(Staged(live), targets, FMT, dtype=torch.bfloat16).unpushable()
-    assert reason is not None and "FP8" in reason
+    assert Quantized(Params(live), targets, FMT, dtype=torch.bfloat16).unpushable() is not None  # no staging copy
+    staged = Staged(live)
+    q = Quantized(staged, targets, FMT, dtype=torch.bfloat16)
+    assert q.unpushable() is None
+    pushed = q.pushed(staged.sets()[0])
+    name = next(iter(targets))
+    assert pushed[name].dtype == torch.bfloat16 and targets[name].scale not in pushed  # wide until bound

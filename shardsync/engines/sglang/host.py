@@ -21,11 +21,14 @@ from shardsync.control.hosted import LAYOUT_MISMATCH, connect_body
 from shardsync.control.sglang import ENV_LAYOUT, ENV_LORA_DIR, MAC_KEY, Checked, SglangCall
 from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
+from shardsync.engines.sglang.fp8 import KV_CACHE_SCALES, served_format
 from shardsync.layout.engine import EngineParallel, variant_choices
 from shardsync.lora import Lora
+from shardsync.quant import Fp8Format, quantized
 from shardsync.receiver import Params, Receiver, Slice, peft_dir
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
+from shardsync.receiver.quantized import Quantized
 from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
 from shardsync.store import auth
@@ -53,6 +56,14 @@ def refresh_derived(model: torch.nn.Module) -> int:
         for norm in norms:
             norm.refresh_gemma_weight()
     return len(norms)
+
+
+def amx_packed(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s parameters are not the checkpoint's layout on SGLang's CPU build: its
+    linears repack their weights for AMX after a load (``amx_utils``) and mark the module."""
+    packed = [n for n, m in model.named_modules() if getattr(m, "use_intel_amx_backend", False)]
+    return None if not packed else (f"SGLang packed {packed[0]} ({len(packed)} modules) for its CPU AMX kernels: an "
+                                    "in-place write would not be that layout")
 
 
 def moe_backend() -> str:
@@ -95,6 +106,7 @@ class SglangHost:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self._receivers: dict[bool, Receiver] = {}
+        self.fmt: Fp8Format | None = None  # the FP8 format SGLang's parameters hold
         self._adapters: dict[Lora, Receiver] = {}  # the adapter SGLang serves (--lora-paths), by its config
         self.problem: str | None = None
         self.rank: HostedRank | None = None
@@ -107,10 +119,13 @@ class SglangHost:
             log.warning("shardsync: this SGLang rank cannot receive updates: %s", self.problem)
 
     def _build(self) -> None:
-        if getattr(self.model, "quant_config", None) is not None:
-            raise ValueError("SGLang runs a quantized model; shardsync syncs unquantized weights")
+        packed = amx_packed(self.model)
+        if packed is not None:
+            raise ValueError(packed)
         cfg = self.model.config
         self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
+        quant_config = getattr(self.model, "quant_config", None)  # SGLang's models keep theirs, or None
+        self.fmt = None if quant_config is None else served_format(self.model, quant_config)
         if self.pp > 1 and os.environ.get("SGLANG_PP_LAYER_PARTITION"):
             raise ValueError("SGLANG_PP_LAYER_PARTITION is set; shardsync plans SGLang's even layer split only")
         self.variants, reason = self._variants()
@@ -119,13 +134,16 @@ class SglangHost:
                       f"is that of {MOE_BACKENDS} (--moe-runner-backend triton)")
         if os.environ.get(ENV_LAYOUT) == "whole":
             reason = f"{ENV_LAYOUT}=whole in SGLang's environment"
+        if reason is not None and self.fmt is not None:  # its loader would cast bf16 into the e4m3 weights
+            raise ValueError(f"an FP8 SGLang receives shards in place only, and cannot here: {reason}")
         self.rank = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
                                mac_key=MAC_KEY, engine="SGLang", layout_reason=reason,
                                dtype_name=str(self.dtype).removeprefix("torch."), ep=self.ep, pp_rank=self.pp_rank,
                                pp=self.pp, variants=self.variants)
-        log.info("shardsync: SGLang pp%d tp%d/%d receives %s", self.pp_rank, self.tp_rank, self.tp_size,
+        log.info("shardsync: SGLang pp%d tp%d/%d receives %s%s", self.pp_rank, self.tp_rank, self.tp_size,
                  f"whole tensors only ({reason})" if reason else
-                 f"into its parameters in place (layout variants {sorted(self.variants)})")
+                 f"into its parameters in place (layout variants {sorted(self.variants)})",
+                 "" if self.fmt is None else f", serving {self.fmt.name}")
 
     def _variants(self) -> tuple[frozenset[str], str | None]:
         """The engine layout variants this rank's parameters are (SGLang decides some, such as
@@ -135,7 +153,9 @@ class SglangHost:
         for variants in variant_choices(self.spec, par):
             _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
                                   ep=self.ep, pp_rank=self.pp_rank, pp=self.pp, variants=variants)
-            reason = live_difference(rank, self.model, "SGLang")
+            targets = None if self.fmt is None else quantized(rank, self.spec, self.fmt)
+            reason = live_difference(rank, self.model, "SGLang", targets=targets,
+                                     skip=KV_CACHE_SCALES if self.fmt is not None else ())
             if reason is None:
                 return variants, None
             first = first or reason
@@ -170,7 +190,7 @@ class SglangHost:
             self._receivers[whole] = hosted_receiver(
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=True, params=self._live,
                 load=sglang_loader(self.model), dtype=self.dtype, device=self.device, secret=self.secret, ep=self.ep,
-                pp_rank=self.pp_rank, pp=self.pp, variants=self.variants)
+                pp_rank=self.pp_rank, pp=self.pp, variants=self.variants, quantization=self.fmt)
         return self._receivers[whole]
 
     def _live(self) -> dict[str, torch.Tensor]:
@@ -239,15 +259,22 @@ class SglangHost:
         """Point the in-place receiver at the parameters' current storage when SGLang rebound
         any since the last update (a session that repacks weights may); True when it had to."""
         rx = self._receivers.get(False)
-        if rx is None or rx.destination.name != "params":
+        if rx is None:
             return False
-        held = rx.destination.tensors()
+        fp8 = rx.destination if isinstance(rx.destination, Quantized) else None  # its parameters: the inner ones
+        params = rx.destination if fp8 is None else fp8.inner
+        if params.name != "params":
+            return False
+        held = params.tensors()
         live = {n: p.data for n, p in self.model.named_parameters()}
         if all(held[n].data_ptr() == t.data_ptr() for n, t in live.items()):
             return False
         log.info("shardsync: tp%d: SGLang rebound parameters since the last update; receiving into the new ones",
                  self.tp_rank)
-        rx.destination = Params(live)
+        if fp8 is None:
+            rx.destination = Params(live)
+        else:
+            fp8.inner = Params(live)
         return True
 
     def _update(self, call: SglangCall) -> None:
