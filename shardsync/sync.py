@@ -46,7 +46,7 @@ from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.store.secret import load_secret
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
-from shardsync.vocab import Completion, Refused, Signals
+from shardsync.vocab import Completion, Ipc, Refused, Signals
 
 log = logging.getLogger("shardsync")
 
@@ -214,7 +214,8 @@ class WeightSync:
         ep = Endpoint(topo, self.rank, self.group, cfg.transport.bucket_bytes, cfg.transport.credits, device,
                       detail=cfg.detail, verify=cfg.transport.verify_buckets, secret=self._secret, tensors=self._local,
                       colocated=None if co is None else Colocated(ipc=co.ipc, stream=co.complete is Completion.STREAM,
-                                                                  mailbox=co.signals is Signals.MAILBOX),
+                                                                  mailbox=co.signals is Signals.MAILBOX,
+                                                                  producer=self._fp8 if co.ipc is Ipc.PUSH else None),
                       delta=None if self._snapshot is None else DeltaSide(snapshot=self._snapshot,
                                                                           dir=cfg.delta.dir if cfg.delta else None))
         self.programs = {m: compile_path(m, ep) for m in conn.modes}
@@ -354,7 +355,7 @@ class WeightSync:
         conn, group = self._live()
         lay = conn.topo.trainer_layout
         if self._fp8 is not None:
-            self._fp8.refresh()
+            self._fp8.refresh(every=True)
         mine = piece_checksums(lay.ranks[self.rank], self._local, lay.logical, torch_dtype(conn.topo.wire_dtype),
                                conn.topo.check_dtypes)
         self._calls += 1

@@ -19,6 +19,7 @@ from shardsync.layout.piece import RankLayout
 from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology
 from shardsync.transport.colocated.push_receiver import Staging
+from shardsync.transport.colocated.push_sender import Producer
 from shardsync.transport.group import SyncGroup
 from shardsync.vocab import Ipc
 
@@ -31,6 +32,7 @@ class Colocated:
     stream: bool = True  # trainer, map: engines ack once their copies are queued (events)
     mailbox: bool = True  # trainer, map: offer engines a shared-memory mailbox for the signals
     staging: Staging | None = None  # engine ranks, push: the staging copies the trainer writes
+    producer: Producer | None = None  # trainer, push: writes some of its tensors straight into staging
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -127,7 +127,7 @@ def _colocated(ep: Endpoint, group: SyncGroup) -> Program:
     if ep.is_trainer:
         share = Share.sender(group, ep.topo, prefix, ep.secret)
         if push:
-            pusher = PushSender(share, stream=co.stream, mailbox=co.mailbox)
+            pusher = PushSender(share, stream=co.stream, mailbox=co.mailbox, producer=co.producer)
             pusher.export(tensors)
             return PushSendProgram(pusher)
         mapper = MapSender(share, stream=co.stream, mailbox=co.mailbox)

@@ -53,7 +53,9 @@ def coalesce(copies: Sequence[Copy]) -> list[Run]:
     return runs
 
 
-def _view(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...], n: int, step: int) -> torch.Tensor:
+def box_view(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...], n: int = 1,
+             step: int = 0) -> torch.Tensor:
+    """The box of ``t`` at ``offsets`` (``n`` of them, ``step`` rows apart): a view, no copy."""
     base = t.storage_offset() + sum(o * s for o, s in zip(offsets, t.stride(), strict=True))
     if n == 1:
         return t.as_strided(sizes, t.stride(), base)
@@ -74,6 +76,6 @@ def _wide(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def compile_runs(runs: Sequence[Run], src: Mapping[str, torch.Tensor],
                  dst: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination view, source view) pairs; built once per mapping, reused every update."""
-    return [_wide(_view(dst[r.first.dst_local], r.first.dst_offsets, r.first.sizes, r.n, r.dst_step),
-                  _view(src[r.first.src_local], r.first.src_offsets, r.first.sizes, r.n, r.src_step))
+    return [_wide(box_view(dst[r.first.dst_local], r.first.dst_offsets, r.first.sizes, r.n, r.dst_step),
+                  box_view(src[r.first.src_local], r.first.src_offsets, r.first.sizes, r.n, r.src_step))
             for r in runs]

@@ -38,14 +38,17 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def block_cast(x_ptr, q_ptr, qb_ptr, s_ptr, n_ptr, N, K, sx0, sx1, sq0, ss0,
+    def block_cast(x_ptr, q_ptr, qb_ptr, s_ptr, n_ptr, r_ptr, N, K, sx0, sx1, sq0, ss0,
                    BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, COUNT: tl.constexpr,
-                   AMAX: tl.constexpr, INV_FMAX: tl.constexpr):
+                   ROWS: tl.constexpr, AMAX: tl.constexpr, INV_FMAX: tl.constexpr):
         pm, pn = tl.program_id(0), tl.program_id(1)
         rows = pm * BM + tl.arange(0, BM)
         cols = pn * BN + tl.arange(0, BN)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * sx0 + cols[None, :] * sx1, mask=mask, other=0.0).to(tl.float32)
+        src = rows  # the source row of each block row: its own, or where ``r_ptr`` says it starts
+        if ROWS:
+            src = tl.load(r_ptr + pm) + tl.arange(0, BM)
+        x = tl.load(x_ptr + src[:, None] * sx0 + cols[None, :] * sx1, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), AMAX)
         s = amax * INV_FMAX  # torch divides by a scalar as a multiply by its float32 reciprocal
         if UE8M0:
@@ -77,15 +80,19 @@ def _kernel() -> Any:
 
 
 def quantize_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format,
-                  changed: torch.Tensor | None = None) -> None:
+                  changed: torch.Tensor | None = None, *, rows: torch.Tensor | None = None) -> None:
     """``q``, ``s`` := ``fp8.quantize(w, fmt)`` in one pass (``q``: e4m3 or its int32 words,
     rows contiguous; ``s``: float32 scales); with ``changed`` (int64, one element, on the
-    device) adds to it the e4m3 bytes and scales that changed.  Queued on the current stream."""
+    device) adds to it the e4m3 bytes and scales that changed.  ``rows`` (int32, one per
+    block row of ``q``): the matrix is not ``w`` but rows of it, block row ``i`` starting at
+    ``w``'s row ``rows[i]`` (Megatron's fused QKV read in place, each part whole blocks).
+    Queued on the current stream."""
     if not fused(fmt, w):
         raise ValueError(f"the fused quantizer takes CUDA matrices in block formats; got {fmt.name}, "
                          f"{w.device} {tuple(w.shape)}")
-    n, k = w.shape
-    q8 = q.view(torch.float8_e4m3fn).view(n, k)
+    q8 = q.view(torch.float8_e4m3fn)
+    n, k = (w.shape[0] if rows is None else q8.shape[0]), w.shape[1]
+    q8 = q8.view(n, k)
     if q8.stride(1) != 1 or s.stride(1) != 1:
         raise ValueError("the kept e4m3 bytes and scales must have contiguous rows")
     if changed is not None and changed.dtype != torch.int64:
@@ -94,9 +101,12 @@ def quantize_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8For
     bm, bn = fmt.block
     count = changed is not None
     grid = (triton_cdiv(n, bm), triton_cdiv(k, bn))
-    _kernel()[grid](w, q8, q8.view(torch.uint8), s, changed if count else s, n, k, w.stride(0), w.stride(1),
-                    q8.stride(0), s.stride(0), BM=bm, BN=bn, UE8M0=_SCALES[fmt.scale], COUNT=count,
-                    AMAX=AMAX_FLOOR, INV_FMAX=INV_E4M3_MAX, num_warps=_WARPS[count])
+    if rows is not None and (rows.dtype != torch.int32 or rows.numel() < grid[0]):
+        raise ValueError(f"rows names the source row of each of the {grid[0]} block rows (int32)")
+    _kernel()[grid](w, q8, q8.view(torch.uint8), s, changed if count else s, s if rows is None else rows, n, k,
+                    w.stride(0), w.stride(1), q8.stride(0), s.stride(0), BM=bm, BN=bn, UE8M0=_SCALES[fmt.scale],
+                    COUNT=count, ROWS=rows is not None, AMAX=AMAX_FLOOR, INV_FMAX=INV_E4M3_MAX,
+                    num_warps=_WARPS[count])
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -69,12 +69,50 @@ def test_a_gpu_trainer_syncs_an_fp8_engine_through_ipc(ipc: str) -> None:
                                      transport=TransportConfig(timeout_s=120)))
         sync.connect()
         try:
-            for v in (1, 2):
+            for v in (1, 2, 3):  # the push's first update runs its kernels, the next replay their graph
                 params["decoder.layers.0.mlp.linear_fc1.weight"].mul_(1.5)
                 rec = sync.update(v)
-                assert rec.ok and rec.quantized_changed > 0 and rec.phases["quantize"] > 0
-                assert sync.verify() == []
+                assert rec.ok and rec.phases["quantize"] > 0
+                assert sync.verify() == []  # the trainer quantizes everything again for its checksums
+            assert sync._fp8 is not None
+            # push: the regions held in one piece are quantized straight into the engine's staging
+            assert bool(sync._fp8.pushed) == (ipc == "push")
         finally:
             sync.close()
     finally:
         stop_engine(proc)
+
+
+def test_block_rows_read_in_place_equal_the_assembled_matrix() -> None:
+    """``rows``: block row ``i`` starts at source row ``rows[i]`` (pieces of Megatron's fused
+    QKV read in place): the same bytes and scales as the rows gathered first."""
+    f = fp8_format("fp8")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(1024, 384, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    starts = [512, 0, 768, 128]
+    ref_q, ref_s = quantize(torch.cat([w[r:r + 128] for r in starts]), f)
+    q = torch.full((512, 96), -1, dtype=torch.int32, device="cuda")
+    s = torch.full(f.scale_shape((512, 384)), -1.0, device="cuda")
+    quantize_into(w, q, s, f, rows=torch.tensor(starts, dtype=torch.int32, device="cuda"))
+    assert torch.equal(q.view(torch.uint8).view(512, 384), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+
+
+def test_a_trainer_quantizes_megatrons_fused_qkv_in_place() -> None:
+    """Heads of 128 rows: each query group's q, k and v of Megatron's ``linear_qkv`` are whole
+    blocks, so the trainer reads them in place; every region's words and scales equal the
+    quantizer of the region assembled (``SourceQuantizer.region``)."""
+    from shardsync.quant.source import SourceQuantizer
+
+    spec = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-128", head_dim=128, num_heads=4, num_kv_heads=2)
+    topo = Topology(spec, MegatronParallel(tp=1, dtype="bfloat16"), quantization="fp8")
+    params = load_rank(topo.trainer_base, 0, random_source(spec, seed=9), device="cuda")
+    assert topo.fp8 is not None
+    source = SourceQuantizer(topo.derived(0), params, topo.fp8.fmt)
+    assert any(len(d.parts) > 1 for d in source.derived) and source._rows  # the QKV regions, read in place
+    for _ in range(2):  # the first refresh runs the kernels, the second replays their graph
+        params["decoder.layers.0.self_attention.linear_qkv.weight"].mul_(1.25)
+        source.refresh()
+        for d in source.derived:
+            ref_q, ref_s = quantize(source.region(d), topo.fp8.fmt)
+            got = source.tensors[d.words].view(torch.uint8).view(ref_q.shape)
+            assert torch.equal(got, ref_q.view(torch.uint8)) and torch.equal(source.tensors[d.scales], ref_s), d.logical

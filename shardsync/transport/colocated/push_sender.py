@@ -8,7 +8,8 @@ named once the engine is done with every earlier update.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,21 @@ from shardsync.transport.handles import open_set
 Launched = tuple[int, Mapping[str, torch.Tensor], dict[int, int], Exception | None, float]
 
 
+class Producer(Protocol):
+    """Makes some of the local tensors the runs read (an FP8 engine's e4m3 words and scales,
+    ``quant.source``) and can write them straight into a staging set instead."""
+
+    def produce_into(self, runs: Sequence[Run], dst: Mapping[str, torch.Tensor]) -> tuple[Callable[[], None] | None,
+                                                                                          list[Run]]:
+        """A launch writing what some of ``runs`` copy into ``dst`` (None: none), and the runs
+        left to copy."""
+        ...
+
+
+# per staging set: the producer's launch, the copies from the largest tensor, from the rest
+Pushes = tuple[Callable[[], None] | None, tuple[Copies, ...]]
+
+
 class PushSender:
     """A trainer rank's end of the push path (same contract as ``MapSender``).
 
@@ -36,8 +52,9 @@ class PushSender:
     set]``; the engine's commit orders what it serves next after that event on the GPU.
     """
 
-    def __init__(self, share: Share, *, stream: bool = True, mailbox: bool = True) -> None:
-        self.share, self.stream = share, stream
+    def __init__(self, share: Share, *, stream: bool = True, mailbox: bool = True,
+                 producer: Producer | None = None) -> None:
+        self.share, self.stream, self.producer = share, stream, producer
         self.links = [TrainerLink(share, p, mailbox) for p in share.peers]
         self.exports = Exports(share, offers=False)  # the engine maps none of its tensors: it copies
         self.number = 0  # updates signalled
@@ -46,8 +63,7 @@ class PushSender:
         self._opened = events.Opened()  # the engines' commit fences
         self._targets: dict[int, tuple[list[dict[str, torch.Tensor]], torch.cuda.Event | None]] = {}
         self._runs: dict[int, list[Run]] = {}
-        # peer -> (local, copies per set: from the largest tensor, from the rest)
-        self._pushes: dict[int, tuple[object, list[tuple[Copies, ...]]]] = {}
+        self._pushes: dict[int, tuple[object, list[Pushes]]] = {}  # peer -> (local, per set)
         self._streams = SideStreams()
         self._launched: Launched | None = None
 
@@ -91,27 +107,37 @@ class PushSender:
             hit = self._targets[peer] = (sets, None if fence is None else self._opened.of_handle(fence))
         return hit
 
-    def _push_copies(self, peer: int, local: Mapping[str, torch.Tensor]) -> list[tuple[Copies, ...]]:
-        """Per staging set: the copies from the largest tensor, then the rest (two launches)."""
+    def _push_copies(self, peer: int, local: Mapping[str, torch.Tensor]) -> list[Pushes]:
+        """Per staging set: what the producer writes itself, then the copies from the largest
+        tensor and from the rest (two launches)."""
         hit = self._pushes.get(peer)
         if hit is None or hit[0] is not local:
             if peer not in self._runs:
                 self._runs[peer] = self.share.runs(peer)
             lead = set(self.parts[0])
-            parts = ([r for r in self._runs[peer] if r.first.src_local in lead],
-                     [r for r in self._runs[peer] if r.first.src_local not in lead])
             sets, _ = self._target(peer)
-            hit = self._pushes[peer] = (local, [tuple(Copies.of(compile_runs(p, local, s)) for p in parts)
-                                                for s in sets])
+            pushes: list[Pushes] = []
+            for s in sets:
+                made, runs = (None, self._runs[peer]) if self.producer is None else \
+                    self.producer.produce_into(self._runs[peer], s)
+                parts = ([r for r in runs if r.first.src_local in lead],
+                         [r for r in runs if r.first.src_local not in lead])
+                pushes.append((made, tuple(Copies.of(compile_runs(p, local, s)) for p in parts)))
+            hit = self._pushes[peer] = (local, pushes)
         return hit[1]
 
     def _copy(self, peer: int, local: Mapping[str, torch.Tensor], index: int, parts: tuple[int, ...],
               fenced: bool) -> None:
         """Queue ``parts`` of the copies into ``peer``'s set ``index`` (``fenced``: first wait
         until the engine's steps stopped reading that set)."""
-        copies = self._push_copies(peer, local)[index]
+        made, copies = self._push_copies(peer, local)[index]
+        made = made if 0 in parts else None  # the producer writes with the first part
         device = next((c.device for c in copies if c.device is not None), None)
+        if device is None and made is not None:
+            device = self.exports.device
         if device is None or device.type != "cuda":
+            if made is not None:
+                made()
             for p in parts:
                 copies[p].run()
             return
@@ -121,6 +147,9 @@ class PushSender:
         fence = self._target(peer)[1]
         if fenced and fence is not None and not fence.query():
             torch.cuda.current_stream(device).wait_event(fence)
+        if made is not None:
+            with torch.cuda.device(device):
+                made()  # on the device's current stream, after the fence
         for p in parts:
             copies[p].run(self._streams.of(device))
         if mine is not None:
