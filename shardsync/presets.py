@@ -160,7 +160,12 @@ _PRESET_LIST = [
             dtype="float32", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
             **_mla(64, 32, 32, 16, 32, nextn=1), **_sigmoid_moe(8, 2, 128, shared=1, dense=1, groups=(2, 1), scale=2.5),
             **_dsa(8, 32, 8)),
-    # FP8 engines: DeepSeek-V3-fp8's numbers plus the indexer (replicated: any size is whole blocks)
+    # FP8 engines: DeepSeek-V3-fp8's numbers (its YaRN rope too) plus the indexer (replicated: any size is whole
+    # blocks)
+    _preset("tiny-glm5-fp8", "glm_moe_dsa", 256, 4, 8, 8, 128, 512, 1100, False, max_position_embeddings=2048,
+            dtype="bfloat16", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
+            **_mla(128, 128, 64, 64, 64, nextn=1),
+            **_sigmoid_moe(8, 2, 256, shared=1, dense=1, scale=2.5), **_dsa(8, 64, 8)),
     _preset("tiny-deepseek-v32-fp8", "deepseek_v32", 256, 4, 8, 8, 128, 512, 1100, False, max_position_embeddings=2048,
             dtype="bfloat16", rope_theta=10000.0, rope_scaling=_yarn(4.0, 512, beta_fast=32.0, beta_slow=1.0),
             **_mla(128, 128, 64, 64, 64, nextn=1),

@@ -55,7 +55,7 @@ MLA_DERIVED = ("w_kc", "w_vc", "w_scale")
 WORLDS = [("tiny-qwen3-fp8", tp, 1) for tp in (1, 2, 4)] + \
          [("tiny-qwen3-moe-fp8", tp, ep) for tp, ep in ((1, 1), (2, 1), (4, 1), (2, 2))] + \
          [("tiny-deepseek-v3-fp8", tp, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))] + \
-         [("tiny-deepseek-v32-fp8", tp, ep) for tp, ep in ((1, 1), (2, 2))] + \
+         [(m, tp, ep) for m in ("tiny-deepseek-v32-fp8", "tiny-glm5-fp8") for tp, ep in ((1, 1), (2, 2))] + \
          [("tiny-qwen3-next-fp8", tp, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))] + \
          [("tiny-qwen3.5-moe-fp8", tp, 1) for tp in (1, 2)]
 
@@ -102,7 +102,7 @@ def test_sglang_fp8_classes_hold_what_a_shardsync_fp8_rank_quantizes(model: str,
 
 TOKEN = "sglang-fp8-token-0123456789abcdef"
 FP8_SYNCS = [("tiny-qwen3-fp8", "tp2"), ("tiny-qwen3-moe-fp8", "tp2"), ("tiny-deepseek-v3-fp8", "tp2"),
-             ("tiny-deepseek-v32-fp8", "tp2"), ("tiny-qwen3-next-fp8", "tp2")]
+             ("tiny-deepseek-v32-fp8", "tp2"), ("tiny-qwen3-next-fp8", "tp2"), ("tiny-qwen3.5-moe-fp8", "tp2")]
 
 
 def _fp8_trainer(rank: int, world: int, port: int, model: str, urls: list[str], out) -> None:

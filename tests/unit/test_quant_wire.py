@@ -40,6 +40,9 @@ def _targets(topo: Topology) -> set[str]:
 CASES = [(spec, t, e) for spec in (DENSE, MOE) for t in TRAINERS for e in ENGINES
          if spec.is_moe or "ep" not in t + e]
 CASES += [(MLA, t, e) for t in ("tp1", "tp2", "tp2ep2") for e in ("tp1", "tp2", "tp2ep2")]
+# sparse attention (the indexer replicated) and gated DeltaNet (the trainer holds it whole)
+CASES += [(PRESETS[m], t, e) for m in ("tiny-deepseek-v32-fp8", "tiny-qwen3-next-fp8") for t in ("tp1", "tp2")
+          for e in ("tp1", "tp2")]
 
 
 @pytest.mark.parametrize(("spec", "trainer", "engine"), CASES, ids=lambda x: getattr(x, "name", x))
@@ -64,7 +67,7 @@ def test_whole_block_shards_send_every_weight_quantized_at_half_the_bytes(spec, 
     derived = [d for r in range(topo.trainer.world_size) for d in topo.derived(r)]
     assert {d.logical for d in derived} == topo.fp8.sent
     assert all(d.words == DERIVED + d.logical for d in derived)
-    if trainer == "tp2" and spec is not MLA:
+    if trainer == "tp2" and spec in (DENSE, MOE):
         assert any(len(d.parts) > 1 for d in derived if d.logical.endswith("q_proj.weight"))
 
 
