@@ -109,6 +109,8 @@ class SourceQuantizer:
             if not aligned or s is None or s.first.sizes != (-(-nr // bm), -(-nc // bn)):
                 continue
             w, rows = self._source(d)
+            if dst[r.first.dst_local].device != w.device:  # another GPU's staging: the copies cross devices
+                continue
             w = w[:, c0:c0 + nc] if rows is not None else w[r0:r0 + nr, c0:c0 + nc]
             q = box_view(dst[r.first.dst_local], r.first.dst_offsets, r.first.sizes).view(torch.float8_e4m3fn)
             jobs.append((w, None if rows is None else rows[r0 // bm:], q,
