@@ -61,7 +61,9 @@ def refresh_derived(model: torch.nn.Module) -> int:
 def amx_packed(model: torch.nn.Module) -> str | None:
     """Why ``model``'s parameters are not the checkpoint's layout on SGLang's CPU build: its
     linears repack their weights for AMX after a load (``amx_utils``) and mark the module."""
-    packed = [n for n, m in model.named_modules() if getattr(m, "use_intel_amx_backend", False)]
+    from sglang.srt.utils.common import use_intel_amx_backend
+
+    packed = [n for n, m in model.named_modules() if use_intel_amx_backend(m)]
     return None if not packed else (f"SGLang packed {packed[0]} ({len(packed)} modules) for its CPU AMX kernels: an "
                                     "in-place write would not be that layout")
 
@@ -124,7 +126,7 @@ class SglangHost:
             raise ValueError(packed)
         cfg = self.model.config
         self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
-        quant_config = getattr(self.model, "quant_config", None)  # SGLang's models keep theirs, or None
+        quant_config = self.model.quant_config  # every SGLang model class keeps its own (None: unquantized)
         self.fmt = None if quant_config is None else served_format(self.model, quant_config)
         if self.pp > 1 and os.environ.get("SGLANG_PP_LAYER_PARTITION"):
             raise ValueError("SGLANG_PP_LAYER_PARTITION is set; shardsync plans SGLang's even layer split only")
