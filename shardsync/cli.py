@@ -100,8 +100,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"LoRA adapter of rank {a['rank']} alone: {_fmt_bytes(a['adapter_bytes'])} of a "
               f"{_fmt_bytes(a['base_bytes'])} base ({a['adapter_bytes'] / a['base_bytes']:.2%}); the base never moves")
     if topo.fp8 is not None:
+        split = len(topo.fp8.split)
+        cut = f", {split} more in part (the blocks trainer shards cut move wide)" if split else ""
         print(f"FP8 on the wire: {len(topo.fp8.sent)} weights sent as e4m3 bytes and scales (quantized by the "
-              f"trainer); the engines quantize the rest of their {topo.fp8.fmt.name} tensors")
+              f"trainer){cut}; the engines quantize the rest of their {topo.fp8.fmt.name} tensors")
     head = f"{'path':<10} {'total':>12} {'per receiver':>13} {'busiest link':>13} {'buckets':>8} {'copies':>8}  busiest"
     print(head)
     for p in report["paths"]:

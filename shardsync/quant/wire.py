@@ -8,16 +8,21 @@ as ``raw`` words) and ``name + scale_suffix``, its float32 scales (the names of 
 checkpoint).  Trainer ranks quantize their region (``Derived``) before a send; engines receive
 into their FP8 tensors and scales in place.  Because a block never spans two pieces, each side's
 quantization of its region is the slice of the engine quantizer's result on the full tensor.
-The other weights (blocks that straddle trainer shards) move in the model dtype and the engine
-quantizes them on receipt (``receiver.quantized``).  An engine tensor is sent quantized whole
-or not at all: its weights decide together.
+
+A weight some of whose blocks straddle trainer shards (a TP that cuts heads of 64, an FSDP2
+row split) is cut into ``Cell``s at the block boundaries around each trainer boundary: each
+cell is a logical tensor of its own (``name[r0:r1,c0:c1]``), sent quantized where no trainer
+boundary crosses it, and in the model dtype where one does (only those blocks move wide).  An
+engine tensor holding wide cells keeps a model-dtype twin (``name + WIDE``) they land in, and
+the engine quantizes just their blocks on receipt (``receiver.quantized``).  A weight with no
+whole cell moves wide, and the engine quantizes its whole tensor.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardsync.layout.piece import Box, Layout, Piece, RankLayout, TensorMeta, volume
 from shardsync.quant.fp8 import Fp8Format
@@ -26,6 +31,7 @@ WORD = "int32"  # e4m3 bytes travel as words of four: any wire dtype of 2 or 4 b
 PER_WORD = 4
 SCALE = "float32"
 DERIVED = "fp8:"  # a trainer's quantized region of a logical weight is its local tensor DERIVED + name
+WIDE = "@wide"  # an engine tensor's model-dtype twin, where the cells of it that move wide land
 
 
 def _aligned(offsets: Box, sizes: Box, shape: Box, fmt: Fp8Format) -> bool:
@@ -49,9 +55,56 @@ def _by_logical(pieces: Iterable[Piece]) -> dict[str, list[Piece]]:
 
 
 @dataclass(frozen=True)
+class Cell:
+    """A box of a weight cut at the blocks around trainer boundaries, moved as its own logical
+    tensor ``name``: quantized (no trainer boundary crosses it) or in the model dtype."""
+
+    name: str
+    offsets: Box
+    sizes: Box
+    quantized: bool
+
+
+def _cut(p: Piece, cell: Cell) -> Piece | None:
+    """The part of ``p`` (a piece of the weight) inside ``cell``, still in the weight's coordinates."""
+    lo = tuple(max(a, b) for a, b in zip(p.offsets, cell.offsets, strict=True))
+    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(p.offsets, p.sizes, cell.offsets, cell.sizes, strict=True))
+    if any(h <= low for h, low in zip(hi, lo, strict=True)):
+        return None
+    return Piece(p.logical, lo, tuple(h - low for h, low in zip(hi, lo, strict=True)), p.local,
+                 tuple(lo_ + x - o for lo_, x, o in zip(p.local_offsets, lo, p.offsets, strict=True)))
+
+
+def _in_cell(p: Piece, cell: Cell) -> Piece:
+    """A piece inside ``cell`` as a piece of the cell's logical tensor."""
+    return Piece(cell.name, tuple(o - c for o, c in zip(p.offsets, cell.offsets, strict=True)), p.sizes, p.local,
+                 p.local_offsets)
+
+
+def cells(name: str, shape: Box, regions: Iterable[tuple[Box, Box]], fmt: Fp8Format) -> tuple[Cell, ...]:
+    """``name`` cut at the block boundaries around every trainer region's edges: a cell that an
+    edge crosses straddles two ranks' shards (wide); the others lie in one rank's (quantized,
+    when they are whole words too)."""
+    edges = [sorted({x for off, size in regions for x in (off[d], off[d] + size[d])}) for d in (0, 1)]
+    axes = []
+    for d, b in enumerate(fmt.blocks(shape)):
+        n = shape[d]
+        cuts = sorted({0, n} | {c for x in edges[d] for c in (x // b * b, min(-(-x // b) * b, n))})
+        axes.append([(lo, hi, any(lo < x < hi for x in edges[d])) for lo, hi in zip(cuts, cuts[1:], strict=False)])
+    out = []
+    for r0, r1, rows_cut in axes[0]:
+        for c0, c1, cols_cut in axes[1]:
+            offsets, sizes = (r0, c0), (r1 - r0, c1 - c0)
+            whole = not (rows_cut or cols_cut) and _aligned(offsets, sizes, shape, fmt)
+            out.append(Cell(f"{name}[{r0}:{r1},{c0}:{c1}]", offsets, sizes, whole))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class Derived:
-    """One trainer rank's region of a weight sent quantized: ``parts`` (its pieces of it) are
-    assembled into the region, which is quantized into local tensors ``words`` and ``scales``."""
+    """One trainer rank's region of a weight sent quantized: ``parts`` (its pieces of weight
+    ``weight``, in its coordinates, as is ``offsets``) are assembled into the region, which is
+    quantized into local tensors ``words`` and ``scales``: the box at ``at`` of wire tensor ``logical``."""
 
     logical: str
     offsets: Box
@@ -59,22 +112,30 @@ class Derived:
     parts: tuple[Piece, ...]
     words: str
     scales: str
+    at: Box = (0, 0)
 
 
 @dataclass(frozen=True)
 class Fp8Wire:
-    """The weights ``sent`` quantized in ``fmt`` and how each layout holds them."""
+    """The weights ``sent`` quantized whole in ``fmt``, those ``split`` into cells, and how each
+    layout holds them."""
 
     fmt: Fp8Format
     sent: frozenset[str]
+    split: dict[str, tuple[Cell, ...]] = field(default_factory=dict)
 
     def scale(self, name: str) -> str:
         return name + self.fmt.scale_suffix
 
     @property
+    def quantized(self) -> frozenset[str]:
+        """The wire's logical tensors of e4m3 words: the weights sent whole and the whole cells."""
+        return self.sent | {c.name for cs in self.split.values() for c in cs if c.quantized}
+
+    @property
     def raw(self) -> dict[str, str]:
         """Logical tensors moving as their own bits: the e4m3 words and the float32 scales."""
-        return {k: v for n in sorted(self.sent) for k, v in ((n, WORD), (self.scale(n), SCALE))}
+        return {k: v for n in sorted(self.quantized) for k, v in ((n, WORD), (self.scale(n), SCALE))}
 
     def logical(self, logical: dict[str, Box]) -> dict[str, Box]:
         out: dict[str, Box] = {}
@@ -82,9 +143,22 @@ class Fp8Wire:
             if name in self.sent:
                 out[name] = (shape[0], shape[1] // PER_WORD)
                 out[self.scale(name)] = self.fmt.scale_shape(shape)
+            elif name in self.split:
+                for c in self.split[name]:
+                    if c.quantized:
+                        out[c.name] = (c.sizes[0], c.sizes[1] // PER_WORD)
+                        out[self.scale(c.name)] = self.fmt.scale_shape(c.sizes)
+                    else:
+                        out[c.name] = c.sizes
             else:
                 out[name] = shape
         return out
+
+    def _parts(self, p: Piece) -> list[tuple[bool, Piece]]:
+        """``p`` as the wire carries it: (quantized?, piece of a wire logical tensor) per cell."""
+        if p.logical in self.split:
+            return [(c.quantized, _in_cell(q, c)) for c in self.split[p.logical] if (q := _cut(p, c)) is not None]
+        return [(p.logical in self.sent, p)]
 
     def _scale_piece(self, p: Piece, local: str, local_offsets: Box) -> Piece:
         bm, bn = self.fmt.block or (1, p.sizes[1])  # per channel: a whole row is one block
@@ -99,8 +173,9 @@ class Fp8Wire:
 
     def retype(self, layout: Layout) -> Layout:
         """A layout whose tensors hold weights sent quantized in place (an engine's, whole tensors):
-        each such tensor holds their e4m3 words, and its scale tensor (``name + scale_suffix``)
-        their scales.  Ranks that shared tuples still do."""
+        each tensor holding some holds their e4m3 words, its scale tensor (``name + scale_suffix``)
+        their scales, and its twin ``name + WIDE`` the cells of it that move wide.  Ranks that
+        shared tuples still do."""
         done: dict[tuple[int, int], RankLayout] = {}
         ranks = []
         for rank in layout.ranks:
@@ -111,10 +186,12 @@ class Fp8Wire:
         return Layout(layout.kind, layout.spec, self.logical(layout.logical), tuple(ranks), layout.params)
 
     def _retype_rank(self, rank: RankLayout) -> RankLayout:
-        locals_ = {p.local for p in rank.pieces if p.logical in self.sent}
+        parts = [(p, self._parts(p)) for p in rank.pieces]
+        words_in = {p.local for p, cut in parts if any(q for q, _ in cut)}
+        wide_in = {p.local for p, cut in parts if p.local in words_in and not all(q for q, _ in cut)}
         tensors: list[TensorMeta] = []
         for t in rank.tensors:
-            if t.name not in locals_:
+            if t.name not in words_in:
                 tensors.append(t)
                 continue
             held = t.held
@@ -124,21 +201,23 @@ class Fp8Wire:
             grid = self.fmt.scale_shape(t.stored)
             tensors.append(TensorMeta(self.scale(t.name), (math.prod(grid[:-1]), grid[-1]), SCALE,
                                       None if held is None else grid))
+            if t.name in wide_in:
+                tensors.append(TensorMeta(t.name + WIDE, t.shape, t.dtype, held))
         pieces: list[Piece] = []
-        for p in rank.pieces:
-            if p.local not in locals_:
-                pieces.append(p)
-            elif p.logical not in self.sent:
-                raise ValueError(f"{rank.label}: {p.local} holds {p.logical}, which is not sent quantized, beside "
-                                 "weights that are: an engine tensor is sent quantized whole or not at all")
-            else:
-                pieces.append(self._words(p, p.local, p.local_offsets))
-                pieces.append(self._scale_piece(p, self.scale(p.local), p.local_offsets))
+        for p, cut in parts:
+            for quantized, q in cut:
+                if p.local not in words_in:
+                    pieces.append(q)
+                elif quantized:
+                    pieces += [self._words(q, q.local, q.local_offsets),
+                               self._scale_piece(q, self.scale(q.local), q.local_offsets)]
+                else:
+                    pieces.append(Piece(q.logical, q.offsets, q.sizes, q.local + WIDE, q.local_offsets))
         return RankLayout(rank.label, tuple(tensors), tuple(pieces))
 
     def trainer(self, layout: Layout) -> tuple[Layout, tuple[tuple[Derived, ...], ...]]:
-        """The trainer layout with each rank's region of every weight sent quantized held in
-        two derived local tensors (``Derived``), and per rank what derives them."""
+        """The trainer layout with each rank's region of every weight sent quantized (and each
+        whole cell) held in two derived local tensors (``Derived``), and per rank what derives them."""
         done: dict[tuple[int, int], tuple[RankLayout, tuple[Derived, ...]]] = {}
         ranks, derived = [], []
         for rank in layout.ranks:
@@ -151,30 +230,45 @@ class Fp8Wire:
         return (Layout(layout.kind, layout.spec, self.logical(layout.logical), tuple(ranks), layout.params),
                 tuple(derived))
 
+    def _derive(self, name: str, offsets: Box, sizes: Box, parts: Sequence[Piece], at: Box,
+                tensors: list[TensorMeta], pieces: list[Piece]) -> Derived:
+        d = Derived(name, offsets, sizes, tuple(parts), DERIVED + name, DERIVED + self.scale(name), at)
+        region = Piece(name, at, sizes, d.words, (0, 0))
+        words, scale = self._words(region, d.words, (0, 0)), self._scale_piece(region, d.scales, (0, 0))
+        tensors += [TensorMeta(d.words, words.sizes, WORD), TensorMeta(d.scales, scale.sizes, SCALE)]
+        pieces += [words, scale]
+        return d
+
     def _trainer_rank(self, rank: RankLayout) -> tuple[RankLayout, tuple[Derived, ...]]:
-        mine = _by_logical(p for p in rank.pieces if p.logical in self.sent)
+        mine = _by_logical(p for p in rank.pieces if p.logical in self.sent or p.logical in self.split)
         tensors = list(rank.tensors)
-        pieces = [p for p in rank.pieces if p.logical not in self.sent]
+        pieces = [p for p in rank.pieces if p.logical not in mine]
         recipes = []
         for name, parts in mine.items():
             box = _bounds(parts)
             if box is None:
                 raise ValueError(f"{rank.label}: its pieces of {name} leave holes; it cannot be sent quantized")
-            offsets, sizes = box
-            d = Derived(name, offsets, sizes, tuple(parts), DERIVED + name, DERIVED + self.scale(name))
-            region = Piece(name, offsets, sizes, d.words, (0, 0))
-            words, scale = self._words(region, d.words, (0, 0)), self._scale_piece(region, d.scales, (0, 0))
-            tensors += [TensorMeta(d.words, words.sizes, WORD), TensorMeta(d.scales, scale.sizes, SCALE)]
-            pieces += [words, scale]
-            recipes.append(d)
+            if name in self.sent:
+                recipes.append(self._derive(name, *box, parts, box[0], tensors, pieces))
+                continue
+            for c in self.split[name]:
+                cut = [q for p in parts if (q := _cut(p, c)) is not None]
+                if not cut:
+                    continue
+                if c.quantized:  # no trainer edge crosses it: it lies in this rank's region whole
+                    recipes.append(self._derive(c.name, c.offsets, c.sizes, cut, (0, 0), tensors, pieces))
+                else:
+                    pieces += [_in_cell(q, c) for q in cut]
         return RankLayout(rank.label, tuple(tensors), tuple(pieces)), tuple(recipes)
 
 
 def fp8_wire(trainer: Layout, engines: Sequence[Layout], fmt: Fp8Format) -> Fp8Wire:
-    """Which weights can be sent quantized from ``trainer`` to ``engines`` (every engine tensor
-    its rows hold in FP8 (``TensorMeta.fp8``) whose weights are whole blocks on both sides; see the module)."""
+    """How ``trainer`` sends the weights of the engine tensors their rows hold in FP8
+    (``TensorMeta.fp8``) to ``engines``: whole (every block in one trainer region), cut into
+    cells (some straddle trainer regions), or wide (the engine's pieces are not whole blocks, a
+    trainer rank's pieces leave holes, or no cell is whole); see the module."""
     logical = trainer.logical
-    groups: list[frozenset[str]] = []
+    candidates: set[str] = set()
     bad: set[str] = set()
     for lay in engines:
         for rank in {id(r.pieces): r for r in lay.ranks}.values():  # identical engines share tuples
@@ -185,19 +279,23 @@ def fp8_wire(trainer: Layout, engines: Sequence[Layout], fmt: Fp8Format) -> Fp8W
                 if not t.fp8 or t.name not in by_local:
                     continue
                 held = by_local[t.name]
-                groups.append(frozenset(p.logical for p in held))
+                candidates.update(p.logical for p in held)
                 bad.update(p.logical for p in held
                            if not (_aligned(p.offsets, p.sizes, logical[p.logical], fmt)
                                    and _aligned(p.local_offsets, p.sizes, t.shape, fmt)))
-    candidates = frozenset().union(*groups)
+    regions: dict[str, list[tuple[Box, Box]]] = {}
     for rank in trainer.ranks:
         for name, parts in _by_logical(p for p in rank.pieces if p.logical in candidates).items():
             box = _bounds(parts)
-            if box is None or not _aligned(*box, logical[name], fmt):
+            if box is None or len(box[0]) != 2:
                 bad.add(name)
-    while True:  # an engine tensor goes quantized whole: one wide weight makes its neighbours wide
-        more = {n for g in groups if g & bad for n in g} - bad
-        if not more:
-            break
-        bad |= more
-    return Fp8Wire(fmt, candidates - bad)
+            else:
+                regions.setdefault(name, []).append(box)
+    sent, split = set(), {}
+    for name in sorted(candidates - bad):
+        grid = cells(name, logical[name], regions.get(name, ()), fmt)
+        if all(c.quantized for c in grid):
+            sent.add(name)
+        elif any(c.quantized for c in grid):
+            split[name] = grid
+    return Fp8Wire(fmt, frozenset(sent), split)

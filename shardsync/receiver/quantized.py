@@ -1,7 +1,8 @@
 """An FP8 engine's receive.  Weights the plans carry quantized (``quant.wire``: their blocks lie
 in one trainer shard) land as e4m3 words and scales straight in the served tensors (or their
-staging).  The others land in a model-dtype copy of them, and the rank quantizes its own shard
-(``quant.fp8``) into what it serves.
+staging).  The others land in a model-dtype copy, and the rank quantizes its own shard
+(``quant.fp8``) into what it serves: a whole tensor, or (a tensor some of whose blocks straddle
+trainer shards) just the blocks that arrived wide.
 
 The copy is the engine's shard of the trainer's weights, kept across updates (a delta
 applies to it); ``received`` quantizes it right after a receive, off the engine's pause,
@@ -14,22 +15,24 @@ bytes or scales are not the quantization of it (a stale scale is caught there).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from shardsync.layout.piece import RankLayout
+from shardsync.layout.piece import Box, RankLayout
+from shardsync.plan.runs import box_view
 from shardsync.quant.fp8 import Fp8Format, quantize
 from shardsync.quant.targets import Target
-from shardsync.quant.wire import WORD
+from shardsync.quant.wire import WIDE, WORD
 from shardsync.receiver.destination import Deriving, Destination
 
 
 class Quantized(Deriving):
     """``inner`` holds the engine's served tensors (FP8 weights, their scales, the rest);
-    ``targets`` the quantized ones (``quant.quantized``).  Memory: a model-dtype copy of the
-    rank's quantized weights that arrive wide, made when first addressed (a connection
-    ``bind``s first: the weights it carries quantized need none)."""
+    ``targets`` the quantized ones (``quant.quantized``).  Memory: a model-dtype copy of each
+    quantized tensor some of whose weights arrive wide, made when first addressed (a connection
+    ``bind``s first: the tensors it carries quantized whole need none).  ``stale`` names the
+    local tensors whose pieces a stale block would misstate (a target, or its twin)."""
 
     name = "quantized"
 
@@ -43,28 +46,36 @@ class Quantized(Deriving):
         self.all, self.fmt = dict(targets), fmt
         self.dtype, self.device = dtype, device
         self.direct: frozenset[str] = frozenset()  # targets whose e4m3 words and scales are received
+        self.mixed: dict[str, tuple[tuple[Box, Box], ...]] = {}  # direct targets' boxes that arrive wide
         self._wide: dict[str, torch.Tensor] = {}
         # inner mapping id -> (that mapping, kept so its id stays its own; the joined view)
         self._joined: dict[int, tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
-        self._arrange(frozenset())
+        self._arrange(frozenset(), {})
 
-    def _arrange(self, direct: frozenset[str]) -> None:
-        """Targets in ``direct`` are received quantized; a wide copy is kept of the others."""
-        self.direct = direct
+    def _arrange(self, direct: frozenset[str], mixed: dict[str, tuple[tuple[Box, Box], ...]]) -> None:
+        """Targets in ``direct`` are received quantized but for their ``mixed`` boxes; a wide copy
+        is kept of the others and of those with boxes."""
+        self.direct, self.mixed = direct, mixed
         self.targets = {n: t for n, t in self.all.items() if n not in direct}
         self._scales = {t.scale for t in self.targets.values()}  # hidden: derived here
-        self._wide = {n: t for n, t in self._wide.items() if n in self.targets}
+        self._wide = {n: t for n, t in self._wide.items() if n in self.targets or n in mixed}
         self._joined.clear()
 
     def _copy(self, name: str) -> torch.Tensor:
         """``name``'s model-dtype copy (zeros until a receive writes it)."""
         hit = self._wide.get(name)
         if hit is None:
-            hit = self._wide[name] = torch.zeros(self.targets[name].shape, dtype=self.dtype, device=self.device)
+            hit = self._wide[name] = torch.zeros(self.all[name].shape, dtype=self.dtype, device=self.device)
         return hit
 
     def bind(self, rank: RankLayout) -> None:
-        self._arrange(frozenset(t.name for t in rank.tensors if t.name in self.all and t.dtype == WORD))
+        direct = frozenset(t.name for t in rank.tensors if t.name in self.all and t.dtype == WORD)
+        twins = {n + WIDE: n for n in direct}
+        boxes: dict[str, list[tuple[Box, Box]]] = {}
+        for p in rank.pieces:
+            if p.local in twins:
+                boxes.setdefault(twins[p.local], []).append((p.local_offsets, p.sizes))
+        self._arrange(direct, {n: tuple(b) for n, b in boxes.items()})
         self.inner.bind(rank)
 
     def _view(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -72,15 +83,20 @@ class Quantized(Deriving):
             return t.view(torch.int32)
         return self._copy(name) if name in self.targets else t
 
+    def _with_twins(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {n: self._view(n, t) for n, t in inner.items() if n not in self._scales}
+        out.update({n + WIDE: self._copy(n) for n in self.mixed if n in inner})
+        return out
+
     def _join(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``inner`` with the wide copies in place of the FP8 weights and without the scales:
-        the engine layout the paths write; one dict per inner mapping (the served one and two
-        staging sets), made once."""
+        """``inner`` with the wide copies in place of the FP8 weights (or beside them, as their
+        twins), without the scales derived here: the engine layout the paths write; one dict
+        per inner mapping (the served one and two staging sets), made once."""
         hit = self._joined.get(id(inner))
         if hit is None or hit[0] is not inner:
             if len(self._joined) >= 3:  # served and two staging sets
                 self._joined.pop(next(iter(self._joined)))
-            hit = (inner, {n: self._view(n, t) for n, t in inner.items() if n not in self._scales})
+            hit = (inner, self._with_twins(inner))
             self._joined[id(inner)] = hit
         return hit[1]
 
@@ -88,20 +104,39 @@ class Quantized(Deriving):
         return self._join(self.inner.tensors())
 
     def served(self) -> Mapping[str, torch.Tensor]:
-        return {n: self._view(n, t) for n, t in self.inner.served().items() if n not in self._scales}
+        return self._with_twins(self.inner.served())
+
+    def _boxes(self, held: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]]:
+        """What this rank quantizes, box by box: the local tensor its pieces arrive in (a target,
+        or its twin), its e4m3 and scale boxes in ``held`` (the served tensors or a staging
+        set), and the copy's box they quantize."""
+        for name, target in self.targets.items():
+            yield name, held[name], held[target.scale], self._copy(name)
+        for name, boxes in self.mixed.items():
+            target = self.all[name]
+            cols = target.shape[-1]
+            copy, fp8 = self._copy(name).view(-1, cols), held[name].view(-1, cols)
+            scales = held[target.scale].view(-1, target.scale_shape[-1])
+            bm, bn = self.fmt.blocks(tuple(target.shape))
+            for offsets, sizes in boxes:
+                grid = (offsets[0] // bm, offsets[1] // bn), (-(-sizes[0] // bm), -(-sizes[1] // bn))
+                yield (name + WIDE, box_view(fp8, offsets, sizes), box_view(scales, *grid),
+                       box_view(copy, offsets, sizes))
 
     @torch.no_grad()
     def received(self) -> int:
-        """Quantize every received shard into the inner destination; counts the e4m3 bytes and
-        scales that differ from the served ones (what a delta of the FP8 weights would move)."""
-        into, served = self.inner.tensors(), self.inner.served()
+        """Quantize every shard (or box of one) received wide into the inner destination; counts
+        the e4m3 bytes and scales that differ from the served ones (what a delta of the FP8
+        weights would move)."""
         changed = 0
-        for name, target in self.targets.items():
-            q, s = quantize(self._copy(name), self.fmt)
-            changed += int((served[name].view(torch.uint8) != q.view(torch.uint8)).sum())
-            changed += int((served[target.scale] != s).sum())
-            into[name].copy_(q)
-            into[target.scale].copy_(s)
+        for (_, served_q, served_s, wide), (_, into_q, into_s, _) in zip(
+                self._boxes(self.inner.served()), self._boxes(self.inner.tensors()), strict=True):
+            q, s = quantize(wide, self.fmt)
+            changed += int((served_q.view(torch.uint8) != q.view(torch.uint8)).sum())
+            changed += int((served_s != s).sum())
+            into_q.copy_(q)
+            into_s.copy_(s)
         return changed + self.inner.received()
 
     def pushed(self, staging: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -114,11 +149,9 @@ class Quantized(Deriving):
 
     @torch.no_grad()
     def stale(self) -> set[str]:
-        served = self.inner.served()
         out = set()
-        for name, target in self.targets.items():
-            q, s = quantize(self._copy(name), self.fmt)
-            if not (torch.equal(served[name].view(torch.uint8), q.view(torch.uint8))
-                    and torch.equal(served[target.scale], s)):
+        for name, served_q, served_s, wide in self._boxes(self.inner.served()):
+            q, s = quantize(wide, self.fmt)
+            if not (torch.equal(served_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(served_s, s)):
                 out.add(name)
         return out

@@ -209,10 +209,12 @@ def broadcast_steps(topo: Topology, me: int, budget_bytes: int, stage: int) -> t
             drain = []
             for bc, off in zip(b.copies, b.offsets, strict=True):
                 for n in narrow.get(bc.logical, ()):
-                    ov = box_overlap(n.src_offsets, n.sizes, bc.logical_offsets, bc.sizes)
+                    # in logical coordinates: a whole tensor's local ones differ where it holds
+                    # an FP8 weight's cells (quant.wire)
+                    ov = box_overlap(n.logical_offsets, n.sizes, bc.logical_offsets, bc.sizes)
                     if ov is None:
                         continue
-                    dst_off = tuple(d + x for d, x in zip(n.dst_offsets, _rel(ov[0], n.src_offsets), strict=True))
+                    dst_off = tuple(d + x for d, x in zip(n.dst_offsets, _rel(ov[0], n.logical_offsets), strict=True))
                     drain.append(Binding(n.dst_local, _region(dst_off, ov[1]), off, bc.sizes,
                                          _region(_rel(ov[0], bc.logical_offsets), ov[1]), raw=raw.get(bc.logical)))
             steps.append(Step(label, b.numel, ("bcast", group, 0, False), drain=tuple(drain),

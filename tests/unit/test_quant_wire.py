@@ -1,6 +1,6 @@
 """FP8 on the wire (``quant/wire.py``): which weights a topology sends quantized, and the plans
 that carry them: every engine FP8 tensor and scale covered exactly once (``build_plan`` proves
-coverage), <= 0.55x of a bf16 engine's bytes, straddling weights and their neighbours wide."""
+coverage), <= 0.55x of a bf16 engine's bytes, only the blocks a trainer shard cuts wide."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
 from shardsync.presets import PRESETS
-from shardsync.quant.wire import DERIVED, PER_WORD, WORD
+from shardsync.quant import fp8_format
+from shardsync.quant.wire import DERIVED, PER_WORD, WIDE, WORD, cells
 from shardsync.topology import Topology
 
 DENSE, MOE, MLA = PRESETS["tiny-qwen3-fp8"], PRESETS["tiny-qwen3-moe-fp8"], PRESETS["tiny-deepseek-v3-fp8"]
@@ -65,25 +66,55 @@ def test_whole_block_shards_send_every_weight_quantized_at_half_the_bytes(spec, 
             assert scale.stored[-1] == math.ceil(t.stored[-1] * PER_WORD / 128)
     # each trainer rank quantizes its regions; Megatron's interleaved QKV is assembled from parts
     derived = [d for r in range(topo.trainer.world_size) for d in topo.derived(r)]
-    assert {d.logical for d in derived} == topo.fp8.sent
+    assert {d.logical for d in derived} == topo.fp8.sent and topo.fp8.split == {}
     assert all(d.words == DERIVED + d.logical for d in derived)
     if trainer == "tp2" and spec in (DENSE, MOE):
         assert any(len(d.parts) > 1 for d in derived if d.logical.endswith("q_proj.weight"))
 
 
-def test_a_shard_that_cuts_blocks_moves_its_engine_tensor_wide() -> None:
-    # 6 query heads and 2 KV heads of 64 at trainer TP 2: 192 query and 64 key rows per rank
+@pytest.mark.parametrize("trainer", ["tp2", "fsdp2"])
+def test_only_the_blocks_a_shard_cuts_move_wide(trainer: str) -> None:
+    # 6 query heads and 2 KV heads of 64: a TP 2 trainer holds 192 query and 64 key rows per
+    # rank (an FSDP2 one the same query rows), cutting the second of q_proj's three 128-row blocks
     spec = DENSE.replace(name="tiny-straddle", num_heads=6, num_kv_heads=2)
-    topo = _topo(spec, MegatronParallel(tp=2), EngineParallel(tp=1))
+    topo = _topo(spec, TRAINERS[trainer], ENGINES["tp1"])
+    wide = _topo(spec, TRAINERS[trainer], ENGINES["tp1"], None)
     assert topo.fp8 is not None
-    kinds = {n.rsplit(".", 2)[-2] for n in topo.fp8.sent}
-    assert kinds == {"gate_proj", "up_proj", "down_proj"}  # q, k, v, o wide; v rides with q and k
-    lay = topo.engine_layouts[0].ranks[0]
-    assert lay.tensor("model.layers.0.self_attn.qkv_proj.weight").dtype == spec.dtype
-    assert lay.tensor("model.layers.0.mlp.gate_up_proj.weight").dtype == WORD
-    topo.p2p_plan, topo.broadcast_plan  # noqa: B018  (the mixed plans build: coverage proven)
-    # the same shapes from a TP 1 trainer: every block whole
-    assert topo.fp8.sent < _topo(spec, MegatronParallel(tp=1), EngineParallel(tp=1)).fp8.sent  # type: ignore[union-attr]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert {n.rsplit(".", 2)[-2] for n in topo.fp8.sent} >= {"gate_proj", "up_proj"}
+    assert [(c.offsets, c.sizes, c.quantized) for c in topo.fp8.split[q]] == [
+        ((0, 0), (128, 256), True), ((128, 0), (128, 256), False), ((256, 0), (128, 256), True)]
+    k = "model.layers.0.self_attn.k_proj.weight"  # 128 rows cut at 64: no whole block, all wide
+    assert k not in topo.fp8.sent and k not in topo.fp8.split
+    rank = topo.engine_layouts[0].ranks[0]
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert rank.tensor(qkv).dtype == WORD and rank.tensor(qkv + WIDE).dtype == spec.dtype
+    # q's middle block rows, k and v arrive wide; the scales of q's whole blocks only travel
+    assert sorted((p.logical.rsplit(".", 1)[-1], p.local_offsets) for p in rank.pieces_of(qkv + WIDE)) == [
+        ("weight", (384, 0)), ("weight", (512, 0)), ("weight[128:256,0:256]", (128, 0))]
+    assert sum(p.numel for p in rank.pieces_of(qkv + "_scale_inv")) == 2 * 2
+    assert sum(p.numel for p in rank.pieces_of(qkv)) == 256 * 256 // PER_WORD
+    # each trainer rank quantizes the whole cells in its shard (rank 0 the first, rank 1 the last)
+    names = [sorted(d.logical for d in topo.derived(r) if d.logical.startswith(q)) for r in range(2)]
+    assert names == [[q + "[0:128,0:256]"], [q + "[256:384,0:256]"]]
+    assert all(d.at == (0, 0) and d.offsets[0] == int(d.logical[len(q) + 1:].split(":")[0])
+               for r in range(2) for d in topo.derived(r) if d.logical.startswith(q))
+    for mode in ("p2p", "broadcast"):  # the plans build (coverage proven) and move fewer bytes
+        plan, bf16 = (topo.p2p_plan, wide.p2p_plan) if mode == "p2p" else (topo.broadcast_plan, wide.broadcast_plan)
+        assert plan.total_bytes < 0.7 * bf16.total_bytes, mode
+    # the same shapes from a TP 1 trainer: every block whole, nothing cut
+    whole = _topo(spec, MegatronParallel(tp=1), ENGINES["tp1"]).fp8
+    assert whole is not None and whole.split == {} and whole.sent > topo.fp8.sent
+
+
+def test_cells_cut_at_the_blocks_around_each_trainer_edge() -> None:
+    fmt = fp8_format("fp8")
+    grid = cells("w", (384, 300), [((0, 0), (100, 300)), ((100, 0), (284, 300))], fmt)
+    assert [(c.offsets, c.sizes, c.quantized) for c in grid] == [
+        ((0, 0), (128, 256), False), ((0, 256), (128, 44), False),  # the edge at row 100 crosses rows 0:128
+        ((128, 0), (256, 256), True), ((128, 256), (256, 44), True)]  # 44 columns: the matrix's last block
+    assert not any(c.quantized for c in cells("w", (384, 302), [((128, 0), (256, 302))], fmt)[-1:])  # 302: no words
+    assert all(c.quantized for c in cells("w", (256, 256), [((0, 0), (128, 256)), ((128, 0), (128, 256))], fmt))
 
 
 def test_per_channel_scales_of_a_column_shard_are_its_own() -> None:
