@@ -41,12 +41,19 @@ FMT = fp8_format("fp8")
 # the rest of them and the MLP quantized
 STRADDLE = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6,
                                               num_kv_heads=2)
+# experts of 384 rows at trainer expert TP 2: 192 rows each cut every expert's middle block
+# (gate and up rows, down columns)
+STRADDLE_MOE = PRESETS["tiny-qwen3-moe-fp8"].replace(name="tiny-qwen3-moe-fp8-straddle", moe_intermediate_size=384)
+# per straddling model: the engine tensors that arrive part quantized, part wide, per layer;
+# and how many logical tensors a doubled scale of the first FP8 tensor shows in
+STRADDLES = {STRADDLE.name: (STRADDLE, ["o_proj.weight", "qkv_proj.weight"], 5),
+             STRADDLE_MOE.name: (STRADDLE_MOE, ["experts.w13_weight", "experts.w2_weight"], 3)}
 
 
 def _topology(model: str, trainer_tp: int, engine_tp: int, engine_ep: int) -> Topology:
-    spec = STRADDLE if model == STRADDLE.name else PRESETS[model]
-    trainer = MegatronParallel(tp=trainer_tp, ep=engine_ep if spec.is_moe and trainer_tp > 1 else 1,
-                               etp=1 if spec.is_moe and trainer_tp > 1 else None)
+    spec = STRADDLES[model][0] if model in STRADDLES else PRESETS[model]
+    etp = None if model in STRADDLES or not (spec.is_moe and trainer_tp > 1) else 1  # None: expert TP = TP
+    trainer = MegatronParallel(tp=trainer_tp, ep=engine_ep if spec.is_moe and trainer_tp > 1 else 1, etp=etp)
     return Topology(spec, trainer, (EngineParallel(tp=engine_tp, ep=engine_ep, dtype=spec.dtype),),
                     quantization=FMT.name)
 
@@ -134,17 +141,19 @@ CASES = [  # model, trainer TP, engine TP, engine EP, staged
     ("tiny-qwen3-moe-fp8", 2, 4, 1, False),
     ("tiny-deepseek-v3-fp8", 2, 2, 2, True),  # MLA, sigmoid experts and a shared expert
     (STRADDLE.name, 2, 1, 1, False),
+    (STRADDLE_MOE.name, 2, 1, 1, True),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-t{c[1]}-e{c[2]}ep{c[3]}-{'staged' if c[4] else 'params'}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"{c[0]}-t{c[1]}-e{c[2]}ep{c[3]}-{'staged' if c[4] else 'params'}")
 def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
     trainer_tp, engine_tp = case[1], case[2]
     world = trainer_tp + engine_tp
     results = run_world(_world, world, args=(world, free_port(), case), timeout=240)
     topo = _topology(*case[:4])
     wide_topo = dataclasses.replace(topo, quantization=None)
-    straddles = case[0] == STRADDLE.name
+    straddles = case[0] in STRADDLES
     engines = [results[r] for r in range(trainer_tp, world)]
     for mode in ("p2p", "broadcast"):
         expected = {k: v for k, v in combine(results[r]["sums"][mode] for r in range(trainer_tp)).items()
@@ -161,10 +170,10 @@ def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
         # every FP8 tensor is received quantized; where a trainer shard cuts blocks (q_proj's
         # middle block, k and v, o_proj's middle column block) just those blocks arrive wide
         assert res["wide"] == [] and len(res["direct"]) == res["p2p"]["fp8"]
-        mixed = sorted(["o_proj", "qkv_proj"] * STRADDLE.num_layers) if straddles else []
-        assert sorted(n.rsplit(".", 2)[-2] for n in res["mixed"]) == mixed
+        spec, kinds, shows = STRADDLES.get(case[0], (topo.spec, [], 2 if "deepseek" in case[0] else 3))
+        assert sorted(n.split(".", 3)[-1].split(".", 1)[-1] for n in res["mixed"]) == sorted(kinds * spec.num_layers)
         assert res["clean"] == []
         # a doubled scale shows in checksums: the scales' where they travel, the weights' where derived
         stale = compare(expected, combine(r["stale"] for r in engines))
         assert stale == res["stale_expected"], stale
-        assert len(stale) == (5 if straddles else 2 if "deepseek" in case[0] else 3), stale
+        assert len(stale) == shows, stale

@@ -116,3 +116,28 @@ def test_a_trainer_quantizes_megatrons_fused_qkv_in_place() -> None:
             ref_q, ref_s = quantize(source.region(d), topo.fp8.fmt)
             got = source.tensors[d.words].view(torch.uint8).view(ref_q.shape)
             assert torch.equal(got, ref_q.view(torch.uint8)) and torch.equal(source.tensors[d.scales], ref_s), d.logical
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_trainer_rank_quantizes_the_whole_cells_of_a_straddling_weight(rank: int) -> None:
+    """6 query heads of 64 at trainer TP 2: each rank's 192 query rows cut q_proj's middle block;
+    each rank quantizes its whole cells (``quant.wire.cells``) on the GPU, bitwise equal to the
+    quantizer of the cell's rows of the full weight."""
+    from shardsync.quant.source import SourceQuantizer
+
+    spec = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6, num_kv_heads=2)
+    topo = Topology(spec, MegatronParallel(tp=2, dtype="bfloat16"), quantization="fp8")
+    assert topo.fp8 is not None and topo.fp8.split
+    params = load_rank(topo.trainer_base, rank, random_source(spec, seed=9), device="cuda")
+    full = random_source(spec, seed=9)
+    source = SourceQuantizer(topo.derived(rank), params, topo.fp8.fmt)
+    cells = [d for d in source.derived if "[" in d.logical]
+    assert len(cells) == 2 * spec.num_layers  # one q_proj and one o_proj cell per layer and rank
+    for _ in range(2):  # the first refresh runs the kernels, the second replays their graph
+        source.refresh()
+        for d in cells:
+            weight = d.logical.split("[")[0]
+            (r0, c0), (nr, nc) = d.offsets, d.sizes
+            ref_q, ref_s = quantize(full(weight).to(torch.bfloat16)[r0:r0 + nr, c0:c0 + nc].cuda(), topo.fp8.fmt)
+            got = source.tensors[d.words].view(torch.uint8).view(ref_q.shape)
+            assert torch.equal(got, ref_q.view(torch.uint8)) and torch.equal(source.tensors[d.scales], ref_s), d.logical

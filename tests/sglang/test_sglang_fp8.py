@@ -102,7 +102,16 @@ def test_sglang_fp8_classes_hold_what_a_shardsync_fp8_rank_quantizes(model: str,
 
 TOKEN = "sglang-fp8-token-0123456789abcdef"
 FP8_SYNCS = [("tiny-qwen3-fp8", "tp2"), ("tiny-qwen3-moe-fp8", "tp2"), ("tiny-deepseek-v3-fp8", "tp2"),
-             ("tiny-deepseek-v32-fp8", "tp2"), ("tiny-qwen3-next-fp8", "tp2"), ("tiny-qwen3.5-moe-fp8", "tp2")]
+             ("tiny-deepseek-v32-fp8", "tp2"), ("tiny-qwen3-next-fp8", "tp2"), ("tiny-qwen3.5-moe-fp8", "tp2"),
+             ("tiny-qwen3-fp8-straddle", "tp2")]
+# 6 query and 2 KV heads of 64: the TP 2 trainer's 192 query rows cut q_proj's middle block (and
+# o_proj's middle column block): those blocks arrive wide and the host quantizes them into SGLang's
+# parameters, the rest arrive quantized.  SGLang TP 1 only: its TP 2 shards would not be whole blocks.
+STRADDLE = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6, num_kv_heads=2)
+
+
+def _spec(model: str):
+    return STRADDLE if model == STRADDLE.name else PRESETS[model]
 
 
 def _fp8_trainer(rank: int, world: int, port: int, model: str, urls: list[str], out) -> None:
@@ -115,14 +124,16 @@ def _fp8_trainer(rank: int, world: int, port: int, model: str, urls: list[str], 
     from tests.dist._world import join_trainer
     from tests.vllm._check import version_source
 
-    spec = PRESETS[model]
+    spec = _spec(model)
     par = MegatronParallel(tp=world, dtype="bfloat16")  # a bf16 trainer, as RL runs train
     lay, params = join_trainer(rank, world, port, spec, par, seed=0)
     cfg = SyncConfig(control=ControlConfig(channel="sglang", token=TOKEN), detail=True,
                      transport=TransportConfig(bucket_mb=0.25, timeout_s=60))
     sync = WeightSync(spec, par, rank, params, urls, cfg, trainer_group=dist.group.WORLD)
     sync.connect()
-    res = {"connected": sync.mode.value, "fallback": sync.fallback_reason, "steps": []}
+    assert sync.topo is not None and sync.topo.fp8 is not None
+    res = {"connected": sync.mode.value, "fallback": sync.fallback_reason, "steps": [],
+           "split": len(sync.topo.fp8.split)}
     for version, mode in ((1, None), (2, "broadcast")):
         for k, v in load_rank(lay, rank, version_source(spec, version)).items():
             params[k].copy_(v)
@@ -152,13 +163,14 @@ def test_a_trainer_syncs_sglang_serving_block_fp8(model: str, trainer: str) -> N
     from tests.sglang.fake_server import FakeSglang, fp8_quantizer
     from tests.vllm._check import version_source
 
-    spec = PRESETS[model]
+    spec = _spec(model)
+    tps = (1,) if spec is STRADDLE else (1, 2)
     full = {n: version_source(spec, 0)(n).to(torch.bfloat16) for n in logical_tensors(spec)}
     initial = _models.fp8_checkpoint(full, fp8_quantizer(), _models.fp8_names(spec))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_models.PRELOAD)
     started = [FakeSglang(spec, tp, initial, env={"SHARDSYNC_TOKEN": TOKEN}, ctx=ctx, quantization="fp8",
-                          dtype="bfloat16") for tp in (1, 2)]
+                          dtype="bfloat16") for tp in tps]
     try:
         results = run_world(_fp8_trainer, 2, args=(2, free_port(), model, [s.url for s in started]), timeout=400)
     finally:
@@ -168,9 +180,10 @@ def test_a_trainer_syncs_sglang_serving_block_fp8(model: str, trainer: str) -> N
     assert r0["connected"] == "p2p", r0["fallback"]
     for step in r0["steps"]:
         assert step["ok"] and step["mismatched"] == [], (step["mode"], step["error"], step["mismatched"][:4])
-        assert step["sglang"] == [[[]], [[], []]], (step["mode"], step["sglang"])
+        assert step["sglang"] == [[[]] * tp for tp in tps], (step["mode"], step["sglang"])
         assert all(e["destination"] == "quantized" for e in step["engines"])
     assert r0["steps"][0]["quantized_changed"] > 0
+    assert r0["split"] == (2 * spec.num_layers if spec is STRADDLE else 0)  # q_proj and o_proj in cells
 
 
 def _fp8_host(model: str, config=None, tp: int = 2):
