@@ -111,6 +111,26 @@ def test_fp8_engine_demo(tmp_path) -> None:
     assert all(e["derived_changed"] == 0 for r in records for e in r["engines"])
 
 
+@pytest.mark.parametrize(("trainer", "mode"), [(("--trainer-tp", "2"), "delta"),
+                                              (("--trainer", "fsdp2", "--trainer-dp", "2"), "both")])
+def test_fp8_engine_demo_with_blocks_the_trainer_shards_cut(tmp_path, trainer: tuple[str, ...], mode: str) -> None:
+    """6 query heads of 64: the trainer's shards (Megatron TP 2, FSDP2's row halves) cut q_proj's
+    middle 128-row block, which arrives wide and the engine quantizes; the rest arrives as the
+    trainer's e4m3 bytes and scales.  Every update bitwise, delta updates included."""
+    spec = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6, num_kv_heads=2)
+    (tmp_path / "config.json").write_text(json.dumps(spec.to_hf_config()))
+    out, rows = _demo(tmp_path / "out", str(tmp_path / "config.json"), *trainer, "--engine-tp", "1", "--steps", "2",
+                      "--engine-quantization", "fp8", "--mode", mode, modes=(), lp_diff=5e-2)
+    assert "serving fp8" in out and "bitwise checksum after every sync: ok" in out
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    # the first update (new weights): the trainer quantized its whole cells, the engine the cut
+    # blocks (a broadcast of the same weights after it changes neither)
+    first = [r for r in records if r["mode"] == "p2p" and r["version"] == 1]
+    assert first and all(r["quantized_changed"] > 0 for r in first)
+    assert all(e["derived_changed"] > 0 for r in first for e in r["engines"])
+    assert {r["mode"] for r in records} == ({"p2p", "delta-p2p"} if mode == "delta" else {"p2p", "broadcast"})
+
+
 @pytest.mark.parametrize(("model", "lp_diff"), [("tiny-deepseek-v32-fp8", 1e-1), ("tiny-qwen3-next-fp8", 5e-1)])
 def test_fp8_engine_demo_sparse_and_linear_attention(tmp_path, model: str, lp_diff: float) -> None:
     """Sparse attention's indexer (``wq_b``, ``wk``) and gated DeltaNet's ``in_proj_qkvz`` /
