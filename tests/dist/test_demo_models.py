@@ -19,6 +19,7 @@ import pytest
 
 from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.presets import PRESETS
+from tests.fp8_straddle import straddle_config
 
 pytestmark = pytest.mark.demos
 
@@ -117,9 +118,7 @@ def test_fp8_engine_demo_with_blocks_the_trainer_shards_cut(tmp_path, trainer: t
     """6 query heads of 64: the trainer's shards (Megatron TP 2, FSDP2's row halves) cut q_proj's
     middle 128-row block, which arrives wide and the engine quantizes; the rest arrives as the
     trainer's e4m3 bytes and scales.  Every update bitwise, delta updates included."""
-    spec = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6, num_kv_heads=2)
-    (tmp_path / "config.json").write_text(json.dumps(spec.to_hf_config()))
-    out, rows = _demo(tmp_path / "out", str(tmp_path / "config.json"), *trainer, "--engine-tp", "1", "--steps", "2",
+    out, rows = _demo(tmp_path / "out", straddle_config(tmp_path), *trainer, "--engine-tp", "1", "--steps", "2",
                       "--engine-quantization", "fp8", "--mode", mode, modes=(), lp_diff=5e-2)
     assert "serving fp8" in out and "bitwise checksum after every sync: ok" in out
     records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]

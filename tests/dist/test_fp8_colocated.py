@@ -6,7 +6,6 @@ the trainer's shards cut blocks (those blocks arrive wide and the engine quantiz
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -15,14 +14,13 @@ import torch.distributed as dist
 
 from shardsync.config import ColocatedConfig, SyncConfig, TransportConfig
 from shardsync.layout import MegatronParallel
-from shardsync.presets import PRESETS, load_spec
+from shardsync.presets import load_spec
 from shardsync.sync import WeightSync
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
+from tests.fp8_straddle import STRADDLE, straddle_config
 
 MODEL = "tiny-qwen3-fp8"
-# 6 query heads and 2 KV heads of 64: the TP 2 trainer's 192 query rows cut q_proj's middle block
-STRADDLE = PRESETS[MODEL].replace(name="tiny-qwen3-fp8-straddle", num_heads=6, num_kv_heads=2)
 
 
 def _trainer(rank: int, world: int, port: int, url: str, model: str, ipc: str, out) -> None:
@@ -51,8 +49,7 @@ def _trainer(rank: int, world: int, port: int, url: str, model: str, ipc: str, o
 def test_colocated_ipc_into_an_fp8_engine(ipc: str, staging: int, straddle: bool, tmp_path: Path) -> None:
     model, engine_tp = MODEL, 2
     if straddle:  # engine TP 1: its own shards must be whole blocks (SGLang refuses others)
-        (tmp_path / "config.json").write_text(json.dumps(STRADDLE.to_hf_config()))
-        model, engine_tp = str(tmp_path / "config.json"), 1
+        model, engine_tp = straddle_config(tmp_path), 1
     proc, url = start_engine(model, engine_tp, dtype="bfloat16", quantization="fp8", staging_bytes=staging)
     try:
         results = run_world(_trainer, 2, args=(2, free_port(), url, model, ipc), timeout=240)

@@ -31,16 +31,14 @@ from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
 from tests.dist._world import free_port, run_world
+from tests.fp8_straddle import STRADDLE
 
 SECRET = "a-test-secret-0123456789"
 FMT = fp8_format("fp8")
 
 
-# 6 query heads and 2 KV heads of 64: a TP 2 trainer holds 192 query and 64 key rows, cutting
-# 128-row blocks: q_proj's middle block rows, k, v and o_proj's middle block columns arrive wide,
-# the rest of them and the MLP quantized
-STRADDLE = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6,
-                                              num_kv_heads=2)
+# STRADDLE (tests/fp8_straddle.py): q_proj's middle block rows, k, v and o_proj's middle block
+# columns arrive wide, the rest of them and the MLP quantized
 # experts of 384 rows at trainer expert TP 2: 192 rows each cut every expert's middle block
 # (gate and up rows, down columns)
 STRADDLE_MOE = PRESETS["tiny-qwen3-moe-fp8"].replace(name="tiny-qwen3-moe-fp8-straddle", moe_intermediate_size=384)

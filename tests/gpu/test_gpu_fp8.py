@@ -17,6 +17,7 @@ from shardsync.quant.kernel import quantize_into
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from tests.dist._engine import start_engine, stop_engine
+from tests.fp8_straddle import STRADDLE
 
 pytestmark = pytest.mark.gpu
 
@@ -125,7 +126,7 @@ def test_a_trainer_rank_quantizes_the_whole_cells_of_a_straddling_weight(rank: i
     quantizer of the cell's rows of the full weight."""
     from shardsync.quant.source import SourceQuantizer
 
-    spec = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6, num_kv_heads=2)
+    spec = STRADDLE
     topo = Topology(spec, MegatronParallel(tp=2, dtype="bfloat16"), quantization="fp8")
     assert topo.fp8 is not None and topo.fp8.split
     params = load_rank(topo.trainer_base, rank, random_source(spec, seed=9), device="cuda")

@@ -17,6 +17,7 @@ from shardsync.layout.logical import logical_tensors
 from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format, quantize, quantized
+from tests.fp8_straddle import STRADDLE
 from tests.sglang import _models
 
 FMT = fp8_format("fp8-block128x128-ue8m0")  # SGLang's pure-torch quantizer rounds scales up to powers of two
@@ -104,10 +105,8 @@ TOKEN = "sglang-fp8-token-0123456789abcdef"
 FP8_SYNCS = [("tiny-qwen3-fp8", "tp2"), ("tiny-qwen3-moe-fp8", "tp2"), ("tiny-deepseek-v3-fp8", "tp2"),
              ("tiny-deepseek-v32-fp8", "tp2"), ("tiny-qwen3-next-fp8", "tp2"), ("tiny-qwen3.5-moe-fp8", "tp2"),
              ("tiny-qwen3-fp8-straddle", "tp2")]
-# 6 query and 2 KV heads of 64: the TP 2 trainer's 192 query rows cut q_proj's middle block (and
-# o_proj's middle column block): those blocks arrive wide and the host quantizes them into SGLang's
-# parameters, the rest arrive quantized.  SGLang TP 1 only: its TP 2 shards would not be whole blocks.
-STRADDLE = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-straddle", num_heads=6, num_kv_heads=2)
+# STRADDLE: the TP 2 trainer's shards cut q_proj's and o_proj's middle blocks, which arrive wide
+# and the host quantizes them into SGLang's parameters, the rest arrive quantized (SGLang TP 1 only)
 
 
 def _spec(model: str):

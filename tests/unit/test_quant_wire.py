@@ -15,6 +15,7 @@ from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format
 from shardsync.quant.wire import DERIVED, PER_WORD, WIDE, WORD, cells
 from shardsync.topology import Topology
+from tests.fp8_straddle import STRADDLE
 
 DENSE, MOE, MLA = PRESETS["tiny-qwen3-fp8"], PRESETS["tiny-qwen3-moe-fp8"], PRESETS["tiny-deepseek-v3-fp8"]
 TRAINERS = {
@@ -76,7 +77,7 @@ def test_whole_block_shards_send_every_weight_quantized_at_half_the_bytes(spec, 
 def test_only_the_blocks_a_shard_cuts_move_wide(trainer: str) -> None:
     # 6 query heads and 2 KV heads of 64: a TP 2 trainer holds 192 query and 64 key rows per
     # rank (an FSDP2 one the same query rows), cutting the second of q_proj's three 128-row blocks
-    spec = DENSE.replace(name="tiny-straddle", num_heads=6, num_kv_heads=2)
+    spec = STRADDLE
     topo = _topo(spec, TRAINERS[trainer], ENGINES["tp1"])
     wide = _topo(spec, TRAINERS[trainer], ENGINES["tp1"], None)
     assert topo.fp8 is not None
