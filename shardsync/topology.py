@@ -33,7 +33,7 @@ from shardsync.lora import (
     megatron_adapter_layout,
 )
 from shardsync.plan import Plan, build_plan
-from shardsync.plan.plan import dtype_itemsize
+from shardsync.plan.plan import Scaled, dtype_itemsize
 from shardsync.quant.fp8 import FORMATS
 from shardsync.quant.support import RECEIVER_QUANTIZES
 from shardsync.quant.targets import check_family
@@ -129,6 +129,12 @@ class Topology:
         return lay if self.fp8 is None else self.fp8.retype(lay)
 
     @cached_property
+    def scaled(self) -> dict[str, Scaled]:
+        """FP8 words -> their block scales, which plans take from the words' holder and buckets
+        carry with them (``plan.Scaled``); empty without ``fp8``."""
+        return {} if self.fp8 is None else self.fp8.scaled(self.trainer_layout.logical)
+
+    @cached_property
     def raw_dtypes(self) -> dict[str, str]:
         """Logical tensors that move (and are checked) as their own bits: those the trainer
         and every engine hold wider than the wire (``layout/raw.py``; FSDP2 trainers and
@@ -209,15 +215,17 @@ class Topology:
         """
         if self.relay:
             first = concat_layouts("engine", self.engine_layouts[:1])
-            return build_plan(self.trainer_layout, first, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
-        return build_plan(self.trainer_layout, self.engines_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
+            return build_plan(self.trainer_layout, first, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
+                              scaled=self.scaled)
+        return build_plan(self.trainer_layout, self.engines_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
+                          scaled=self.scaled)
 
     @cached_property
     def relay_plans(self) -> tuple[Plan, ...]:
         """Engine i -> engine i+1, for a relayed p2p update (empty without ``relay``)."""
         if not self.relay:
             return ()
-        return tuple(build_plan(a, b, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
+        return tuple(build_plan(a, b, wire_dtype=self.wire_dtype, raw=self.raw_dtypes, scaled=self.scaled)
                      for a, b in zip(self.engine_layouts, self.engine_layouts[1:], strict=False))
 
     def fingerprint(self, mode: str) -> str:
@@ -251,15 +259,17 @@ class Topology:
 
         ranks = tuple(kept(i, rl) for i, rl in enumerate(lay.ranks))
         restricted = Layout(lay.kind, self.spec, lay.logical, ranks, lay.params)
-        return build_plan(restricted, self.source_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
+        return build_plan(restricted, self.source_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
+                          scaled=self.scaled)
 
     @cached_property
     def broadcast_plan(self) -> Plan:
         """Broadcast step 2: each stage source -> whole tensors on every engine rank."""
         receivers = self._full(replicas=self.num_engine_ranks)
-        return build_plan(self.source_layout, receivers, wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
+        return build_plan(self.source_layout, receivers, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
+                          scaled=self.scaled)
 
     def narrow_plan(self, engine: int) -> Plan:
         """Broadcast step 3 (rank-local): whole tensors -> engine ``engine``'s shards."""
         return build_plan(self._full(), self.engine_layouts[engine],
-                          wire_dtype=self.wire_dtype, raw=self.raw_dtypes)
+                          wire_dtype=self.wire_dtype, raw=self.raw_dtypes, scaled=self.scaled)

@@ -71,6 +71,15 @@ class _Numbers(dict[str, int]):
         return n
 
 
+class Scaled(NamedTuple):
+    """The scale tensor of a tensor of quantized words, and the words one scale covers: ``rows``
+    rows by ``words`` words (128 x 128 e4m3 blocks: 128 x 32 int32 words)."""
+
+    scale: str
+    rows: int
+    words: int
+
+
 @dataclass(frozen=True)
 class Picks:
     """What ``build_plan`` chose: the distinct read lists, the one each destination rank reads,
@@ -118,6 +127,9 @@ class Plan:
     picks: Picks = field(repr=False, compare=False)
     wire_dtype: str
     raw: Mapping[str, str] = field(default_factory=dict)
+    # quantized words -> their scales: a tensor of e4m3 words (``raw``) and the one of its block
+    # scales, which come from the same holder and travel in the same bucket (``Scaled``)
+    scaled: Mapping[str, Scaled] = field(default_factory=dict)
 
     @cached_property
     def itemsize(self) -> int:
@@ -189,6 +201,8 @@ class Plan:
         h.update(repr((self.src.describe(), self.dst.describe(), self.wire_dtype)).encode())
         if self.raw:
             h.update(repr(sorted(self.raw.items())).encode())
+        if self.scaled:  # scales ride with their words: the buckets differ
+            h.update(repr(sorted(self.scaled.items())).encode())
         for lay in (self.src, self.dst):  # replicas (DP, identical engines) share one tensors tuple: said once
             said: dict[int, int] = {}
             for r in lay.ranks:
@@ -246,9 +260,10 @@ class Plan:
 
 @gc_paused
 def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
-               raw: Mapping[str, str] | None = None) -> Plan:
+               raw: Mapping[str, str] | None = None, scaled: Mapping[str, Scaled] | None = None) -> Plan:
     """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder
-    (destination ranks in order, each rank's reads in order, ties to the lower rank).
+    (destination ranks in order, each rank's reads in order, ties to the lower rank), a block
+    scale to its words' holder (``scaled``: quantized words -> their scales, ``Scaled``).
     ``raw``: the logical tensors that move as their own bits (``layout/raw.py``)."""
     if src.spec.name != dst.spec.name or src.logical != dst.logical:
         raise PlanError(f"layouts describe different models: {src.spec.name} vs {dst.spec.name}")
@@ -274,7 +289,7 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
         order.append(i)
         adds = fixed[i]
         if adds is None:
-            ranks.append(_choose(lists[i], load))
+            ranks.append(_follow(lists[i], _choose(lists[i], load), scaled) if scaled else _choose(lists[i], load))
         else:
             for rank, n in adds.items():
                 load[rank] += n
@@ -287,7 +302,27 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
             f"exactly once:\n  {shown}{more}"
         )
     picks = Picks(tuple(lists), tuple(order), tuple(ranks))
-    return Plan(src, dst, picks, wire_dtype or dst.ranks[0].tensors[0].dtype, dict(raw or {}))
+    return Plan(src, dst, picks, wire_dtype or dst.ranks[0].tensors[0].dtype, dict(raw or {}), dict(scaled or {}))
+
+
+def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Scaled]) -> np.ndarray:
+    """``ranks`` with each scale read given to the holder its words' read went to, where it
+    holds the scale too (a trainer rank quantizes its words and scales together): a bucket can
+    then carry both (``plan.bucket``).  The loads keep the first choice (scales are small)."""
+    of = {s.scale: (words, s) for words, s in scaled.items()}
+    went: dict[tuple[str, int, int], int] = {}  # (words, first block row, first block column) -> holder
+    out = ranks.copy()
+    for i, (_, srcs, _, _, _, _, _, _, logical, logical_off) in enumerate(reads):
+        s = scaled.get(logical)
+        if s is not None:
+            went[(logical, logical_off[0] // s.rows, logical_off[1] // s.words)] = int(out[i])
+            continue
+        lead = of.get(logical)
+        if lead is not None:
+            rank = went.get((lead[0], *logical_off[:2]))
+            if rank is not None and any(h[0] == rank for h in srcs):
+                out[i] = rank
+    return out
 
 
 def _one_holder_loads(reads: tuple[Read, ...]) -> dict[int, int] | None:

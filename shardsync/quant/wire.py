@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from shardsync.layout.piece import Box, Layout, Piece, RankLayout, TensorMeta, volume
+from shardsync.plan.plan import Scaled
 from shardsync.quant.fp8 import Fp8Format
 
 WORD = "int32"  # e4m3 bytes travel as words of four: any wire dtype of 2 or 4 bytes moves them whole
@@ -131,6 +132,16 @@ class Fp8Wire:
     def quantized(self) -> frozenset[str]:
         """The wire's logical tensors of e4m3 words: the weights sent whole and the whole cells."""
         return self.sent | {c.name for cs in self.split.values() for c in cs if c.quantized}
+
+    def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
+        """Each wire tensor of e4m3 words -> its scales and the words one scale covers (``logical``:
+        the wire's shapes): plans take a block's scale from its words' holder and buckets carry
+        them together."""
+        out = {}
+        for n in sorted(self.quantized):
+            rows, cols = self.fmt.block or (1, logical[n][1] * PER_WORD)  # per channel: a whole row
+            out[n] = Scaled(self.scale(n), rows, cols // PER_WORD)
+        return out
 
     @property
     def raw(self) -> dict[str, str]:
