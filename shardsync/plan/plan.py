@@ -312,7 +312,9 @@ def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Sca
     of = {s.scale: (words, s) for words, s in scaled.items()}
     went: dict[tuple[str, int, int], int] = {}  # (words, first block row, first block column) -> holder
     out = ranks.copy()
-    for i, (_, srcs, _, _, _, _, _, _, logical, logical_off) in enumerate(reads):
+    for i, (_, srcs, _, second, _, _, _, _, logical, logical_off) in enumerate(reads):
+        if second < 0:  # one holder: nothing to choose (its words had one too)
+            continue
         s = scaled.get(logical)
         if s is not None:
             went[(logical, logical_off[0] // s.rows, logical_off[1] // s.words)] = int(out[i])

@@ -197,9 +197,18 @@ class Fp8Wire:
         return Layout(layout.kind, layout.spec, self.logical(layout.logical), tuple(ranks), layout.params)
 
     def _retype_rank(self, rank: RankLayout) -> RankLayout:
-        parts = [(p, self._parts(p)) for p in rank.pieces]
-        words_in = {p.local for p, cut in parts if any(q for q, _ in cut)}
-        wide_in = {p.local for p, cut in parts if p.local in words_in and not all(q for q, _ in cut)}
+        sent, split = self.sent, self.split
+        # per piece, its parts where its weight is cut into cells (None: whole, sent or wide)
+        parts = [(p, self._parts(p) if p.logical in split else None) for p in rank.pieces]
+        words_in: set[str] = set()
+        wide_in: set[str] = set()
+        for p, cut in parts:
+            if cut is None:
+                (words_in if p.logical in sent else wide_in).add(p.local)
+            else:
+                for quantized, _ in cut:
+                    (words_in if quantized else wide_in).add(p.local)
+        wide_in &= words_in
         tensors: list[TensorMeta] = []
         for t in rank.tensors:
             if t.name not in words_in:
@@ -216,10 +225,11 @@ class Fp8Wire:
                 tensors.append(TensorMeta(t.name + WIDE, t.shape, t.dtype, held))
         pieces: list[Piece] = []
         for p, cut in parts:
-            for quantized, q in cut:
-                if p.local not in words_in:
-                    pieces.append(q)
-                elif quantized:
+            if p.local not in words_in:  # a model-dtype tensor: its pieces, cut or not
+                pieces += [p] if cut is None else [q for _, q in cut]
+                continue
+            for quantized, q in [(p.logical in sent, p)] if cut is None else cut:
+                if quantized:
                     pieces += [self._words(q, q.local, q.local_offsets),
                                self._scale_piece(q, self.scale(q.local), q.local_offsets)]
                 else:
@@ -294,17 +304,20 @@ def fp8_wire(trainer: Layout, engines: Sequence[Layout], fmt: Fp8Format) -> Fp8W
                 bad.update(p.logical for p in held
                            if not (_aligned(p.offsets, p.sizes, logical[p.logical], fmt)
                                    and _aligned(p.local_offsets, p.sizes, t.shape, fmt)))
-    regions: dict[str, list[tuple[Box, Box]]] = {}
-    for rank in trainer.ranks:
+    regions: dict[str, set[tuple[Box, Box]]] = {}
+    cut: set[str] = set()  # weights some trainer region of which is not whole blocks
+    for rank in {id(r.pieces): r for r in trainer.ranks}.values():  # DP replicas share tuples
         for name, parts in _by_logical(p for p in rank.pieces if p.logical in candidates).items():
             box = _bounds(parts)
             if box is None or len(box[0]) != 2:
                 bad.add(name)
-            else:
-                regions.setdefault(name, []).append(box)
-    sent, split = set(), {}
-    for name in sorted(candidates - bad):
-        grid = cells(name, logical[name], regions.get(name, ()), fmt)
+                continue
+            regions.setdefault(name, set()).add(box)
+            if not _aligned(*box, logical[name], fmt):
+                cut.add(name)
+    sent, split = set(candidates - bad - cut), {}
+    for name in sorted(cut - bad):
+        grid = cells(name, logical[name], regions[name], fmt)
         if all(c.quantized for c in grid):
             sent.add(name)
         elif any(c.quantized for c in grid):
