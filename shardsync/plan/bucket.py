@@ -59,7 +59,8 @@ def _rows(c: Copy, start: int, n: int) -> Copy:
 
 def _partners(plan: Plan, copies: list[Copy]) -> dict[int, int]:
     """Index of each quantized words copy -> that of the copy of exactly its blocks' scales."""
-    where = {(c.logical, c.logical_offsets, c.sizes): i for i, c in enumerate(copies)}
+    scales = plan.scales
+    where = {(c.logical, c.logical_offsets, c.sizes): i for i, c in enumerate(copies) if c.logical in scales}
     out = {}
     for i, c in enumerate(copies):
         s = plan.scaled.get(c.logical)
@@ -129,6 +130,8 @@ class _Filler:
         i, total = 0, sc.sizes[0]
         while i < total:
             lo, hi = 0, total - i  # the most block rows that fit: a binary search, ends are monotone
+            if end(i, hi) <= self.max_numel:  # the rest fits (the common case)
+                lo = hi
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if end(i, mid) <= self.max_numel else (lo, mid - 1)
@@ -137,8 +140,9 @@ class _Filler:
                 continue
             k = max(lo, 1)
             n = min(k * rows, c.sizes[0] - i * rows)
-            self.put(_rows(c, i * rows, n), wc, n * per_row)
-            self.put(_rows(sc, i, k), ws, k * per_scale_row)
+            whole = k == total  # both whole (the common case): no parts made
+            self.put(c if whole else _rows(c, i * rows, n), wc, n * per_row)
+            self.put(sc if whole else _rows(sc, i, k), ws, k * per_scale_row)
             i += k
 
 

@@ -135,6 +135,11 @@ class Plan:
     def itemsize(self) -> int:
         return dtype_itemsize(self.wire_dtype)
 
+    @cached_property
+    def scales(self) -> frozenset[str]:
+        """The block scale tensors of ``scaled``."""
+        return frozenset(s.scale for s in self.scaled.values())
+
     def width(self, logical: str) -> int:
         """Wire elements one element of ``logical`` takes (``raw.width``)."""
         return width(self.raw.get(logical), self.wire_dtype)
@@ -269,6 +274,7 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
         raise PlanError(f"layouts describe different models: {src.spec.name} vs {dst.spec.name}")
     problems: list[str] = []
     reader = Reader(src, problems)
+    scales = {s.scale: (words, s) for words, s in (scaled or {}).items()}  # scale -> its words
     # Identical engines share one pieces tuple (concat_layouts), so a rank's reads are listed once
     # per distinct tuple, leaving only the holder choice per read.  ``dst`` keeps every tuple
     # alive for the whole build, so ids stay unique.
@@ -289,7 +295,8 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
         order.append(i)
         adds = fixed[i]
         if adds is None:
-            ranks.append(_follow(lists[i], _choose(lists[i], load), scaled) if scaled else _choose(lists[i], load))
+            chosen = _choose(lists[i], load)
+            ranks.append(_follow(lists[i], chosen, scaled, scales) if scaled else chosen)
         else:
             for rank, n in adds.items():
                 load[rank] += n
@@ -305,11 +312,12 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
     return Plan(src, dst, picks, wire_dtype or dst.ranks[0].tensors[0].dtype, dict(raw or {}), dict(scaled or {}))
 
 
-def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Scaled]) -> np.ndarray:
+def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Scaled],
+            scales: Mapping[str, tuple[str, Scaled]]) -> np.ndarray:
     """``ranks`` with each scale read given to the holder its words' read went to, where it
     holds the scale too (a trainer rank quantizes its words and scales together): a bucket can
-    then carry both (``plan.bucket``).  The loads keep the first choice (scales are small)."""
-    of = {s.scale: (words, s) for words, s in scaled.items()}
+    then carry both (``plan.bucket``).  The loads keep the first choice (scales are small).
+    ``scales``: ``scaled`` the other way round."""
     went: dict[tuple[str, int, int], int] = {}  # (words, first block row, first block column) -> holder
     out = ranks.copy()
     for i, (_, srcs, _, second, _, _, _, _, logical, logical_off) in enumerate(reads):
@@ -319,7 +327,7 @@ def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Sca
         if s is not None:
             went[(logical, logical_off[0] // s.rows, logical_off[1] // s.words)] = int(out[i])
             continue
-        lead = of.get(logical)
+        lead = scales.get(logical)
         if lead is not None:
             rank = went.get((lead[0], *logical_off[:2]))
             if rank is not None and any(h[0] == rank for h in srcs):

@@ -198,16 +198,15 @@ class Fp8Wire:
 
     def _retype_rank(self, rank: RankLayout) -> RankLayout:
         sent, split = self.sent, self.split
-        # per piece, its parts where its weight is cut into cells (None: whole, sent or wide)
-        parts = [(p, self._parts(p) if p.logical in split else None) for p in rank.pieces]
+        cuts = {i: self._parts(p) for i, p in enumerate(rank.pieces) if p.logical in split}  # the rare cells
         words_in: set[str] = set()
         wide_in: set[str] = set()
-        for p, cut in parts:
-            if cut is None:
-                (words_in if p.logical in sent else wide_in).add(p.local)
-            else:
-                for quantized, _ in cut:
+        for i, p in enumerate(rank.pieces):
+            if i in cuts:
+                for quantized, _ in cuts[i]:
                     (words_in if quantized else wide_in).add(p.local)
+            else:
+                (words_in if p.logical in sent else wide_in).add(p.local)
         wide_in &= words_in
         tensors: list[TensorMeta] = []
         for t in rank.tensors:
@@ -224,9 +223,13 @@ class Fp8Wire:
             if t.name in wide_in:
                 tensors.append(TensorMeta(t.name + WIDE, t.shape, t.dtype, held))
         pieces: list[Piece] = []
-        for p, cut in parts:
+        for i, p in enumerate(rank.pieces):
+            cut = cuts.get(i)
             if p.local not in words_in:  # a model-dtype tensor: its pieces, cut or not
-                pieces += [p] if cut is None else [q for _, q in cut]
+                if cut is None:
+                    pieces.append(p)
+                else:
+                    pieces += [q for _, q in cut]
                 continue
             for quantized, q in [(p.logical in sent, p)] if cut is None else cut:
                 if quantized:
