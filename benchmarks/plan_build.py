@@ -4,6 +4,7 @@ and its own links' buckets (trainer rank 0's, engine rank 0's).  Apart, not in t
 copy of the p2p plan and all its buckets, what ``shardsync plan`` makes.
 
     python benchmarks/plan_build.py [--repeat 3] [--out plan_build.json] [--models Kimi-K2 ...]
+        [--engine-quantization fp8]
 """
 
 from __future__ import annotations
@@ -49,14 +50,15 @@ CASES = [
 ]
 
 
-def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParallel, ...]) -> dict:
+def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParallel, ...],
+             quantization: str | None = None) -> dict:
     # Start from a collected heap: the previous run's million copies otherwise promote through
     # the collector's generations and a full pass (~1 s for a 1T plan) lands in a random phase.
     gc.collect()
     logical_tensors.cache_clear()  # each run makes the spec's tensor list again
     model_tensors.cache_clear()
     t0 = time.perf_counter()
-    topo = Topology(PRESETS[model], trainer, engines)
+    topo = Topology(PRESETS[model], trainer, engines, quantization=quantization)
     _ = (topo.trainer_layout, topo.engines_layout)  # build both layouts inside the timer
     t1 = time.perf_counter()
     plan = topo.p2p_plan
@@ -88,12 +90,14 @@ def main() -> None:
     ap.add_argument("--out", default="plan_build.json")
     ap.add_argument("--models", nargs="+", metavar="MODEL",
                     help="run only these models' cases (a quick run skips the 1T ones)")
+    ap.add_argument("--engine-quantization", default=None,
+                    help="engines serve FP8 in this format (e.g. fp8): the trainer sends e4m3 words and scales")
     args = ap.parse_args()
     rows = []
     for model, trainer, engines in CASES:
         if args.models and model not in args.models:
             continue
-        runs = sorted((run_case(model, trainer, engines) for _ in range(args.repeat)),
+        runs = sorted((run_case(model, trainer, engines, args.engine_quantization) for _ in range(args.repeat)),
                       key=lambda r: r["total_s"])
         rows.append(runs[len(runs) // 2])
     print(f"{'model':<15} {'trainer':<18} {'engines':<15} {'layouts':>8} {'plan':>7} {'fprint':>7} "
@@ -104,7 +108,7 @@ def main() -> None:
               f"{r['total_s']:>8.3f} {r['copies']:>8} {r['rank_copies']:>6}   {r['all_copies_s']:>12.3f}")
     with open(args.out, "w") as f:
         json.dump({"machine": platform.platform(), "processor": platform.processor(),
-                   "repeat": args.repeat, "rows": rows}, f, indent=2)
+                   "repeat": args.repeat, "engine_quantization": args.engine_quantization, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 
