@@ -28,6 +28,16 @@ class Bucket:
     numel: int
 
 
+def _part(c: Copy, dim: int, start: int, n: int) -> Copy:
+    """The part ``start:start+n`` of a copy along ``dim``."""
+    def at(box: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(b + start if i == dim else b for i, b in enumerate(box))
+
+    sizes = tuple(n if i == dim else s for i, s in enumerate(c.sizes))
+    return c._replace(src_offsets=at(c.src_offsets), dst_offsets=at(c.dst_offsets),
+                      logical_offsets=at(c.logical_offsets), sizes=sizes)
+
+
 def split_copy(c: Copy, max_numel: int) -> list[Copy]:
     """Split a copy along its first non-unit dim so each part fits ``max_numel`` elements."""
     if c.numel <= max_numel:
@@ -35,26 +45,7 @@ def split_copy(c: Copy, max_numel: int) -> list[Copy]:
     dim = next(i for i, s in enumerate(c.sizes) if s > 1)
     # One row along ``dim`` is the smallest unit; a row above the budget gets a bucket alone.
     step = max(1, max_numel // (c.numel // c.sizes[dim]))
-    parts = []
-    for start in range(0, c.sizes[dim], step):
-        n = min(step, c.sizes[dim] - start)
-
-        def shift(box: tuple[int, ...], start: int = start) -> tuple[int, ...]:
-            return tuple(b + start if i == dim else b for i, b in enumerate(box))
-
-        sizes = tuple(n if i == dim else s for i, s in enumerate(c.sizes))
-        parts.append(c._replace(src_offsets=shift(c.src_offsets), dst_offsets=shift(c.dst_offsets),
-                                   logical_offsets=shift(c.logical_offsets), sizes=sizes))
-    return parts
-
-
-def _rows(c: Copy, start: int, n: int) -> Copy:
-    """Rows ``start:start+n`` of a copy."""
-    def at(box: tuple[int, ...]) -> tuple[int, ...]:
-        return (box[0] + start, *box[1:])
-
-    return c._replace(src_offsets=at(c.src_offsets), dst_offsets=at(c.dst_offsets),
-                      logical_offsets=at(c.logical_offsets), sizes=(n, *c.sizes[1:]))
+    return [_part(c, dim, start, min(step, c.sizes[dim] - start)) for start in range(0, c.sizes[dim], step)]
 
 
 def _partners(plan: Plan, copies: list[Copy]) -> dict[int, int]:
@@ -141,8 +132,8 @@ class _Filler:
             k = max(lo, 1)
             n = min(k * rows, c.sizes[0] - i * rows)
             whole = k == total  # both whole (the common case): no parts made
-            self.put(c if whole else _rows(c, i * rows, n), wc, n * per_row)
-            self.put(sc if whole else _rows(sc, i, k), ws, k * per_scale_row)
+            self.put(c if whole else _part(c, 0, i * rows, n), wc, n * per_row)
+            self.put(sc if whole else _part(sc, 0, i, k), ws, k * per_scale_row)
             i += k
 
 

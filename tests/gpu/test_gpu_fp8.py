@@ -132,12 +132,13 @@ def test_a_trainer_rank_quantizes_the_whole_cells_of_a_straddling_weight(rank: i
     params = load_rank(topo.trainer_base, rank, random_source(spec, seed=9), device="cuda")
     full = random_source(spec, seed=9)
     source = SourceQuantizer(topo.derived(rank), params, topo.fp8.fmt)
-    cells = [d for d in source.derived if "[" in d.logical]
+    whole_cells = {c.name for cs in topo.fp8.split.values() for c in cs if c.quantized}
+    cells = [d for d in source.derived if d.logical in whole_cells]
     assert len(cells) == 2 * spec.num_layers  # one q_proj and one o_proj cell per layer and rank
     for _ in range(2):  # the first refresh runs the kernels, the second replays their graph
         source.refresh()
         for d in cells:
-            weight = d.logical.split("[")[0]
+            weight = next(n for n, cs in topo.fp8.split.items() if any(c.name == d.logical for c in cs))
             (r0, c0), (nr, nc) = d.offsets, d.sizes
             ref_q, ref_s = quantize(full(weight).to(torch.bfloat16)[r0:r0 + nr, c0:c0 + nc].cuda(), topo.fp8.fmt)
             got = source.tensors[d.words].view(torch.uint8).view(ref_q.shape)
