@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shardsync.layout.piece import Box, Layout, Piece, RankLayout, TensorMeta, volume
+from shardsync.layout.piece import Box, Layout, Piece, RankLayout, TensorMeta, box_overlap, volume
 from shardsync.plan.plan import Scaled
 from shardsync.quant.fp8 import Fp8Format
 
@@ -68,12 +68,12 @@ class Cell:
 
 def _cut(p: Piece, cell: Cell) -> Piece | None:
     """The part of ``p`` (a piece of the weight) inside ``cell``, still in the weight's coordinates."""
-    lo = tuple(max(a, b) for a, b in zip(p.offsets, cell.offsets, strict=True))
-    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(p.offsets, p.sizes, cell.offsets, cell.sizes, strict=True))
-    if any(h <= low for h, low in zip(hi, lo, strict=True)):
+    ov = box_overlap(p.offsets, p.sizes, cell.offsets, cell.sizes)
+    if ov is None:
         return None
-    return Piece(p.logical, lo, tuple(h - low for h, low in zip(hi, lo, strict=True)), p.local,
-                 tuple(lo_ + x - o for lo_, x, o in zip(p.local_offsets, lo, p.offsets, strict=True)))
+    lo, sizes = ov
+    return Piece(p.logical, lo, sizes, p.local, tuple(lo_ + x - o for lo_, x, o in zip(p.local_offsets, lo, p.offsets,
+                                                                                       strict=True)))
 
 
 def _in_cell(p: Piece, cell: Cell) -> Piece:
@@ -103,9 +103,10 @@ def cells(name: str, shape: Box, regions: Iterable[tuple[Box, Box]], fmt: Fp8For
 
 @dataclass(frozen=True)
 class Derived:
-    """One trainer rank's region of a weight sent quantized: ``parts`` (its pieces of weight
-    ``weight``, in its coordinates, as is ``offsets``) are assembled into the region, which is
-    quantized into local tensors ``words`` and ``scales``: the box at ``at`` of wire tensor ``logical``."""
+    """One trainer rank's region of a weight sent quantized: ``parts`` (its pieces of the weight,
+    in the weight's coordinates, as are ``offsets``) are assembled into the region, which is
+    quantized into local tensors ``words`` and ``scales``: the box at ``at`` of wire tensor
+    ``logical`` (the weight, or one of its cells)."""
 
     logical: str
     offsets: Box
