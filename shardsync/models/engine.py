@@ -45,6 +45,7 @@ from shardsync.models.lora import LoraTerm, LoraWeights, engine_terms
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.quant import Fp8Format, dequantize, fp8_format, quantize, quantized
+from shardsync.quant.matmul import scaled, scaled_linear
 from shardsync.spec import DTYPES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -124,30 +125,48 @@ def _hold(module: nn.Module, rl: RankLayout, prefix: str, attrs: Sequence[str], 
 class _Leaf(nn.Module):
     """Holds the parameters ``<prefix>.<attr>`` with the layout's shape and dtype (zeroed).
     An FP8 engine holds some of them quantized (``fp8``: attr -> format and compute dtype),
-    each with its scale beside it; ``dense`` gives the math its weights either way."""
+    each with its scale beside it; ``dense`` gives the math its weights either way, ``linear``
+    multiplies by one, in FP8 where the GPU has the kernel (``gemm``: those attrs)."""
 
     def __init__(self, rl: RankLayout, prefix: str, attrs: Sequence[str], device: torch.device) -> None:
         super().__init__()
         _hold(self, rl, prefix, attrs, device)
         self.fp8: dict[str, tuple[Fp8Format, torch.dtype]] = {}
+        self.gemm: set[str] = set()
 
-    def dense(self, attr: str = "weight") -> torch.Tensor:
-        """``attr`` as the math reads it: dequantized (CPU) where this leaf holds it in FP8."""
+    def dense(self, attr: str = "weight", expert: int | None = None) -> torch.Tensor:
+        """``attr`` (``expert``: that matrix of a stack) as the math reads it: dequantized where
+        this leaf holds it in FP8."""
         w = self.get_parameter(attr)
+        w = w if expert is None else w[expert]
         held = self.fp8.get(attr)
         if held is None:
             return w
         fmt, dtype = held
-        return dequantize(w, self.get_parameter(attr + fmt.scale_suffix), fmt, dtype)
+        s = self.get_parameter(attr + fmt.scale_suffix)
+        return dequantize(w, s if expert is None else s[expert], fmt, dtype)
 
-    def quantize_(self, attr: str, fmt: Fp8Format, dtype: torch.dtype, scale_shape: tuple[int, ...]) -> None:
-        """Hold ``attr`` in FP8 from now on (zeroed, its scale after the leaf's other parameters)."""
+    def linear(self, x: torch.Tensor, attr: str = "weight", bias: torch.Tensor | None = None,
+               expert: int | None = None) -> torch.Tensor:
+        """``x @ attr.T (+ bias)`` (``expert``: that matrix of a stack): by the FP8 GEMM on the
+        served e4m3 bytes and scales where ``gemm`` holds ``attr``, else on ``dense``."""
+        if attr not in self.gemm:
+            return F.linear(x, self.dense(attr, expert), bias)
+        q, s = self.get_parameter(attr), self.get_parameter(attr + self.fp8[attr][0].scale_suffix)
+        return scaled_linear(x, q if expert is None else q[expert], s if expert is None else s[expert], bias)
+
+    def quantize_(self, attr: str, fmt: Fp8Format, dtype: torch.dtype, scale_shape: tuple[int, ...],
+                  gemm: bool = False) -> None:
+        """Hold ``attr`` in FP8 from now on (zeroed, its scale after the leaf's other parameters);
+        ``gemm``: compute with it by the FP8 GEMM where ``quant.matmul`` can."""
         w = self.get_parameter(attr)
         self.register_parameter(attr, nn.Parameter(torch.zeros(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
                                                    requires_grad=False))
         scale = torch.zeros(scale_shape, dtype=torch.float32, device=w.device)
         self.register_parameter(attr + fmt.scale_suffix, nn.Parameter(scale, requires_grad=False))
         self.fp8[attr] = (fmt, dtype)
+        if gemm and scaled(fmt, tuple(w.shape[-2:]), w.device):
+            self.gemm.add(attr)
 
 
 class _Attention(nn.Module):
@@ -176,7 +195,7 @@ class _Attention(nn.Module):
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         b, s, _ = x.shape
         d, eps = self.spec.head_dim, self.spec.rms_norm_eps
-        qkv = F.linear(x, self.qkv_proj.dense(), self.qkv_proj.get_parameter("bias") if self.spec.qkv_bias else None)
+        qkv = self.qkv_proj.linear(x, bias=self.qkv_proj.get_parameter("bias") if self.spec.qkv_bias else None)
         nq = self.nq * (2 if self.gate else 1)
         q, k, v = qkv.split([nq * d, self.nkv * d, self.nkv * d], dim=-1)
         if self.lora is not None:
@@ -202,7 +221,7 @@ class _Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, self.nq * d)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, s, -1))
-        y = F.linear(out, self.o_proj.dense())
+        y = self.o_proj.linear(out)
         return self.tp.all_reduce(y if self.lora is None else self.lora.add("o_proj", out, y))
 
 
@@ -249,11 +268,11 @@ class _MLP(nn.Module):
         self.down_proj = _Leaf(rl, prefix + "down_proj", ("weight",), device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.dense()).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj.linear(x).chunk(2, dim=-1)
         if self.lora is not None:
             gate, up = self.lora.add("gate_proj", x, gate), self.lora.add("up_proj", x, up)
         act = F.silu(gate) * up
-        y = F.linear(act, self.down_proj.dense())
+        y = self.down_proj.linear(act)
         if self.lora is not None:
             y = self.lora.add("down_proj", act, y)
         return self.tp.all_reduce(y) if self.reduce else y
@@ -288,12 +307,11 @@ class _Experts(nn.Module):
         bias = self.gate.e_score_correction_bias if self.sigmoid else None
         weights, chosen = route(self.spec, router_logits(self.spec, flat, self.gate.weight), bias)
         out = torch.zeros_like(flat)
-        w13, w2 = self.experts.dense("w13_weight"), self.experts.dense("w2_weight")
-        for k in range(w13.shape[0]):
+        for k in range(self.experts.w13_weight.shape[0]):
             tok, slot = torch.nonzero(chosen == self.first + k, as_tuple=True)
             if tok.numel():
-                gate, up = F.linear(flat[tok], w13[k]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, w2[k])
+                gate, up = self.experts.linear(flat[tok], "w13_weight", expert=k).chunk(2, dim=-1)
+                y = self.experts.linear(F.silu(gate) * up, "w2_weight", expert=k)
                 out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         if self.shared is not None:  # its TP partial joins the same all-reduce
             mlp, gate = self.shared
@@ -433,7 +451,8 @@ class EngineModel(nn.Module):
     ``tp_rank``).  Activations run in ``dtype``; logits are returned in float32.  ``ep``: expert
     parallel within the TP group (mixture-of-experts models).  ``quantization``: an FP8 format
     (``quant.FORMATS``): the linear weights ``quant.targets`` names are held in e4m3 with their
-    scales (SGLang's names and shapes) and dequantized for the math.  ``lora``: the engine serves
+    scales (SGLang's names and shapes), multiplied by the FP8 GEMM where the GPU has it
+    (``quant.matmul``; ``fp8_gemm=False``: never) and dequantized elsewhere.  ``lora``: the engine serves
     that adapter on top of its base: ``adapter`` holds the rank's adapter tensors (zeroed, PEFT's
     names) and every adapted linear adds its low-rank term; a sync then writes the adapter
     (``synced_tensors``) and the base stays as loaded.  ``lora_merge``: no low-rank term; the
@@ -443,7 +462,7 @@ class EngineModel(nn.Module):
     def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
                  device: str | torch.device = "cpu", *, ep: int = 1, quantization: str | None = None,
-                 lora: Lora | None = None, lora_merge: bool = False) -> None:
+                 lora: Lora | None = None, lora_merge: bool = False, fp8_gemm: bool = True) -> None:
         super().__init__()
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank} tp_size={tp_size}")
@@ -474,7 +493,7 @@ class EngineModel(nn.Module):
             leaf, attr = name.rsplit(".", 1)
             held = self.get_submodule(leaf)
             assert isinstance(held, _Leaf), f"{name}: FP8 weights live on leaves"
-            held.quantize_(attr, self.quantization, self.dtype, target.scale_shape)
+            held.quantize_(attr, self.quantization, self.dtype, target.scale_shape, gemm=fp8_gemm)
         self.lora, self.lora_merge = lora, lora_merge and lora is not None
         self.adapter: LoraWeights | None = None
         if lora is not None:
@@ -487,6 +506,11 @@ class EngineModel(nn.Module):
                 layer.self_attn.lora = terms  # ``lora.check_lora``: GQA attention, dense MLPs
                 if isinstance(layer.mlp, _MLP):
                     layer.mlp.lora = terms
+
+    def gemm_weights(self) -> list[str]:
+        """The FP8 weights this rank multiplies by the FP8 GEMM (``quant.matmul``), not dequantized."""
+        return [f"{name}.{attr}" for name, leaf in self.named_modules() if isinstance(leaf, _Leaf)
+                for attr in sorted(leaf.gemm)]
 
     def synced_tensors(self) -> dict[str, torch.Tensor]:
         """What a sync writes, by layout name: the adapter's tensors when serving one, else every
@@ -508,11 +532,11 @@ class EngineModel(nn.Module):
                     group: dist.ProcessGroup | None = None, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", *, ep: int = 1,
                     quantization: str | None = None, lora: Lora | None = None,
-                    lora_merge: bool = False) -> EngineModel:
+                    lora_merge: bool = False, fp8_gemm: bool = True) -> EngineModel:
         """Build rank ``tp_rank`` and fill it from ``source`` (``random_source``, ``checkpoint_source``);
         an adapter (``lora``) starts zeroed, as PEFT's ``B`` does: the base model's outputs."""
         model = cls(spec, tp_rank, tp_size, group, dtype, device, ep=ep, quantization=quantization, lora=lora,
-                    lora_merge=lora_merge)
+                    lora_merge=lora_merge, fp8_gemm=fp8_gemm)
         model.load_source(source)
         return model
 

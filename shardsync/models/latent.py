@@ -81,7 +81,8 @@ class Baton:
 
 class LatentAttention(nn.Module):
     """One engine rank's MLA heads.  ``leaf(name, attrs)`` makes the parameter holders (the
-    engine's, whose ``dense()`` is a weight as the math reads it: dequantized when held in FP8).
+    engine's: ``dense()`` is a weight as the math reads it, dequantized when held in FP8, and
+    ``linear(x)`` multiplies by it, in FP8 where the GPU can).
     Sparse attention: ``kind`` "dsa" runs this layer's indexer (SGLang's names, replicated) and
     passes its choice on through ``baton``; "dsa_shared" reuses the choice of the layer before."""
 
@@ -131,17 +132,17 @@ class LatentAttention(nn.Module):
         spec, eps = self.spec, self.spec.rms_norm_eps
         q_latent = x
         if spec.q_lora_rank is None:
-            q, kva = F.linear(x, self.q_proj.dense()), F.linear(x, self.kv_a_proj_with_mqa.dense())
+            q, kva = self.q_proj.linear(x), self.kv_a_proj_with_mqa.linear(x)
         else:
-            qa, kva = F.linear(x, self.fused_qkv_a_proj_with_mqa.dense()).split(
+            qa, kva = self.fused_qkv_a_proj_with_mqa.linear(x).split(
                 [spec.q_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim], dim=-1)
             q_latent = rms_norm(qa, self.q_a_layernorm.weight, eps)
-            q = F.linear(q_latent, self.q_b_proj.dense())
+            q = self.q_b_proj.linear(q_latent)
         latent, k_rope = kva.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
-        kv = F.linear(rms_norm(latent, self.kv_a_layernorm.weight, eps), self.kv_b_proj.dense())
+        kv = self.kv_b_proj.linear(rms_norm(latent, self.kv_a_layernorm.weight, eps))
         chosen = self._choose(x, q_latent, cos, sin, cache, layer)
         out = latent_heads(spec, q, kv, k_rope, cos, sin, cache, layer, chosen)
-        return self.all_reduce(F.linear(out, self.o_proj.dense()))
+        return self.all_reduce(self.o_proj.linear(out))
 
 
 class TrainerLatentAttention(nn.Module):

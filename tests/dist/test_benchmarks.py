@@ -1,7 +1,7 @@
 """Every benchmark under ``benchmarks/`` is code and is run small, so none rots: each
 script's ``--help`` (its imports and argument parsing), and a tiny CPU run of every one that
 can run on a CPU, checked for a clean exit and the JSON it writes.  The GPU-only scripts
-(``gpu_update``, ``peers_gpu``, ``gather_kernel``, ``ipc_contexts``) and ``vllm_update``
+(``gpu_update``, ``peers_gpu``, ``gather_kernel``, ``ipc_contexts``, ``fp8_matmul``) and ``vllm_update``
 (a vLLM virtualenv) get ``--help`` here; their calls into each other and into shardsync are
 checked by the type checker (``mypy benchmarks``, ``.ci/run``).  Its own CI step
 (``pytest -q -m bench``): a few minutes on 2 cores.
@@ -41,7 +41,7 @@ TINY: dict[str, list[str]] = {
                           "--new-tokens", "2", "--rounds", "1", "--repeat", "1"],
 }
 # measured on a GPU or inside another virtualenv: --help and the type checker only
-NO_CPU_RUN = {"gpu_update.py", "peers_gpu.py", "gather_kernel.py", "ipc_contexts.py", "vllm_update.py",
+NO_CPU_RUN = {"gpu_update.py", "peers_gpu.py", "gather_kernel.py", "ipc_contexts.py", "fp8_matmul.py", "vllm_update.py",
               "soak.py", "hop_trace/analyze.py", "hop_trace/sitecustomize.py"}
 
 

@@ -143,3 +143,50 @@ def test_a_trainer_rank_quantizes_the_whole_cells_of_a_straddling_weight(rank: i
             ref_q, ref_s = quantize(full(weight).to(torch.bfloat16)[r0:r0 + nr, c0:c0 + nc].cuda(), topo.fp8.fmt)
             got = source.tensors[d.words].view(torch.uint8).view(ref_q.shape)
             assert torch.equal(got, ref_q.view(torch.uint8)) and torch.equal(source.tensors[d.scales], ref_s), d.logical
+
+
+def _push_rank(rank: int, world: int, port: int, url: str, model: str, out) -> None:
+    """One of ``world`` trainer ranks on the same GPU, pushing into the FP8 engine there."""
+    import torch.distributed as dist
+
+    from shardsync.presets import load_spec
+    from tests.dist._world import join_trainer
+
+    spec = load_spec(model)
+    par = MegatronParallel(tp=world, dtype="bfloat16")
+    _, params = join_trainer(rank, world, port, spec, par, seed=5)
+    params = {n: t.cuda() for n, t in params.items()}
+    sync = WeightSync(spec, par, rank, params, [url],
+                      SyncConfig(mode="p2p", colocated=ColocatedConfig(ipc="push"), detail=True,
+                                 transport=TransportConfig(timeout_s=120)), trainer_group=dist.group.WORLD)
+    sync.connect()
+    res: dict = {"ok": [], "verify": [], "pushed": 0}
+    name = next(n for n in params if n.endswith("linear_fc1.weight"))
+    for version in (1, 2, 3):  # the first update runs the kernels, the next replay their graphs
+        params[name].mul_(1.5)
+        res["ok"].append(sync.update(version).ok)
+        res["verify"].append(sync.verify())
+    assert sync._fp8 is not None
+    res["pushed"] = len(sync._fp8.pushed)
+    sync.close()
+    dist.destroy_process_group()
+    out.put((rank, res))
+
+
+@pytest.mark.parametrize("straddle", [False, True])
+def test_two_trainer_ranks_on_one_gpu_push_into_an_fp8_engine(straddle: bool, tmp_path) -> None:
+    """Trainer TP 2, both ranks on the engine's GPU, push: each rank quantizes its regions straight
+    into the engine's staging copy (the straddling model's cut blocks go as bf16 into the twin,
+    the engine quantizes them); bitwise after every update."""
+    from tests.dist._world import free_port, run_world
+    from tests.fp8_straddle import straddle_config
+
+    model = straddle_config(tmp_path) if straddle else "tiny-qwen3-fp8"
+    proc, url = start_engine(model, 1, device="cuda", dtype="bfloat16", quantization="fp8", staging_bytes=-1)
+    try:
+        results = run_world(_push_rank, 2, args=(2, free_port(), url, model), timeout=300)
+        for rank, res in results.items():
+            assert res["ok"] == [True] * 3 and res["verify"] == [[], [], []], (rank, res)
+            assert res["pushed"] > 0  # regions written straight into the engine by the kernel
+    finally:
+        stop_engine(proc)
