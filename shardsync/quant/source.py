@@ -58,7 +58,7 @@ class SourceQuantizer:
         on_gpu = [fused(fmt, self._source(d)[0]) for d in self.derived]
         self._fused = [d for d, f in zip(self.derived, on_gpu, strict=True) if f]
         self._rest = [d for d, f in zip(self.derived, on_gpu, strict=True) if not f]
-        self._graph: tuple[tuple[int, ...], torch.cuda.CUDAGraph] | None = None
+        self._graph: _GraphOnce | None = None  # the fused pass, replayed
         self._pushed: set[str] = set()  # regions a push quantizes into the engine's staging (``produce_into``)
 
     def region(self, d: Derived) -> torch.Tensor:
@@ -136,18 +136,9 @@ class SourceQuantizer:
             quantize_into(w, self.tensors[d.words], self.tensors[d.scales], self.fmt,
                           self._counted if self.count else None, rows=rows)
 
-    def _replay(self) -> None:
-        """The fused pass as one graph; where a parameter moved (or the first time) this update
-        runs it eagerly (which compiles the kernels) and captures it for the next."""
-        where = tuple(self.params[p.local].data_ptr() for d in self._fused for p in d.parts)
-        if self._graph is not None and self._graph[0] == where:
-            self._graph[1].replay()
-            return
-        self._fused_pass()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._fused_pass()  # recorded, not run
-        self._graph = (where, graph)
+    def _where(self) -> tuple[int, ...]:
+        """The parameters' addresses the fused pass reads: a moved parameter needs a new graph."""
+        return tuple(self.params[p.local].data_ptr() for d in self._fused for p in d.parts)
 
     @torch.no_grad()
     def refresh(self, *, every: bool = False) -> tuple[float, int]:
@@ -160,7 +151,9 @@ class SourceQuantizer:
         if every and self._pushed:
             self._fused_pass(every=True)
         elif len(self._fused) > len(self._pushed):
-            self._replay()
+            if self._graph is None:
+                self._graph = _GraphOnce(self._fused_pass, self._where)
+            self._graph()
         for d in self._rest:
             region = self.region(d)
             q, s = quantize(region, self.fmt)
@@ -202,18 +195,20 @@ def _block_rows(d: Derived, fmt: Fp8Format) -> list[int] | None:
 
 class _GraphOnce:
     """Runs ``fn`` (kernel launches on the current stream) eagerly the first time, which
-    compiles them, captures it as a CUDA graph, and replays the graph from then on."""
+    compiles them, captures it as a CUDA graph, and replays the graph from then on; ``key``
+    (the addresses ``fn`` reads): where it changes, ``fn`` runs and is captured again."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-        self.graph: torch.cuda.CUDAGraph | None = None
+    def __init__(self, fn: Callable[[], None], key: Callable[[], tuple[int, ...]] = tuple) -> None:
+        self.fn, self.key = fn, key
+        self.graph: tuple[tuple[int, ...], torch.cuda.CUDAGraph] | None = None
 
     def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
+        at = self.key()
+        if self.graph is not None and self.graph[0] == at:
+            self.graph[1].replay()
             return
         self.fn()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.fn()  # recorded, not run
-        self.graph = graph
+        self.graph = (at, graph)

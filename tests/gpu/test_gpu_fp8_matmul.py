@@ -12,6 +12,7 @@ from shardsync.models.engine import EngineModel
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.quant.fp8 import dequantize, fp8_format, quantize
+from shardsync.quant.kernel import quantize_into
 from shardsync.quant.matmul import TOKENS, scaled, scaled_linear
 
 pytestmark = pytest.mark.gpu
@@ -43,6 +44,32 @@ def test_scaled_linear_is_the_block_math(fmt: str, m: int, nk: tuple[int, int]) 
     # the weight's own product in bf16, for scale: the activation's FP8 is most of the difference
     plain = x.float() @ w.float().t()
     assert float((got.float() - plain).abs().mean()) > float(err.mean())
+
+
+@pytest.mark.skipif(not HOPPER, reason="torch's blockwise FP8 GEMM runs on SM 9.0 only")
+def test_scaled_linear_answers_in_the_activations_dtype() -> None:
+    """An engine computing in float32 (the reference engine's default) gets float32 back."""
+    f = fp8_format("fp8")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, s = quantize(torch.randn(256, 512, device="cuda", generator=g) * 0.05, f)
+    x = torch.randn(3, 512, device="cuda", generator=g)
+    y32, y16 = scaled_linear(x, q, s), scaled_linear(x.to(torch.bfloat16), q, s)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+    assert float((y32 - y16.float()).abs().max()) <= float(y32.abs().max()) * 2 ** -5  # bf16 inputs
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_the_activations_quantize_per_token_group_in_one_pass(m: int) -> None:
+    """The block kernel with 1 x 128 blocks, writing its scales column-major (what the GEMM
+    reads): ``fp8.quantize`` bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = (torch.randn(m, 640, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    x[0, :128] = 0  # an all-zero group: the floored amax
+    q = torch.empty(m, 640, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.full((5, m), -1.0, device="cuda").t()  # [m, 5], one group column contiguous
+    quantize_into(x, q, s, TOKENS)
+    ref_q, ref_s = quantize(x, TOKENS)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
 
 
 def test_scaled_takes_whole_blocks_on_hopper_only() -> None:
