@@ -22,7 +22,7 @@ from gpu_update import cuda_ms
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.presets import load_spec
 from shardsync.quant import dequantize, fp8_format, quantize, quantized
-from shardsync.quant.matmul import scaled, scaled_linear
+from shardsync.quant.matmul import gemm_scales, quantize_activations, scaled, scaled_linear
 
 
 def shapes(model: str, tp: int, fmt_name: str) -> collections.Counter[tuple[int, int]]:
@@ -50,6 +50,12 @@ def measure(n: int, k: int, m: int, fmt_name: str) -> dict[str, Any]:
     if row["gemm"]:
         row["gemm_ms"] = cuda_ms(lambda: scaled_linear(x, q, s))
         row["gemm_err"] = float((scaled_linear(x, q, s).float() - ref).abs().mean())
+        # where its time goes: the activations' quantization alone, torch's GEMM alone
+        row["activations_ms"] = cuda_ms(lambda: quantize_activations(x))
+        xq, xs = quantize_activations(x)
+        sb = gemm_scales(s).t()
+        row["scaled_mm_ms"] = cuda_ms(lambda: F.scaled_mm(xq, q.t(), xs, F.ScalingType.BlockWise1x128, sb,
+                                                          F.ScalingType.BlockWise128x128, output_dtype=x.dtype))
     row["ref_mean_abs"] = float(ref.abs().mean())
     return row
 
@@ -71,13 +77,15 @@ def main() -> None:
         for key in ("bf16_ms", "dequantize_ms"):
             t[key] += c * r[key]
         t["gemm_ms"] += c * r.get("gemm_ms", r["dequantize_ms"])  # the engine dequantizes the others
+        t["activations_ms"] += c * r.get("activations_ms", 0.0)
+        t["scaled_mm_ms"] += c * r.get("scaled_mm_ms", 0.0)
     print(f"{args.model} engine TP {args.engine_tp}, {sum(counts.values())} FP8 matrices in {len(counts)} shapes, "
           f"{torch.cuda.get_device_name()}")
-    print("| tokens | bf16 ms | FP8 dequantized ms | FP8 GEMM ms | GEMM x bf16 |")
-    print("|---|---|---|---|---|")
+    print("| tokens | bf16 ms | FP8 dequantized ms | FP8 GEMM ms | activations / scaled_mm alone | GEMM x bf16 |")
+    print("|---|---|---|---|---|---|")
     for m, t in total.items():
         print(f"| {m} | {t['bf16_ms']:.2f} | {t['dequantize_ms']:.2f} | {t['gemm_ms']:.2f} | "
-              f"{t['gemm_ms'] / t['bf16_ms']:.2f} |")
+              f"{t['activations_ms']:.2f} / {t['scaled_mm_ms']:.2f} | {t['gemm_ms'] / t['bf16_ms']:.2f} |")
     for r in rows:
         if r["m"] == max(total):
             gemm_err = r.get("gemm_err", float("nan"))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardsync.quant.fp8 import E4M3, Fp8Format
-from shardsync.quant.kernel import quantize_into
+from shardsync.quant.kernel import quantize_groups
 
 GROUP = 128  # activation columns sharing one scale (1 x 128), as the weight's 128 x 128 blocks
 TOKENS = Fp8Format(block=(1, GROUP))  # the activations' format: the block cast per token group
@@ -37,30 +37,31 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
     ``q`` [N, K] e4m3 and ``s`` [N/128, K/128] its block scales, accumulated in float32."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    xq, xs = _activations(flat)
+    xq, xs = quantize_activations(flat)
     y = F.scaled_mm(xq, q.t(), xs, F.ScalingType.BlockWise1x128,
-                    _padded(s).t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:flat.shape[0]]
+                    gemm_scales(s).t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:flat.shape[0]]
     if bias is not None:
         y = y + bias
     return y.view(*lead, q.shape[0])
 
 
-def _activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] quantized per token group by the block kernel (one pass) into what torch's
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] quantized per token group (``TOKENS``) in one pass into what torch's
     GEMM reads: e4m3 rows padded to whole groups of ``ROWS`` tokens (cuBLAS takes no others,
     seen on an H100; the padding is zero), scales [M', K/128] column-major (one group column
     contiguous; a single column plain, as torch checks it)."""
     m, k = x.shape
     rows, groups = -(-m // ROWS) * ROWS, k // GROUP
     xq = torch.empty(rows, k, dtype=E4M3, device=x.device)
-    xq.view(torch.uint8)[m:].zero_()
-    xs = (torch.ones(groups, rows, device=x.device).t() if groups > 1
-          else torch.ones(rows, 1, device=x.device))
-    quantize_into(x, xq[:m], xs[:m], TOKENS)
+    xs = torch.empty(groups, rows, device=x.device).t() if groups > 1 else torch.empty(rows, 1, device=x.device)
+    if rows > m:  # the padding: zero tokens, any finite scale
+        xq.view(torch.uint8)[m:].zero_()
+        xs[m:].fill_(1.0)
+    quantize_groups(x, xq[:m], xs[:m], GROUP)
     return xq, xs
 
 
-def _padded(s: torch.Tensor) -> torch.Tensor:
+def gemm_scales(s: torch.Tensor) -> torch.Tensor:
     """The weight scales [N/128, K/128] with K/128 padded to a multiple of 4 (torch's layout for
     128 x 128 blocks; the padding is never read)."""
     n, groups = s.shape

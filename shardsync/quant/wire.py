@@ -12,9 +12,9 @@ quantization of its region is the slice of the engine quantizer's result on the 
 A weight some of whose blocks straddle trainer shards (a TP that cuts heads of 64, an FSDP2
 row split) is cut into ``Cell``s at the block boundaries around each trainer boundary: each
 cell is a logical tensor of its own (``name[r0:r1,c0:c1]``), sent quantized where no trainer
-boundary crosses it, and in the model dtype where one does (only those blocks move wide).  An
-engine tensor holding wide cells keeps a model-dtype twin (``name + WIDE``) they land in, and
-the engine quantizes just their blocks on receipt (``receiver.quantized``).  A weight with no
+boundary crosses it, and in the model dtype where one does (only those blocks move wide).  Each
+box of an engine tensor that moves wide lands in a model-dtype twin of the box's size
+(``twin``), and the engine quantizes just those blocks on receipt (``receiver.quantized``).  A weight with no
 whole cell moves wide, and the engine quantizes its whole tensor.
 """
 
@@ -32,7 +32,28 @@ WORD = "int32"  # e4m3 bytes travel as words of four: any wire dtype of 2 or 4 b
 PER_WORD = 4
 SCALE = "float32"
 DERIVED = "fp8:"  # a trainer's quantized region of a logical weight is its local tensor DERIVED + name
-WIDE = "@wide"  # an engine tensor's model-dtype twin, where the cells of it that move wide land
+WIDE = "@wide"  # a box of an engine tensor that moves wide lands in its model-dtype twin: ``twin``
+
+
+def twin(local: str, offsets: Box, sizes: Box) -> str:
+    """The name of the model-dtype twin of the box ``offsets/sizes`` of engine tensor ``local``
+    (received quantized but for that box): ``local@wide[r0:r1,c0:c1]``."""
+    return f"{local}{WIDE}[{','.join(f'{o}:{o + n}' for o, n in zip(offsets, sizes, strict=True))}]"
+
+
+def twin_box(name: str) -> tuple[str, Box, Box] | None:
+    """``twin``'s inverse: the engine tensor and the box a twin stands for (None: not a twin)."""
+    local, at, box = name.partition(WIDE)
+    if not at:
+        return None
+    spans = [tuple(int(v) for v in span.split(":")) for span in box.strip("[]").split(",")]
+    return local, tuple(a for a, _ in spans), tuple(b - a for a, b in spans)
+
+
+def wide_copies(rank: RankLayout) -> int:
+    """Elements of the model-dtype copies an FP8 engine rank keeps beside what it serves (a
+    retyped layout's): its FP8 tensors received wide whole, and the twins of boxes received wide."""
+    return sum(t.numel for t in rank.tensors if (t.fp8 and t.dtype != WORD) or twin_box(t.name) is not None)
 
 
 def _aligned(offsets: Box, sizes: Box, shape: Box, fmt: Fp8Format) -> bool:
@@ -186,8 +207,8 @@ class Fp8Wire:
     def retype(self, layout: Layout) -> Layout:
         """A layout whose tensors hold weights sent quantized in place (an engine's, whole tensors):
         each tensor holding some holds their e4m3 words, its scale tensor (``name + scale_suffix``)
-        their scales, and its twin ``name + WIDE`` the cells of it that move wide.  Ranks that
-        shared tuples still do."""
+        their scales, and each box of it that moves wide its own twin (``twin``: a model-dtype
+        tensor of the box's size).  Ranks that shared tuples still do."""
         done: dict[tuple[int, int], RankLayout] = {}
         ranks = []
         for rank in layout.ranks:
@@ -201,14 +222,13 @@ class Fp8Wire:
         sent, split = self.sent, self.split
         cuts = {i: self._parts(p) for i, p in enumerate(rank.pieces) if p.logical in split}  # the rare cells
         words_in: set[str] = set()
-        wide_in: set[str] = set()
+        wide: dict[str, list[Piece]] = {}  # a local tensor's pieces (or cut parts) that move wide
         for i, p in enumerate(rank.pieces):
-            if i in cuts:
-                for quantized, _ in cuts[i]:
-                    (words_in if quantized else wide_in).add(p.local)
-            else:
-                (words_in if p.logical in sent else wide_in).add(p.local)
-        wide_in &= words_in
+            for quantized, q in cuts.get(i) or [(p.logical in sent, p)]:
+                if quantized:
+                    words_in.add(p.local)
+                else:
+                    wide.setdefault(p.local, []).append(q)
         tensors: list[TensorMeta] = []
         for t in rank.tensors:
             if t.name not in words_in:
@@ -221,23 +241,19 @@ class Fp8Wire:
             grid = self.fmt.scale_shape(t.stored)
             tensors.append(TensorMeta(self.scale(t.name), (math.prod(grid[:-1]), grid[-1]), SCALE,
                                       None if held is None else grid))
-            if t.name in wide_in:
-                tensors.append(TensorMeta(t.name + WIDE, t.shape, t.dtype, held))
+            tensors += [TensorMeta(twin(t.name, q.local_offsets, q.sizes), q.sizes, t.dtype)
+                        for q in wide.get(t.name, ())]
         pieces: list[Piece] = []
         for i, p in enumerate(rank.pieces):
-            cut = cuts.get(i)
-            if p.local not in words_in:  # a model-dtype tensor: its pieces, cut or not
-                if cut is None:
-                    pieces.append(p)
-                else:
-                    pieces += [q for _, q in cut]
-                continue
-            for quantized, q in [(p.logical in sent, p)] if cut is None else cut:
-                if quantized:
+            for quantized, q in cuts.get(i) or [(p.logical in sent, p)]:
+                if p.local not in words_in:  # a model-dtype tensor: its pieces, cut or not
+                    pieces.append(q)
+                elif quantized:
                     pieces += [self._words(q, q.local, q.local_offsets),
                                self._scale_piece(q, self.scale(q.local), q.local_offsets)]
-                else:
-                    pieces.append(Piece(q.logical, q.offsets, q.sizes, q.local + WIDE, q.local_offsets))
+                else:  # into its twin, which is just this box
+                    pieces.append(Piece(q.logical, q.offsets, q.sizes, twin(q.local, q.local_offsets, q.sizes),
+                                        (0,) * len(q.sizes)))
         return RankLayout(rank.label, tuple(tensors), tuple(pieces))
 
     def trainer(self, layout: Layout) -> tuple[Layout, tuple[tuple[Derived, ...], ...]]:

@@ -23,16 +23,17 @@ from shardsync.layout.piece import Box, RankLayout
 from shardsync.plan.runs import box_view
 from shardsync.quant.fp8 import Fp8Format, quantize
 from shardsync.quant.targets import Target
-from shardsync.quant.wire import WIDE, WORD
+from shardsync.quant.wire import WORD, twin_box
 from shardsync.receiver.destination import Deriving, Destination
 
 
 class Quantized(Deriving):
     """``inner`` holds the engine's served tensors (FP8 weights, their scales, the rest);
     ``targets`` the quantized ones (``quant.quantized``).  Memory: a model-dtype copy of each
-    quantized tensor some of whose weights arrive wide, made when first addressed (a connection
-    ``bind``s first: the tensors it carries quantized whole need none).  ``stale`` names the
-    local tensors whose pieces a stale block would misstate (a target, or its twin)."""
+    quantized tensor that arrives wide, and of each box that arrives wide in one received
+    quantized (its twin, ``quant.wire.twin``), made when first addressed (a connection ``bind``s
+    first: the tensors it carries quantized whole need none).  ``stale`` names the local tensors
+    whose pieces a stale block would misstate (a target, or a twin)."""
 
     name = "quantized"
 
@@ -46,35 +47,39 @@ class Quantized(Deriving):
         self.all, self.fmt = dict(targets), fmt
         self.dtype, self.device = dtype, device
         self.direct: frozenset[str] = frozenset()  # targets whose e4m3 words and scales are received
-        self.mixed: dict[str, tuple[tuple[Box, Box], ...]] = {}  # direct targets' boxes that arrive wide
+        # direct targets' boxes that arrive wide: (their twin, offsets, sizes)
+        self.mixed: dict[str, tuple[tuple[str, Box, Box], ...]] = {}
+        self._twins: dict[str, Box] = {}  # twin -> its shape
         self._wide: dict[str, torch.Tensor] = {}
         # inner mapping id -> (that mapping, kept so its id stays its own; the joined view)
         self._joined: dict[int, tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._arrange(frozenset(), {})
 
-    def _arrange(self, direct: frozenset[str], mixed: dict[str, tuple[tuple[Box, Box], ...]]) -> None:
+    def _arrange(self, direct: frozenset[str], mixed: dict[str, tuple[tuple[str, Box, Box], ...]]) -> None:
         """Targets in ``direct`` are received quantized but for their ``mixed`` boxes; a wide copy
-        is kept of the others and of those with boxes."""
+        is kept of the others and of each of those boxes."""
         self.direct, self.mixed = direct, mixed
+        self._twins = {tw: sizes for boxes in mixed.values() for tw, _, sizes in boxes}
         self.targets = {n: t for n, t in self.all.items() if n not in direct}
         self._scales = {t.scale for t in self.targets.values()}  # hidden: derived here
-        self._wide = {n: t for n, t in self._wide.items() if n in self.targets or n in mixed}
+        self._wide = {n: t for n, t in self._wide.items() if n in self.targets or n in self._twins}
         self._joined.clear()
 
     def _copy(self, name: str) -> torch.Tensor:
-        """``name``'s model-dtype copy (zeros until a receive writes it)."""
+        """``name``'s model-dtype copy, a target's or a twin's (zeros until a receive writes it)."""
         hit = self._wide.get(name)
         if hit is None:
-            hit = self._wide[name] = torch.zeros(self.all[name].shape, dtype=self.dtype, device=self.device)
+            shape = self._twins[name] if name in self._twins else self.all[name].shape
+            hit = self._wide[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return hit
 
     def bind(self, rank: RankLayout) -> None:
         direct = frozenset(t.name for t in rank.tensors if t.name in self.all and t.dtype == WORD)
-        twins = {n + WIDE: n for n in direct}
-        boxes: dict[str, list[tuple[Box, Box]]] = {}
-        for p in rank.pieces:
-            if p.local in twins:
-                boxes.setdefault(twins[p.local], []).append((p.local_offsets, p.sizes))
+        boxes: dict[str, list[tuple[str, Box, Box]]] = {}
+        for t in rank.tensors:
+            box = twin_box(t.name)
+            if box is not None and box[0] in direct:
+                boxes.setdefault(box[0], []).append((t.name, box[1], box[2]))
         self._arrange(direct, {n: tuple(b) for n, b in boxes.items()})
         self.inner.bind(rank)
 
@@ -85,7 +90,7 @@ class Quantized(Deriving):
 
     def _with_twins(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {n: self._view(n, t) for n, t in inner.items() if n not in self._scales}
-        out.update({n + WIDE: self._copy(n) for n in self.mixed if n in inner})
+        out.update({tw: self._copy(tw) for n, boxes in self.mixed.items() if n in inner for tw, _, _ in boxes})
         return out
 
     def _join(self, inner: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,20 +114,19 @@ class Quantized(Deriving):
     def _boxes(self, held: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor,
                                                                          torch.Tensor]]:
         """What this rank quantizes, box by box: the local tensor its pieces arrive in (a target,
-        or its twin), its e4m3 and scale boxes in ``held`` (the served tensors or a staging
-        set), and the copy's box they quantize."""
+        or a twin), its e4m3 and scale boxes in ``held`` (the served tensors or a staging set),
+        and the model-dtype copy they quantize."""
         for name, target in self.targets.items():
             yield name, held[name], held[target.scale], self._copy(name)
         for name, boxes in self.mixed.items():
             target = self.all[name]
             cols = target.shape[-1]
-            copy, fp8 = self._copy(name).view(-1, cols), held[name].view(-1, cols)
+            fp8 = held[name].view(-1, cols)
             scales = held[target.scale].view(-1, target.scale_shape[-1])
             bm, bn = self.fmt.blocks(tuple(target.shape))
-            for offsets, sizes in boxes:
+            for tw, offsets, sizes in boxes:
                 grid = (offsets[0] // bm, offsets[1] // bn), (-(-sizes[0] // bm), -(-sizes[1] // bn))
-                yield (name + WIDE, box_view(fp8, offsets, sizes), box_view(scales, *grid),
-                       box_view(copy, offsets, sizes))
+                yield tw, box_view(fp8, offsets, sizes), box_view(scales, *grid), self._copy(tw)
 
     @torch.no_grad()
     def received(self) -> int:

@@ -22,7 +22,6 @@ from shardsync.paths import Endpoint, UpdateArgs, compile_path
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format, quantize, quantized
 from shardsync.quant.source import SourceQuantizer
-from shardsync.quant.wire import WIDE
 from shardsync.receiver import Params, Receiver, Staged, connect_request
 from shardsync.receiver.quantized import Quantized
 from shardsync.runtime.checksum import combine, compare, piece_checksums
@@ -130,7 +129,7 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
     # the scales' checksums where they travel, the weights' where derived here (whole, or the
     # blocks that arrived wide into the twin)
     wire = topo.engine_layouts[0].ranks[tp_rank]
-    shows = {target.scale, name + WIDE} if name in dest.direct else {name}
+    shows = {target.scale} | {tw for tw, _, _ in dest.mixed.get(name, ())} if name in dest.direct else {name}
     results["stale_expected"] = sorted({p.logical for p in wire.pieces if p.local in shows})
     receiver.leave()
     out.put((rank, results))

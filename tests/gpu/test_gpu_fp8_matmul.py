@@ -12,7 +12,7 @@ from shardsync.models.engine import EngineModel
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.quant.fp8 import dequantize, fp8_format, quantize
-from shardsync.quant.kernel import quantize_into
+from shardsync.quant.kernel import quantize_groups
 from shardsync.quant.matmul import TOKENS, scaled, scaled_linear
 
 pytestmark = pytest.mark.gpu
@@ -60,14 +60,15 @@ def test_scaled_linear_answers_in_the_activations_dtype() -> None:
 
 @pytest.mark.parametrize("m", [1, 7, 300])
 def test_the_activations_quantize_per_token_group_in_one_pass(m: int) -> None:
-    """The block kernel with 1 x 128 blocks, writing its scales column-major (what the GEMM
-    reads): ``fp8.quantize`` bit for bit."""
+    """The per-group kernel, 16 rows to a program, writing its scales column-major (what the
+    GEMM reads): ``fp8.quantize`` with 1 x 128 blocks, bit for bit."""
     g = torch.Generator(device="cuda").manual_seed(m)
-    x = (torch.randn(m, 640, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    x = (torch.randn(m, 640, device="cuda", generator=g) * torch.rand(m, 1, device="cuda", generator=g) * 3
+         ).to(torch.bfloat16)
     x[0, :128] = 0  # an all-zero group: the floored amax
     q = torch.empty(m, 640, dtype=torch.float8_e4m3fn, device="cuda")
     s = torch.full((5, m), -1.0, device="cuda").t()  # [m, 5], one group column contiguous
-    quantize_into(x, q, s, TOKENS)
+    quantize_groups(x, q, s, 128)
     ref_q, ref_s = quantize(x, TOKENS)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
 

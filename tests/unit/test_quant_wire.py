@@ -13,7 +13,7 @@ from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format
-from shardsync.quant.wire import DERIVED, PER_WORD, WIDE, WORD, cells
+from shardsync.quant.wire import DERIVED, PER_WORD, WIDE, WORD, cells, twin_box, wide_copies
 from shardsync.topology import Topology
 from tests.fp8_straddle import STRADDLE
 
@@ -89,10 +89,24 @@ def test_only_the_blocks_a_shard_cuts_move_wide(trainer: str) -> None:
     assert k not in topo.fp8.sent and k not in topo.fp8.split
     rank = topo.engine_layouts[0].ranks[0]
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
-    assert rank.tensor(qkv).dtype == WORD and rank.tensor(qkv + WIDE).dtype == spec.dtype
-    # q's middle block rows, k and v arrive wide; the scales of q's whole blocks only travel
-    assert sorted((p.logical.rsplit(".", 1)[-1], p.local_offsets) for p in rank.pieces_of(qkv + WIDE)) == [
-        ("weight", (384, 0)), ("weight", (512, 0)), ("weight[128:256,0:256]", (128, 0))]
+    assert rank.tensor(qkv).dtype == WORD
+    # q's middle block rows, k and v arrive wide, each into a twin of its box alone (a model-dtype
+    # copy of just those rows); the scales of q's whole blocks only travel
+    twins = {t.name: t for t in rank.tensors if t.name.startswith(qkv + WIDE)}
+    assert sorted(twins) == [qkv + WIDE + "[128:256,0:256]", qkv + WIDE + "[384:512,0:256]",
+                             qkv + WIDE + "[512:640,0:256]"]
+    assert all(t.dtype == spec.dtype and t.shape == (128, 256) for t in twins.values())
+    assert [twin_box(n) for n in sorted(twins)][0] == (qkv, (128, 0), (128, 256)) and twin_box(qkv) is None
+    assert sorted((p.logical.rsplit(".", 1)[-1], p.local, p.local_offsets) for n in twins
+                  for p in rank.pieces_of(n)) == [
+        ("weight", qkv + WIDE + "[384:512,0:256]", (0, 0)), ("weight", qkv + WIDE + "[512:640,0:256]", (0, 0)),
+        ("weight[128:256,0:256]", qkv + WIDE + "[128:256,0:256]", (0, 0))]
+    # what the rank keeps in bf16 beside what it serves: those boxes (and at TP 2 o_proj's middle
+    # block columns; FSDP2's row halves of o_proj are whole blocks), not the whole tensors
+    mixed = {box[0] for t in rank.tensors if (box := twin_box(t.name)) is not None}
+    o_proj = 256 * 128 if trainer == "tp2" else 0
+    assert wide_copies(rank) == spec.num_layers * (3 * 128 * 256 + o_proj)
+    assert wide_copies(rank) <= 0.6 * sum(PER_WORD * rank.tensor(n).numel for n in mixed)
     assert sum(p.numel for p in rank.pieces_of(qkv + "_scale_inv")) == 2 * 2
     assert sum(p.numel for p in rank.pieces_of(qkv)) == 256 * 256 // PER_WORD
     # each trainer rank quantizes the whole cells in its shard (rank 0 the first, rank 1 the last)
