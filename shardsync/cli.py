@@ -20,7 +20,6 @@ from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.lora.flags import add_lora_args, lora_of
 from shardsync.presets import load_spec
 from shardsync.quant.fp8 import FORMATS
-from shardsync.quant.wire import wide_copies
 from shardsync.topology import Topology
 
 
@@ -102,13 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"LoRA adapter of rank {a['rank']} alone: {_fmt_bytes(a['adapter_bytes'])} of a "
               f"{_fmt_bytes(a['base_bytes'])} base ({a['adapter_bytes'] / a['base_bytes']:.2%}); the base never moves")
     if topo.fp8 is not None:
-        split = len(topo.fp8.split)
-        cut = f", {split} more in part (the blocks trainer shards cut move wide)" if split else ""
-        item = torch_dtype(spec.dtype).itemsize
-        copies = max(wide_copies(r) * item for lay in topo.engine_layouts for r in lay.ranks)
-        print(f"FP8 on the wire: {len(topo.fp8.sent)} weights sent as e4m3 bytes and scales (quantized by the "
-              f"trainer){cut}; the engines quantize the rest of their {topo.fp8.fmt.name} tensors, keeping "
-              f"{_fmt_bytes(copies)} of {spec.dtype} copies of what arrives wide (busiest engine rank)")
+        print(topo.fp8.summary(topo.engine_layouts, torch_dtype(spec.dtype).itemsize))
     head = f"{'path':<10} {'total':>12} {'per receiver':>13} {'busiest link':>13} {'buckets':>8} {'copies':>8}  busiest"
     print(head)
     for p in report["paths"]:

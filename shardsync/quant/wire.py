@@ -155,6 +155,15 @@ class Fp8Wire:
         """The wire's logical tensors of e4m3 words: the weights sent whole and the whole cells."""
         return self.sent | {c.name for cs in self.split.values() for c in cs if c.quantized}
 
+    def summary(self, engines: Sequence[Layout], itemsize: int) -> str:
+        """One line on what the wire carries quantized and what the busiest engine rank keeps in
+        the model dtype (``engines``: the retyped engine layouts; ``itemsize``: the model dtype's)."""
+        cut = f", {len(self.split)} more in part (the blocks trainer shards cut move wide)" if self.split else ""
+        copies = max(wide_copies(r) for lay in engines for r in lay.ranks) * itemsize
+        return (f"FP8 on the wire: {len(self.sent)} weights sent as e4m3 bytes and scales (quantized by the trainer)"
+                f"{cut}; the engines quantize the rest of their {self.fmt.name} tensors, keeping {copies / 2**20:.2f} "
+                "MiB of model-dtype copies of what arrives wide (busiest engine rank)")
+
     def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
         """Each wire tensor of e4m3 words -> its scales and the words one scale covers (``logical``:
         the wire's shapes): plans take a block's scale from its words' holder and buckets carry

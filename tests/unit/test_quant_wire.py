@@ -107,6 +107,7 @@ def test_only_the_blocks_a_shard_cuts_move_wide(trainer: str) -> None:
     o_proj = 256 * 128 if trainer == "tp2" else 0
     assert wide_copies(rank) == spec.num_layers * (3 * 128 * 256 + o_proj)
     assert wide_copies(rank) <= 0.6 * sum(PER_WORD * rank.tensor(n).numel for n in mixed)
+    assert f"keeping {wide_copies(rank) * 2 / 2**20:.2f} MiB" in topo.fp8.summary(topo.engine_layouts, 2)
     assert sum(p.numel for p in rank.pieces_of(qkv + "_scale_inv")) == 2 * 2
     assert sum(p.numel for p in rank.pieces_of(qkv)) == 256 * 256 // PER_WORD
     # each trainer rank quantizes the whole cells in its shard (rank 0 the first, rank 1 the last)
