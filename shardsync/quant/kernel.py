@@ -7,7 +7,9 @@ moved against a bf16 copy's 4.  Counting the bytes that change reads the kept on
 per element, and the arithmetic that encodes each new byte): asked for, not by default.
 Divisions are IEEE-rounded (``div_rn``) as torch's are; the fp32 -> e4m3 conversion is the
 hardware's round-to-nearest-even, as torch's.  Block formats with float32 or exponent-bit
-(``ue8m0``) scales; others (per channel, vLLM's log2 rounding) take the torch path.
+(``ue8m0``) scales; others (per channel, vLLM's log2 rounding) take the torch path.  The
+same cast per token group of activations (``quantize_groups``, 1 x 128, many rows to a program)
+feeds the reference engine's FP8 GEMM (``quant.matmul``).
 """
 
 from __future__ import annotations
