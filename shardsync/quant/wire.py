@@ -14,8 +14,8 @@ row split) is cut into ``Cell``s at the block boundaries around each trainer bou
 cell is a logical tensor of its own (``name[r0:r1,c0:c1]``), sent quantized where no trainer
 boundary crosses it, and in the model dtype where one does (only those blocks move wide).  Each
 box of an engine tensor that moves wide lands in a model-dtype twin of the box's size
-(``twin``), and the engine quantizes just those blocks on receipt (``receiver.quantized``).  A weight with no
-whole cell moves wide, and the engine quantizes its whole tensor.
+(``twin``), and the engine quantizes just those blocks on receipt (``receiver.quantized``).
+A weight with no whole cell moves wide, and the engine quantizes its whole tensor.
 """
 
 from __future__ import annotations

@@ -13,11 +13,14 @@ from shardsync.quant.matmul import TOKENS, scaled
 
 
 def test_only_whole_blocks_of_the_block_formats() -> None:
-    cpu, f = torch.device("cpu"), fp8_format("fp8")
+    """Formats and shapes are refused before the device is asked (so a CUDA device here, where no
+    GPU is, reaches ``get_device_capability`` only if a check is missing: it raises)."""
+    cpu, cuda, f = torch.device("cpu"), torch.device("cuda"), fp8_format("fp8")
     assert TOKENS.blocks((5, 256)) == (1, 128) and TOKENS.scale_shape((5, 256)) == (5, 2)
     for fmt, shape in [(fp8_format("fp8-channel"), (256, 256)), (Fp8Format(block=(64, 64)), (256, 256)),
-                       (f, (320, 256)), (f, (256, 200)), (f, (4, 256, 256)), (f, (256, 256))]:
-        assert not scaled(fmt, shape, cpu), (fmt, shape)
+                       (f, (320, 256)), (f, (256, 200)), (f, (4, 256, 256))]:
+        assert not scaled(fmt, shape, cuda), (fmt, shape)
+    assert not scaled(f, (256, 256), cpu)
 
 
 def test_a_cpu_engine_dequantizes_every_fp8_weight() -> None:
