@@ -22,13 +22,14 @@ from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.presets import load_spec
 from shardsync.quant.wire import PER_WORD
 from shardsync.topology import Topology
+from shardsync.views import views_of
 
 
 def _fp8_elements(model: str, trainer_tp: int, tp: int, ep: int, fmt: str) -> int:
     """e4m3 bytes and scales trainer rank 0 quantizes (its regions of the weights sent quantized)."""
     spec = load_spec(model)
     topo = Topology(spec, MegatronParallel(tp=trainer_tp), (EngineParallel(tp=tp, ep=ep, dtype=spec.dtype),),
-                    quantization=fmt)
+                    views=views_of(fmt))
     lay = topo.trainer_layout.ranks[0]
     return sum(lay.tensor(d.words).numel * PER_WORD + lay.tensor(d.scales).numel for d in topo.derived(0))
 

@@ -35,6 +35,7 @@ from shardsync.store.rendezvous import free_port
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from shardsync.transport.gather import configured
+from shardsync.views import views_of
 
 
 def cuda_ms(fn, iters: int = 5) -> float:
@@ -243,7 +244,7 @@ def main() -> None:
     args = ap.parse_args()
     spec = load_spec(args.model, dtype="bfloat16")
     par = MegatronParallel(tp=1, dtype="bfloat16")
-    topo = Topology(spec, par, quantization=args.engine_quantization)
+    topo = Topology(spec, par, views=views_of(args.engine_quantization))
     model_bytes = sum(t.numel for t in Topology(spec, par).engines_layout.ranks[0].tensors) * 2  # bf16
     d2d_ms = d2d_copy_ms(model_bytes)
     h2d_ms = h2d_copy_ms(model_bytes)

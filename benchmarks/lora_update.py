@@ -34,6 +34,7 @@ from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.launch.procs import run_ranks
 from shardsync.lora import Lora
 from shardsync.store.rendezvous import free_port
+from shardsync.views import views_of
 
 # (case name, LoRA rank or 0 for the whole model, merged into the base)
 Case = tuple[str, int, bool]
@@ -85,7 +86,7 @@ def _trainer(rank: int, world: int, port: int, url: str, args: argparse.Namespac
                             timeout=datetime.timedelta(seconds=600))
     spec = load_spec(args.model)
     par = MegatronParallel(tp=args.trainer_tp, dtype="float32")
-    topo = Topology(spec, par, lora=lora)
+    topo = Topology(spec, par, views=views_of(None, lora))
     shapes = None if lora is None else adapter_tensors(spec, lora)
     params = load_rank(topo.trainer_layout, rank, random_source(spec, 0, shapes=shapes))
     vllm = args.engine == "vllm"

@@ -20,6 +20,7 @@ from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.plan import make_buckets
 from shardsync.presets import PRESETS
 from shardsync.topology import Topology
+from shardsync.views import views_of
 
 BUCKET = 512 * 2**20
 
@@ -58,7 +59,7 @@ def run_case(model: str, trainer: MegatronParallel, engines: tuple[EngineParalle
     logical_tensors.cache_clear()  # each run makes the spec's tensor list again
     model_tensors.cache_clear()
     t0 = time.perf_counter()
-    topo = Topology(PRESETS[model], trainer, engines, quantization=quantization)
+    topo = Topology(PRESETS[model], trainer, engines, views=views_of(quantization))
     _ = (topo.trainer_layout, topo.engines_layout)  # build both layouts inside the timer
     t1 = time.perf_counter()
     plan = topo.p2p_plan

@@ -15,12 +15,13 @@ import sys
 import time
 from dataclasses import asdict
 
-from shardsync.dtypes import torch_dtype
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.lora.flags import add_lora_args, lora_of
 from shardsync.presets import load_spec
 from shardsync.quant.fp8 import FORMATS
 from shardsync.topology import Topology
+from shardsync.units import fmt_bytes
+from shardsync.views import Host, views_of
 
 
 def _engine_tps(value: str, engines: int) -> tuple[int, ...]:
@@ -30,14 +31,6 @@ def _engine_tps(value: str, engines: int) -> tuple[int, ...]:
     if engines not in (1, len(tps)):
         raise SystemExit(f"--engine-tp lists {len(tps)} engines but --engines is {engines}")
     return tps
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
 
 
 def _ints(value: str | None) -> tuple[int, ...] | None:
@@ -63,8 +56,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                        expert_names=args.expert_names,
                                        make_vocab_size_divisible_by=args.vocab_divisible_by)
         engines = tuple(EngineParallel(tp=t, ep=args.engine_ep) for t in _engine_tps(args.engine_tp, args.engines))
-        topo = Topology(spec, trainer, engines, engine_kind=args.engine_kind, quantization=args.engine_quantization,
-                        lora=lora_of(args))
+        topo = Topology(spec, trainer, engines, views=views_of(args.engine_quantization, lora_of(args)),
+                        host=Host(args.engine_kind))
         t0 = time.perf_counter()
         report = summarize(topo, int(args.bucket_mb * 2**20), progress=Progress(f"planning {spec.name}"))
         report["plan_s"] = round(time.perf_counter() - t0, 3)
@@ -92,21 +85,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         experts = f" EP{trainer.ep} ETP{trainer.expert_tp}" if spec.is_moe else ""
         desc = f"TP{trainer.tp} PP{trainer.pp} DP{trainer.dp}{experts}"
     engine_ep = f" EP{args.engine_ep}" if spec.is_moe else ""
-    served = "" if topo.quantization is None else f" serving {topo.quantization}"
+    served = "" if args.engine_quantization is None else f" serving {args.engine_quantization}"
     print(f"model {spec.name} ({spec.num_parameters() / 1e9:.3f} B params, {spec.dtype}); trainer "
           f"{desc} -> engines TP {list(report['engines'])}{engine_ep}{served}; "
           f"buckets of {args.bucket_mb:g} MiB; planned in {report['plan_s']:.2f} s")
-    if topo.adapter is not None:
-        a = topo.adapter
-        print(f"LoRA adapter of rank {a['rank']} alone: {_fmt_bytes(a['adapter_bytes'])} of a "
-              f"{_fmt_bytes(a['base_bytes'])} base ({a['adapter_bytes'] / a['base_bytes']:.2%}); the base never moves")
-    if topo.fp8 is not None:
-        print(topo.fp8.summary(topo.engine_layouts, torch_dtype(spec.dtype).itemsize))
+    views = topo.summary()
+    if views is not None:
+        print(views)
     head = f"{'path':<10} {'total':>12} {'per receiver':>13} {'busiest link':>13} {'buckets':>8} {'copies':>8}  busiest"
     print(head)
     for p in report["paths"]:
-        print(f"{p['path']:<10} {_fmt_bytes(p['total_bytes']):>12} {_fmt_bytes(p['per_receiver_bytes']):>13} "
-              f"{_fmt_bytes(p['busiest_link_bytes']):>13} {p['buckets']:>8} {p['copies']:>8}  {p['busiest_link']}")
+        print(f"{p['path']:<10} {fmt_bytes(p['total_bytes']):>12} {fmt_bytes(p['per_receiver_bytes']):>13} "
+              f"{fmt_bytes(p['busiest_link_bytes']):>13} {p['buckets']:>8} {p['copies']:>8}  {p['busiest_link']}")
     paths = {p["path"]: p for p in report["paths"]}
     if "p2p" in paths:
         ratio = paths["p2p"]["busiest_link_bytes"] / paths["broadcast"]["per_receiver_bytes"]

@@ -90,8 +90,8 @@ class WeightSync:
         self._engines = self._client() if rank == 0 else None
         self._channel: UpdateChannel | None = None
         self._snapshot: Snapshot | None = None
-        self._fp8: SourceQuantizer | None = None  # an FP8 engine's weights, quantized here (``quant.wire``)
-        self._local: Mapping[str, torch.Tensor] = params  # what the paths read: params and what _fp8 derives
+        self._derive: SourceQuantizer | None = None  # what the views derive here (an FP8 engine's words)
+        self._local: Mapping[str, torch.Tensor] = params  # what the paths read: params and what _derive derives
         self._synced: int | None = None  # the version every engine got from this connection last
         self._calls = 0  # store keys are per call: a version may be sent twice (resync)
 
@@ -174,10 +174,8 @@ class WeightSync:
         self.conn = conn = agree(self.ranks, self._engines, self.config, self.spec, self.parallel, decision, rdv, keys)
         topo = conn.topo
         self.plan_s = time.perf_counter() - t0
-        derived = topo.derived(self.rank)
-        self._fp8 = None if topo.fp8 is None or not derived else SourceQuantizer(
-            derived, self.params, topo.fp8.fmt, count=self.config.detail)
-        self._local = self.params if self._fp8 is None else self._fp8.tensors
+        self._derive = topo.bound.deriver(topo.derived(self.rank), self.params, count=self.config.detail)
+        self._local = self.params if self._derive is None else self._derive.tensors
         if self.config.delta is not None and (self._snapshot is None or self._snapshot.params is not self._local):
             raw = {p.local: torch_dtype(topo.raw_dtypes[p.logical])
                    for p in topo.trainer_layout.ranks[self.rank].pieces if p.logical in topo.raw_dtypes}
@@ -215,7 +213,8 @@ class WeightSync:
                       detail=cfg.detail, verify=cfg.transport.verify_buckets, secret=self._secret, tensors=self._local,
                       colocated=None if co is None else Colocated(ipc=co.ipc, stream=co.complete is Completion.STREAM,
                                                                   mailbox=co.signals is Signals.MAILBOX,
-                                                                  producer=self._fp8 if co.ipc is Ipc.PUSH else None),
+                                                                  producer=self._derive if co.ipc is Ipc.PUSH
+                                                                  else None),
                       delta=None if self._snapshot is None else DeltaSide(snapshot=self._snapshot,
                                                                           dir=cfg.delta.dir if cfg.delta else None))
         self.programs = {m: compile_path(m, ep) for m in conn.modes}
@@ -292,7 +291,7 @@ class WeightSync:
         t0, started_at = time.perf_counter(), time.time()
         self._calls += 1
         n = self._calls
-        derive_s, derived = (0.0, 0) if self._fp8 is None else self._fp8.refresh()  # before a push launches
+        derive_s, derived = (0.0, 0) if self._derive is None else self._derive.refresh()  # before a push launches
         if Mode.P2P in self.programs and requested in (None, Mode.P2P):
             self.programs[Mode.P2P].launch(self._local)  # push: copies into staging start before the engines hear
         decided = self.ranks.lead(lambda: self._begin(conn, version, requested), Go)
@@ -354,8 +353,8 @@ class WeightSync:
         engine dtype); an empty list means every engine holds exactly the trainer's weights."""
         conn, group = self._live()
         lay = conn.topo.trainer_layout
-        if self._fp8 is not None:
-            self._fp8.refresh(every=True)
+        if self._derive is not None:
+            self._derive.refresh(every=True)
         mine = piece_checksums(lay.ranks[self.rank], self._local, lay.logical, torch_dtype(conn.topo.wire_dtype),
                                conn.topo.check_dtypes)
         self._calls += 1

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from shardsync.layout import (
     EngineParallel,
@@ -23,28 +25,21 @@ from shardsync.layout import (
     stage_sources,
 )
 from shardsync.layout.fsdp2 import Fsdp2Parallel, fsdp2_layout
-from shardsync.layout.logical import is_expert, model_tensors
+from shardsync.layout.logical import is_expert
 from shardsync.layout.raw import raw_dtypes
-from shardsync.lora import (
-    Lora,
-    engine_adapter_layout,
-    fsdp2_adapter_layout,
-    full_adapter_layout,
-    megatron_adapter_layout,
-)
+from shardsync.lora import Lora
 from shardsync.plan import Plan, build_plan
-from shardsync.plan.plan import Scaled, dtype_itemsize
-from shardsync.quant.fp8 import FORMATS
-from shardsync.quant.support import RECEIVER_QUANTIZES
-from shardsync.quant.targets import check_family
-from shardsync.quant.wire import Derived, Fp8Wire, fp8_wire
+from shardsync.plan.plan import Scaled, Wire, dtype_itemsize
+from shardsync.quant.wire import Derived, Fp8Wire
 from shardsync.spec import ModelSpec
+from shardsync.views import AdapterBound, AdapterView, BoundViews, Fp8Bound, Host, Views
 
 ENGINE_KINDS = ("reference", "sglang", "vllm")
 STAGED_KINDS = ("sglang",)  # engine kinds whose ranks receive per pipeline stage
 TrainerParallel = MegatronParallel | Fsdp2Parallel
 # trainer kind -> its layout (Megatron-core GPTModel shards, or FSDP2 row blocks of HF tensors)
-TRAINER_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp2_layout}
+TRAINER_LAYOUTS: dict[str, Callable[[ModelSpec, Any], Layout]] = {"megatron": megatron_layout,
+                                                                  "fsdp2": fsdp2_layout}
 
 
 @dataclass(frozen=True)
@@ -56,14 +51,10 @@ class Topology:
     spec: ModelSpec
     trainer: MegatronParallel | Fsdp2Parallel
     engines: tuple[EngineParallel, ...] = field(default=(EngineParallel(),))
-    engine_kind: str = "reference"
-    # pipeline depth an engine reports whose layout has no stages (its p2p is refused);
-    # engines that host stages (SGLang) carry them in ``EngineParallel.pp`` instead
-    engine_pp: int = 1
-    quantization: str | None = None
+    # what the layouts re-express (an FP8 engine's words and scales, an adapter alone), in order
+    views: Views = field(default_factory=Views)
     relay: bool = False
-    # a LoRA adapter: the layouts (and so every plan) hold its tensors alone, the base stays put
-    lora: Lora | None = None
+    host: Host = field(default_factory=Host)  # how the engines host the receiver: their kind, reported PP
 
     @property
     def wire_dtype(self) -> str:
@@ -72,82 +63,86 @@ class Topology:
     @cached_property
     def trainer_base(self) -> Layout:
         """The trainer's own tensors (what its ``params`` hold); ``trainer_layout`` adds the
-        tensors an FP8 engine's sends derive from them (``derived``)."""
-        if self.lora is not None:
-            if isinstance(self.trainer, Fsdp2Parallel):
-                return fsdp2_adapter_layout(self.spec, self.lora, self.trainer)
-            return megatron_adapter_layout(self.spec, self.lora, self.trainer)
-        return TRAINER_LAYOUTS[self.trainer.kind](self.spec, self.trainer)
+        tensors the views derive from them before a send (``derived``)."""
+        return self.views.trainer_base(self.spec, self.trainer,
+                                       lambda: TRAINER_LAYOUTS[self.trainer.kind](self.spec, self.trainer))
 
     @cached_property
     def engine_bases(self) -> tuple[Layout, ...]:
         """Each engine's tensors as it serves them; ``engine_layouts`` as the plans address them
         (an FP8 engine's weights sent quantized as e4m3 words and scales)."""
-        lora = self.lora
-        unique = {e: engine_layout(self.spec, e) if lora is None else engine_adapter_layout(self.spec, lora, e)
-                  for e in dict.fromkeys(self.engines)}
+        def base(e: EngineParallel) -> Layout:
+            return self.views.engine_base(self.spec, e, lambda: engine_layout(self.spec, e))
+
+        unique = {e: base(e) for e in dict.fromkeys(self.engines)}
         return tuple(unique[e] for e in self.engines)
 
     @cached_property
+    def bound(self) -> BoundViews:
+        """The views bound to this topology's base layouts: how its plans carry them."""
+        return self.views.bind(self)
+
+    @property
     def fp8(self) -> Fp8Wire | None:
         """The weights an FP8 engine's plans carry as e4m3 bytes and scales, quantized by the
         trainer (``quant.wire``); None where the wire carries the model dtype only."""
-        if self.quantization not in FORMATS or self.engine_kind not in RECEIVER_QUANTIZES or self.lora is not None:
-            return None  # an FP8 engine's adapter is served wide
-        try:
-            check_family(self.spec)
-        except ValueError:
-            return None  # the engine refuses to serve it quantized; nothing to plan
-        return fp8_wire(self.trainer_base, self.engine_bases, FORMATS[self.quantization])
+        hit = self.bound.find(Fp8Bound)
+        return None if hit is None else hit.wire
+
+    @property
+    def lora(self) -> Lora | None:
+        """The adapter every layout holds alone (None: the whole model)."""
+        hit = self.views.find(AdapterView)
+        return None if hit is None else hit.lora
 
     @cached_property
-    def _trainer_fp8(self) -> tuple[Layout, tuple[tuple[Derived, ...], ...]]:
-        if self.fp8 is None:
-            return self.trainer_base, tuple(() for _ in self.trainer_base.ranks)
-        return self.fp8.trainer(self.trainer_base)
+    def _trainer_views(self) -> tuple[Layout, tuple[tuple[Derived, ...], ...]]:
+        return self.bound.trainer(self.trainer_base, tuple(() for _ in self.trainer_base.ranks))
 
     @property
     def trainer_layout(self) -> Layout:
-        return self._trainer_fp8[0]
+        return self._trainer_views[0]
 
     def derived(self, rank: int) -> tuple[Derived, ...]:
-        """What trainer ``rank`` quantizes before each send (empty unless ``fp8``)."""
-        return self._trainer_fp8[1][rank]
+        """What trainer ``rank`` derives before each send (an FP8 engine's words and scales)."""
+        return self._trainer_views[1][rank]
 
     @cached_property
     def engine_layouts(self) -> tuple[Layout, ...]:
-        if self.fp8 is None:
-            return self.engine_bases
-        unique = {id(lay): self.fp8.retype(lay) for lay in self.engine_bases}
+        unique = {id(lay): self.bound.engine(lay) for lay in self.engine_bases}
         return tuple(unique[id(lay)] for lay in self.engine_bases)
 
-    def _full(self, **kw) -> Layout:
+    def _full(self, replicas: int = 1) -> Layout:
         """Whole tensors (broadcast receivers), as the wire carries them."""
-        if self.lora is not None:
-            return full_adapter_layout(self.spec, self.lora, dtype=self.wire_dtype, **kw)
-        lay = full_layout(self.spec, dtype=self.wire_dtype, **kw)
-        return lay if self.fp8 is None else self.fp8.retype(lay)
+        dtype = self.wire_dtype
+        lay = self.views.full_base(self.spec, dtype, replicas,
+                                   lambda: full_layout(self.spec, dtype=dtype, replicas=replicas))
+        return self.bound.engine(lay)
 
     @cached_property
     def scaled(self) -> dict[str, Scaled]:
-        """FP8 words -> their block scales, which plans take from the words' holder and buckets
-        carry with them (``plan.Scaled``); empty without ``fp8``."""
-        return {} if self.fp8 is None else self.fp8.scaled(self.trainer_layout.logical)
+        """Wire words -> their block scales, which plans take from the words' holder and buckets
+        carry with them (``plan.Scaled``); empty unless a view quantizes."""
+        return self.bound.scaled(self.trainer_layout.logical)
 
     @cached_property
     def raw_dtypes(self) -> dict[str, str]:
         """Logical tensors that move (and are checked) as their own bits: those the trainer
         and every engine hold wider than the wire (``layout/raw.py``; FSDP2 trainers and
-        whole-tensor engines hold every tensor in one dtype: none), and FP8 weights' e4m3
-        words and scales (``quant.wire``)."""
-        quantized = {} if self.fp8 is None else self.fp8.raw
+        whole-tensor engines hold every tensor in one dtype: none), and what the views add
+        (an FP8 engine's e4m3 words and scales; an adapter moves none)."""
         t = self.trainer
-        if not isinstance(t, MegatronParallel) or any(e.whole for e in self.engines) or self.lora is not None:
-            return quantized
+        if not isinstance(t, MegatronParallel) or any(e.whole for e in self.engines):
+            return self.bound.raw({})
         per_engine = [raw_dtypes(self.spec, frozenset({t.norm_names}), v, self.wire_dtype)
                       for v in dict.fromkeys(e.variants for e in self.engines)]
         wider = {n: d for n, d in per_engine[0].items() if all(other.get(n) == d for other in per_engine[1:])}
-        return {**wider, **quantized}
+        return self.bound.raw(wider)
+
+    @cached_property
+    def wire(self) -> Wire:
+        """What every plan of this topology carries besides its layouts."""
+        return Wire(self.wire_dtype, self.raw_dtypes, self.scaled)
 
     @cached_property
     def check_dtypes(self) -> dict[str, str]:
@@ -179,16 +174,16 @@ class Topology:
         logical = self.trainer_layout.logical
         return sum(math.prod(logical[n]) for n in mine) * dtype_itemsize(self.wire_dtype)
 
-    @cached_property
+    @property
     def adapter(self) -> dict[str, int] | None:
         """An adapter sync's sizes: its rank, the adapter's bytes and the base model's (never moved),
         at the wire dtype; None for a whole-model sync."""
-        if self.lora is None:
-            return None
-        size = dtype_itemsize(self.wire_dtype)
-        return {"rank": self.lora.rank,
-                "adapter_bytes": sum(math.prod(s) for s in self.trainer_layout.logical.values()) * size,
-                "base_bytes": sum(math.prod(s) for s in model_tensors(self.spec).values()) * size}
+        hit = self.bound.find(AdapterBound)
+        return None if hit is None else hit.sizes()
+
+    def summary(self) -> str | None:
+        """What the views move, in a line each (``shardsync plan``)."""
+        return self.bound.summary(self.engine_layouts, dtype_itemsize(self.wire_dtype))
 
     @cached_property
     def engines_layout(self) -> Layout:
@@ -215,17 +210,15 @@ class Topology:
         """
         if self.relay:
             first = concat_layouts("engine", self.engine_layouts[:1])
-            return build_plan(self.trainer_layout, first, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
-                              scaled=self.scaled)
-        return build_plan(self.trainer_layout, self.engines_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
-                          scaled=self.scaled)
+            return build_plan(self.trainer_layout, first, self.wire)
+        return build_plan(self.trainer_layout, self.engines_layout, self.wire)
 
     @cached_property
     def relay_plans(self) -> tuple[Plan, ...]:
         """Engine i -> engine i+1, for a relayed p2p update (empty without ``relay``)."""
         if not self.relay:
             return ()
-        return tuple(build_plan(a, b, wire_dtype=self.wire_dtype, raw=self.raw_dtypes, scaled=self.scaled)
+        return tuple(build_plan(a, b, self.wire)
                      for a, b in zip(self.engine_layouts, self.engine_layouts[1:], strict=False))
 
     def fingerprint(self, mode: str) -> str:
@@ -259,17 +252,14 @@ class Topology:
 
         ranks = tuple(kept(i, rl) for i, rl in enumerate(lay.ranks))
         restricted = Layout(lay.kind, self.spec, lay.logical, ranks, lay.params)
-        return build_plan(restricted, self.source_layout, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
-                          scaled=self.scaled)
+        return build_plan(restricted, self.source_layout, self.wire)
 
     @cached_property
     def broadcast_plan(self) -> Plan:
         """Broadcast step 2: each stage source -> whole tensors on every engine rank."""
         receivers = self._full(replicas=self.num_engine_ranks)
-        return build_plan(self.source_layout, receivers, wire_dtype=self.wire_dtype, raw=self.raw_dtypes,
-                          scaled=self.scaled)
+        return build_plan(self.source_layout, receivers, self.wire)
 
     def narrow_plan(self, engine: int) -> Plan:
         """Broadcast step 3 (rank-local): whole tensors -> engine ``engine``'s shards."""
-        return build_plan(self._full(), self.engine_layouts[engine],
-                          wire_dtype=self.wire_dtype, raw=self.raw_dtypes, scaled=self.scaled)
+        return build_plan(self._full(), self.engine_layouts[engine], self.wire)

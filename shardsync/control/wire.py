@@ -158,6 +158,17 @@ class ChecksumResponse(BaseModel):
 
 # -- store values (trainer ranks agreeing; trainer rank 0 <-> engine control threads) --
 
+class Served(Msg):
+    """What every engine of a connection serves, as their facts said (``InfoResponse``): how they
+    host the receiver (``kind``, and ``pp``, the pipeline depth of engines whose layout has no
+    stages), the quantization they serve and the adapter; the trainer composes its views from it."""
+
+    kind: str = Field(default="reference", max_length=32)
+    pp: int = Field(default=1, ge=1, le=1024)
+    quantization: str | None = Field(default=None, max_length=64)
+    lora: LoraMsg | None = None
+
+
 class Decision(Msg):
     """Trainer rank 0's connect decision, shared with the other trainer ranks."""
 
@@ -168,7 +179,7 @@ class Decision(Msg):
     dtype: str = ""
     port: int = 0
     name: str = ""
-    facts: dict = Field(default_factory=dict)  # kind, pp, quantization
+    served: Served = Served()
     error: str | None = None
 
 

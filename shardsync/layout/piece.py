@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from shardsync.spec import ModelSpec
 
@@ -36,17 +37,35 @@ class Piece:
         return volume(self.sizes)
 
 
+class Role(Enum):
+    """What a local tensor's elements are, set by the view that retyped its layout: the model's
+    values, a weight's quantized words or their scales, or the twin that receives one box of a
+    quantized tensor in the model dtype.  Read as a field; a name is never parsed for it."""
+
+    VALUES = "values"
+    WORDS = "words"
+    SCALES = "scales"
+    TWIN = "twin"
+
+
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
     """A local tensor.  Pieces address ``shape``; ``held`` is the shape the owner keeps when that
     differs (an engine's 3-D expert stack ``[E_loc, rows, cols]`` is addressed as the 2-D
-    ``[E_loc * rows, cols]`` view, so every plan, run and pack stays two-dimensional)."""
+    ``[E_loc * rows, cols]`` view, so every plan, run and pack stays two-dimensional).
+
+    ``role`` and ``parent`` say what the tensor is and what it belongs to (the words a scale
+    tensor scales, the tensor a twin stands in for); ``at`` is a twin's box offsets in its
+    parent (its sizes are ``shape``)."""
 
     name: str
     shape: Box
     dtype: str
     held: Box | None = None
     fp8: bool = False  # an FP8 engine holds it in e4m3 with block scales (its row's ``Row.fp8``)
+    role: Role = Role.VALUES
+    parent: str | None = None
+    at: Box | None = None
 
     @property
     def numel(self) -> int:

@@ -28,6 +28,7 @@ from shardsync.presets import PRESETS
 from shardsync.quant.support import REFUSED
 from shardsync.spec import ModelSpec
 from shardsync.topology import ENGINE_KINDS, Topology
+from shardsync.views import Host, views_of
 from shardsync.vocab import Request
 
 MODES = Request.names()
@@ -71,8 +72,7 @@ class Case:
                                    etp=self.trainer_etp)
         return Topology(spec, trainer, tuple(EngineParallel(tp=t, ep=self.engine_ep, pp=self.engine_stages)
                                              for t in self.engine_tps),
-                        engine_kind=self.engine_kind, engine_pp=self.engine_pp,
-                        quantization=self.quantization)
+                        views=views_of(self.quantization), host=Host(self.engine_kind, self.engine_pp))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import hashlib
 import sys
 from array import array
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain, repeat
@@ -148,6 +148,7 @@ class Plan:
         """Destination rank ``dst``'s copies in read order (``only``: those reads)."""
         reads = self.picks.lists[self.picks.order[dst]]
         ranks = self.picks.ranks[dst]
+        pairs: Iterable[tuple[Read, int]]
         if only is None:
             pairs = zip(reads, repeat(-1) if ranks is None else ranks.tolist(), strict=False)
         else:
@@ -264,17 +265,28 @@ class Plan:
 
 
 @gc_paused
-def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
-               raw: Mapping[str, str] | None = None, scaled: Mapping[str, Scaled] | None = None) -> Plan:
+@dataclass(frozen=True)
+class Wire:
+    """What a plan carries besides its layouts: the wire dtype (None: the destination's), the
+    logical tensors that move as their own bits (``raw``: name -> dtype, ``layout/raw.py``) and
+    quantized words -> their block scales (``scaled``, ``Scaled``).  A topology makes one for
+    all its plans from its views."""
+
+    dtype: str | None = None
+    raw: Mapping[str, str] = field(default_factory=dict)
+    scaled: Mapping[str, Scaled] = field(default_factory=dict)
+
+
+def build_plan(src: Layout, dst: Layout, wire: Wire = Wire()) -> Plan:
     """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder
     (destination ranks in order, each rank's reads in order, ties to the lower rank), a block
-    scale to its words' holder (``scaled``: quantized words -> their scales, ``Scaled``).
-    ``raw``: the logical tensors that move as their own bits (``layout/raw.py``)."""
+    scale to its words' holder (``wire.scaled``)."""
+    scaled = wire.scaled
     if src.spec.name != dst.spec.name or src.logical != dst.logical:
         raise PlanError(f"layouts describe different models: {src.spec.name} vs {dst.spec.name}")
     problems: list[str] = []
     reader = Reader(src, problems)
-    scales = {s.scale: (words, s) for words, s in (scaled or {}).items()}  # scale -> its words
+    scales = {s.scale: (words, s) for words, s in scaled.items()}  # scale -> its words
     # Identical engines share one pieces tuple (concat_layouts), so a rank's reads are listed once
     # per distinct tuple, leaving only the holder choice per read.  ``dst`` keeps every tuple
     # alive for the whole build, so ids stay unique.
@@ -309,7 +321,7 @@ def build_plan(src: Layout, dst: Layout, *, wire_dtype: str | None = None,
             f"exactly once:\n  {shown}{more}"
         )
     picks = Picks(tuple(lists), tuple(order), tuple(ranks))
-    return Plan(src, dst, picks, wire_dtype or dst.ranks[0].tensors[0].dtype, dict(raw or {}), dict(scaled or {}))
+    return Plan(src, dst, picks, wire.dtype or dst.ranks[0].tensors[0].dtype, dict(wire.raw), dict(scaled))
 
 
 def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Scaled],
@@ -329,7 +341,7 @@ def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Sca
             continue
         lead = scales.get(logical)
         if lead is not None:
-            rank = went.get((lead[0], *logical_off[:2]))
+            rank = went.get((lead[0], logical_off[0], logical_off[1]))
             if rank is not None and any(h[0] == rank for h in srcs):
                 out[i] = rank
     return out

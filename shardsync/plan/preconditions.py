@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from shardsync.family import FAMILIES, MOE_FAMILIES
 from shardsync.quant.fp8 import FORMATS
-from shardsync.quant.support import RECEIVER_QUANTIZES, receiver_quantizes
+from shardsync.quant.support import RECEIVER_QUANTIZES
 from shardsync.topology import ENGINE_KINDS, Topology
 
 
@@ -37,7 +37,7 @@ def _builds(attr: str) -> Callable[[Topology], bool]:
 
 
 def _vllm_vocab(topo: Topology) -> bool:
-    if topo.engine_kind != "vllm":
+    if topo.host.kind != "vllm":
         return True
     padded = -(-topo.spec.vocab_size // 64) * 64
     return all(padded % e.tp == 0 for e in topo.engines)
@@ -47,20 +47,20 @@ PRECONDITIONS: tuple[Precondition, ...] = (
     Precondition("model_family", f"model family is one of {sorted(FAMILIES)} (MoE: {list(MOE_FAMILIES)})",
                  lambda t: FAMILIES.get(t.spec.family) is not None),  # the registry knows it
     Precondition("engine_layout_known", f"engine kind is one of {list(ENGINE_KINDS)}",
-                 lambda t: t.engine_kind in ENGINE_KINDS),
+                 lambda t: t.host.kind in ENGINE_KINDS),
     Precondition("engine_pp_1", "engines run without pipeline parallelism (engine PP = 1), except those "
                  "whose stages are planned per rank (SGLang)",
-                 lambda t: t.engine_pp == 1),
+                 lambda t: t.host.pp == 1),
     Precondition("quantization", "engines hold unquantized weights, or FP8 with shardsync's receiver (the trainer "
                  "quantizes the blocks it holds whole, the receiver what arrives wide; "
                  f"engine kinds {sorted(RECEIVER_QUANTIZES)}, formats {sorted(FORMATS)}); other "
                  "quantized engines take whole tensors through their own loader",
-                 lambda t: receiver_quantizes(t.engine_kind, t.quantization)),
+                 lambda t: t.views.refusal(t.spec, t.host) is None),
     Precondition("vllm_vocab_split", "for vLLM, the 64-padded vocab divides by every engine TP",
                  _vllm_vocab),
     Precondition("vllm_experts", "for vLLM, experts are split over TP (ep 1) or placed whole per rank "
                  "(--enable-expert-parallel: ep = tp)",
-                 lambda t: t.engine_kind != "vllm" or all(e.ep in (1, e.tp) for e in t.engines)),
+                 lambda t: t.host.kind != "vllm" or all(e.ep in (1, e.tp) for e in t.engines)),
     Precondition("trainer_layout", "the Megatron layout of the trainer config can be built",
                  _builds("trainer_layout")),
     Precondition("engine_layout", "every engine's layout can be built", _builds("engines_layout")),

@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shardsync.layout.piece import Box, Layout, Piece, RankLayout, TensorMeta, box_overlap, volume
+from shardsync.layout.piece import Box, Layout, Piece, RankLayout, Role, TensorMeta, box_overlap, volume
 from shardsync.plan.plan import Scaled
 from shardsync.quant.fp8 import Fp8Format
 
@@ -37,23 +37,15 @@ WIDE = "@wide"  # a box of an engine tensor that moves wide lands in its model-d
 
 def twin(local: str, offsets: Box, sizes: Box) -> str:
     """The name of the model-dtype twin of the box ``offsets/sizes`` of engine tensor ``local``
-    (received quantized but for that box): ``local@wide[r0:r1,c0:c1]``."""
+    (received quantized but for that box): ``local@wide[r0:r1,c0:c1]``, for people; what it
+    stands for is its ``TensorMeta``'s ``parent`` and ``at``."""
     return f"{local}{WIDE}[{','.join(f'{o}:{o + n}' for o, n in zip(offsets, sizes, strict=True))}]"
-
-
-def twin_box(name: str) -> tuple[str, Box, Box] | None:
-    """``twin``'s inverse: the engine tensor and the box a twin stands for (None: not a twin)."""
-    local, at, box = name.partition(WIDE)
-    if not at:
-        return None
-    spans = [tuple(int(v) for v in span.split(":")) for span in box.strip("[]").split(",")]
-    return local, tuple(a for a, _ in spans), tuple(b - a for a, b in spans)
 
 
 def wide_copies(rank: RankLayout) -> int:
     """Elements of the model-dtype copies an FP8 engine rank keeps beside what it serves (a
     retyped layout's): its FP8 tensors received wide whole, and the twins of boxes received wide."""
-    return sum(t.numel for t in rank.tensors if (t.fp8 and t.dtype != WORD) or twin_box(t.name) is not None)
+    return sum(t.numel for t in rank.tensors if (t.fp8 and t.role is Role.VALUES) or t.role is Role.TWIN)
 
 
 def _aligned(offsets: Box, sizes: Box, shape: Box, fmt: Fp8Format) -> bool:
@@ -246,11 +238,12 @@ class Fp8Wire:
             held = t.held
             words = (t.shape[0], t.shape[1] // PER_WORD)
             held_words = None if held is None else (*held[:-1], held[-1] // PER_WORD)
-            tensors.append(TensorMeta(t.name, words, WORD, held_words))
+            tensors.append(TensorMeta(t.name, words, WORD, held_words, role=Role.WORDS))
             grid = self.fmt.scale_shape(t.stored)
             tensors.append(TensorMeta(self.scale(t.name), (math.prod(grid[:-1]), grid[-1]), SCALE,
-                                      None if held is None else grid))
-            tensors += [TensorMeta(twin(t.name, q.local_offsets, q.sizes), q.sizes, t.dtype)
+                                      None if held is None else grid, role=Role.SCALES, parent=t.name))
+            tensors += [TensorMeta(twin(t.name, q.local_offsets, q.sizes), q.sizes, t.dtype, role=Role.TWIN,
+                                   parent=t.name, at=q.local_offsets)
                         for q in wide.get(t.name, ())]
         pieces: list[Piece] = []
         for i, p in enumerate(rank.pieces):
@@ -285,7 +278,8 @@ class Fp8Wire:
         d = Derived(name, offsets, sizes, tuple(parts), DERIVED + name, DERIVED + self.scale(name), at)
         region = Piece(name, at, sizes, d.words, (0, 0))
         words, scale = self._words(region, d.words, (0, 0)), self._scale_piece(region, d.scales, (0, 0))
-        tensors += [TensorMeta(d.words, words.sizes, WORD), TensorMeta(d.scales, scale.sizes, SCALE)]
+        tensors += [TensorMeta(d.words, words.sizes, WORD, role=Role.WORDS, parent=name),
+                    TensorMeta(d.scales, scale.sizes, SCALE, role=Role.SCALES, parent=d.words)]
         pieces += [words, scale]
         return d
 

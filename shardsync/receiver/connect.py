@@ -14,6 +14,7 @@ from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import Topology
+from shardsync.views import views_of
 from shardsync.vocab import Channel, DeltaTransport, Ipc
 
 
@@ -80,7 +81,7 @@ def topology_from_connect(req: ConnectRequest, dtype: str, quantization: str | N
     engines = tuple(EngineParallel(tp=tp, ep=ep, pp=pp, dtype=dtype, whole=w, variants=frozenset(v))
                     for tp, ep, pp, w, v in zip(req.engines, eps, pps, whole, variants, strict=True))
     lora = None if req.lora is None else Lora.from_dict(req.lora.model_dump())
-    return Topology(spec, trainer, engines, quantization=quantization, relay=req.relay, lora=lora)
+    return Topology(spec, trainer, engines, views=views_of(quantization, lora), relay=req.relay)
 
 
 PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engine receives into {where}: "

@@ -19,11 +19,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from shardsync.layout.piece import Box, RankLayout
+from shardsync.layout.piece import Box, RankLayout, Role
 from shardsync.plan.runs import box_view
 from shardsync.quant.fp8 import Fp8Format, quantize
 from shardsync.quant.targets import Target
-from shardsync.quant.wire import WORD, twin_box
 from shardsync.receiver.destination import Deriving, Destination
 
 
@@ -74,12 +73,11 @@ class Quantized(Deriving):
         return hit
 
     def bind(self, rank: RankLayout) -> None:
-        direct = frozenset(t.name for t in rank.tensors if t.name in self.all and t.dtype == WORD)
+        direct = frozenset(t.name for t in rank.tensors if t.name in self.all and t.role is Role.WORDS)
         boxes: dict[str, list[tuple[str, Box, Box]]] = {}
         for t in rank.tensors:
-            box = twin_box(t.name)
-            if box is not None and box[0] in direct:
-                boxes.setdefault(box[0], []).append((t.name, box[1], box[2]))
+            if t.role is Role.TWIN and t.parent is not None and t.parent in direct and t.at is not None:
+                boxes.setdefault(t.parent, []).append((t.name, t.at, t.shape))
         self._arrange(direct, {n: tuple(b) for n, b in boxes.items()})
         self.inner.bind(rank)
 

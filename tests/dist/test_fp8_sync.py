@@ -29,6 +29,7 @@ from shardsync.runtime.schedule import subgroups
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
+from shardsync.views import views_of
 from tests.dist._world import free_port, run_world
 from tests.fp8_straddle import STRADDLE
 
@@ -56,7 +57,7 @@ def _topology(model: str, trainer_tp: int, engine_tp: int, engine_ep: int) -> To
     etp = None if model in STRADDLES or not (spec.is_moe and trainer_tp > 1) else 1  # None: expert TP = TP
     trainer = MegatronParallel(tp=trainer_tp, ep=engine_ep if spec.is_moe and trainer_tp > 1 else 1, etp=etp)
     return Topology(spec, trainer, (EngineParallel(tp=engine_tp, ep=engine_ep, dtype=spec.dtype),),
-                    quantization=FMT.name)
+                    views=views_of(FMT.name))
 
 
 def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
@@ -154,7 +155,7 @@ def test_fp8_engine_holds_the_quantized_trainer_weights(case: tuple) -> None:
     world = trainer_tp + engine_tp
     results = run_world(_world, world, args=(world, free_port(), case), timeout=240)
     topo = _topology(*case[:4])
-    wide_topo = dataclasses.replace(topo, quantization=None)
+    wide_topo = dataclasses.replace(topo, views=views_of(None))
     straddles = case[0] in STRADDLES
     engines = [results[r] for r in range(trainer_tp, world)]
     for mode in ("p2p", "broadcast"):

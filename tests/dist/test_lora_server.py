@@ -23,6 +23,7 @@ from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync
+from shardsync.views import views_of
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._peft import grpo_step, lora_trainer, peft_greedy, whole_model_refusal
 from tests.dist._world import free_port, run_world
@@ -136,7 +137,7 @@ def _swapping_trainer(rank: int, world: int, port: int, url: str, out) -> None:
     from tests.dist._world import join_trainer
 
     join_trainer(rank, world, port, SPEC, PAR, seed=0)
-    lay = Topology(SPEC, PAR, lora=LORA).trainer_layout
+    lay = Topology(SPEC, PAR, views=views_of(None, LORA)).trainer_layout
     params = load_rank(lay, rank, _adapter_v(0))
     sync = WeightSync(SPEC, PAR, rank, params, [url],
                       SyncConfig(mode="p2p", lora=LORA, transport=TransportConfig(bucket_mb=0.05, timeout_s=60)),

@@ -32,6 +32,7 @@ from shardsync.runtime.schedule import subgroups
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
+from shardsync.views import views_of
 from tests.dist._compare import rel
 from tests.dist._peft import peft_model
 from tests.dist._world import free_port, run_world
@@ -84,7 +85,7 @@ def _world(rank: int, world: int, port: int, sync_port: int, engine_tp: int, sta
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = megatron_groups(TRAINER)
     engine_group = dist.new_group(list(range(2, world))) if engine_tp > 1 else None
-    topo = Topology(SPEC, TRAINER, (EngineParallel(tp=engine_tp, dtype=SPEC.dtype),), lora=LORA)
+    topo = Topology(SPEC, TRAINER, (EngineParallel(tp=engine_tp, dtype=SPEC.dtype),), views=views_of(None, LORA))
     rdv = Rendezvous("127.0.0.1", sync_port, world, "lora", timeout_s=60)
     ids = _batch()[0]
     if rank < 2:

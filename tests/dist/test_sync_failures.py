@@ -29,6 +29,7 @@ from shardsync.store.secret import load_secret
 from shardsync.paths import choose_full
 from shardsync.sync import SyncError, WeightSync
 from shardsync.topology import Topology
+from shardsync.views import views_of
 from tests.dist._engine import start_engine, stop_engine
 from tests.dist._world import free_port, join_trainer, run_world
 
@@ -52,7 +53,7 @@ def _trainer(rank: int, world: int, port: int, url: str, case: dict, out) -> Non
     _, params = join_trainer(rank, world, port, spec, par, seed=case["seed"])
     lora = case.get("lora")
     if lora is not None:  # the trainer syncs an adapter alone
-        params = load_rank(Topology(spec, par, lora=lora).trainer_layout, rank,
+        params = load_rank(Topology(spec, par, views=views_of(None, lora)).trainer_layout, rank,
                            random_source(spec, case["seed"], shapes=adapter_tensors(spec, lora)))
     sync = WeightSync(spec, par, rank, params, [url],
                       SyncConfig(transport=TransportConfig(bucket_mb=0.05, timeout_s=case.get("timeout", 30)),
@@ -115,7 +116,7 @@ def test_auto_falls_back_to_broadcast_and_logs_why(precondition: str, tmp_path) 
 
 
 def test_forced_p2p_refuses_with_reason() -> None:
-    topo = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1), quantization="fp8-per-tensor")
+    topo = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1), views=views_of("fp8-per-tensor"))
     with pytest.raises(ValueError, match="quantization"):
         choose_full(topo, "p2p")
     assert choose_full(topo, "broadcast") == ("broadcast", None)

@@ -16,6 +16,7 @@ from shardsync.quant.fp8 import fp8_format, quantize
 from shardsync.quant.kernel import quantize_into
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
+from shardsync.views import views_of
 from tests.dist._engine import start_engine, stop_engine
 from tests.fp8_straddle import STRADDLE
 
@@ -60,7 +61,7 @@ def test_a_gpu_trainer_syncs_an_fp8_engine_through_ipc(ipc: str) -> None:
     into the engine's staging copy (whole shards staged)."""
     spec = PRESETS["tiny-qwen3-fp8"]
     par = MegatronParallel(tp=1, dtype="bfloat16")
-    topo = Topology(spec, par, quantization="fp8")
+    topo = Topology(spec, par, views=views_of("fp8"))
     proc, url = start_engine(spec.name, 1, device="cuda", dtype="bfloat16", quantization="fp8",
                              staging_bytes=-1 if ipc == "push" else 0)
     try:
@@ -105,7 +106,7 @@ def test_a_trainer_quantizes_megatrons_fused_qkv_in_place() -> None:
     from shardsync.quant.source import SourceQuantizer
 
     spec = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-128", head_dim=128, num_heads=4, num_kv_heads=2)
-    topo = Topology(spec, MegatronParallel(tp=1, dtype="bfloat16"), quantization="fp8")
+    topo = Topology(spec, MegatronParallel(tp=1, dtype="bfloat16"), views=views_of("fp8"))
     params = load_rank(topo.trainer_base, 0, random_source(spec, seed=9), device="cuda")
     assert topo.fp8 is not None
     source = SourceQuantizer(topo.derived(0), params, topo.fp8.fmt)
@@ -127,7 +128,7 @@ def test_a_trainer_rank_quantizes_the_whole_cells_of_a_straddling_weight(rank: i
     from shardsync.quant.source import SourceQuantizer
 
     spec = STRADDLE
-    topo = Topology(spec, MegatronParallel(tp=2, dtype="bfloat16"), quantization="fp8")
+    topo = Topology(spec, MegatronParallel(tp=2, dtype="bfloat16"), views=views_of("fp8"))
     assert topo.fp8 is not None and topo.fp8.split
     params = load_rank(topo.trainer_base, rank, random_source(spec, seed=9), device="cuda")
     full = random_source(spec, seed=9)

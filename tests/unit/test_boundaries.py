@@ -47,7 +47,8 @@ def room_of(module: str) -> str:
 ROOMS = {"vocab": "mode", "store": "store",
          "spec": "metadata", "presets": "metadata", "family": "metadata", "topology": "metadata",
          "layout": "metadata", "plan": "metadata", "quant": "metadata", "lora": "metadata",
-         "dtypes": "metadata", "gcpause": "metadata", "sync": "trainer", "config": "trainer", "connection": "trainer",
+         "dtypes": "metadata", "gcpause": "metadata", "views": "metadata", "units": "metadata",
+         "sync": "trainer", "config": "trainer", "connection": "trainer",
          "fsdp2": "trainer", "launch": "programs", "demo": "programs", "bench": "programs",
          "cli": "programs", "__main__": "programs", "timeline": "programs", "progress": "programs",
          "": "package", "placement": "placement"}

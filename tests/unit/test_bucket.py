@@ -17,6 +17,7 @@ from shardsync.plan import make_buckets
 from shardsync.plan.plan import Plan
 from shardsync.presets import PRESETS
 from shardsync.topology import Topology
+from shardsync.views import views_of
 from tests.fp8_straddle import STRADDLE
 
 DENSE, MOE = PRESETS["tiny-qwen3-fp8"], PRESETS["tiny-qwen3-moe-fp8"]
@@ -33,7 +34,7 @@ BUDGETS = [1 << 20, 64 << 10, 4 << 10]  # 4 KiB: below one block row of words (1
 
 def _topo(case: str) -> Topology:
     spec, trainer, engine, fmt = CASES[case]
-    return Topology(spec, trainer, (dataclasses.replace(engine, dtype=spec.dtype),), quantization=fmt)
+    return Topology(spec, trainer, (dataclasses.replace(engine, dtype=spec.dtype),), views=views_of(fmt))
 
 
 def _orphans(plan: Plan, budget: int) -> tuple[int, int]:

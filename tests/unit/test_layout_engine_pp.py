@@ -11,6 +11,7 @@ from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, fu
 from shardsync.plan import build_plan
 from shardsync.presets import PRESETS
 from shardsync.topology import Topology
+from shardsync.views import Host
 
 
 def _sglang_split(layers: int, stage: int, stages: int) -> tuple[int, int]:
@@ -50,11 +51,11 @@ def test_stages_hold_their_layers_and_ends(model) -> None:
 def test_p2p_plan_from_a_pipelined_trainer_into_a_pipelined_engine() -> None:
     spec = PRESETS["tiny-qwen3"]
     topo = Topology(spec, MegatronParallel(tp=2, pp=2), (EngineParallel(tp=2, pp=2), EngineParallel(tp=1)),
-                    engine_kind="sglang")
+                    host=Host("sglang"))
     assert topo.num_engine_ranks == 5 and topo.engine_rank_offset(1) == 4
     assert topo.p2p_plan.copies and topo.broadcast_plan.copies
     assert topo.fingerprint("p2p") != Topology(spec, topo.trainer, (EngineParallel(tp=2), EngineParallel(tp=1)),
-                                               engine_kind="sglang").fingerprint("p2p")
+                                               host=Host("sglang")).fingerprint("p2p")
 
 
 def test_impossible_stages_are_refused() -> None:

@@ -18,6 +18,7 @@ from shardsync.presets import PRESETS
 from shardsync.receiver.connect import check_connect, connect_request
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import Topology
+from shardsync.views import views_of
 
 SPEC = PRESETS["tiny-qwen3"]
 LORA = Lora(8, 16.0)
@@ -88,7 +89,7 @@ def test_an_fsdp2_trainer_s_adapter_is_split_by_rows() -> None:
     """PEFT under ``fully_shard``: each adapter tensor's rows over the shard group (torch.chunk)."""
     from shardsync.layout.fsdp2 import Fsdp2Parallel
 
-    lay = Topology(SPEC, Fsdp2Parallel(shard=2), lora=LORA).trainer_layout
+    lay = Topology(SPEC, Fsdp2Parallel(shard=2), views=views_of(None, LORA)).trainer_layout
     lay.validate()
     a = "model.layers.0.self_attn.q_proj.lora_A.weight"
     assert [r.tensor(a).shape for r in lay.ranks] == [(4, SPEC.hidden_size), (4, SPEC.hidden_size)]
@@ -96,8 +97,8 @@ def test_an_fsdp2_trainer_s_adapter_is_split_by_rows() -> None:
 
 
 def test_a_lora_topology_plans_the_adapter_alone() -> None:
-    topo = Topology(SPEC, MegatronParallel(tp=2), (EngineParallel(tp=2, dtype=SPEC.dtype),), lora=LORA)
-    whole = dataclasses.replace(topo, lora=None)
+    topo = Topology(SPEC, MegatronParallel(tp=2), (EngineParallel(tp=2, dtype=SPEC.dtype),), views=views_of(None, LORA))
+    whole = dataclasses.replace(topo, views=views_of(None, None))
     assert topo.engine_held == set(adapter_tensors(SPEC, LORA))
     assert sum(topo.p2p_plan.bytes_per_dst().values()) < 0.1 * sum(whole.p2p_plan.bytes_per_dst().values())
     assert topo.fingerprint("p2p") != whole.fingerprint("p2p")
@@ -136,7 +137,7 @@ def test_the_merge_lands_where_the_full_merge_would(tp: int) -> None:
 
 
 def test_an_engine_serving_another_adapter_refuses_the_connect() -> None:
-    topo = Topology(SPEC, MegatronParallel(tp=1), (EngineParallel(tp=1, dtype=SPEC.dtype),), lora=LORA)
+    topo = Topology(SPEC, MegatronParallel(tp=1), (EngineParallel(tp=1, dtype=SPEC.dtype),), views=views_of(None, LORA))
     rdv = Rendezvous("127.0.0.1", 1, 2, "x")
     req = connect_request(topo, 0, {"p2p": topo.fingerprint("p2p")}, rdv, bucket_bytes=1 << 20, credits=2,
                           ipc=None, control="store")

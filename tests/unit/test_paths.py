@@ -18,6 +18,7 @@ from shardsync.presets import PRESETS
 from shardsync.runtime.executor import BufferPool, Pooled, execute
 from shardsync.runtime.schedule import broadcast_steps, p2p_steps
 from shardsync.topology import Topology
+from shardsync.views import Host
 
 TOPOLOGIES = {
     "tp2-tp1": (MegatronParallel(tp=2), (1,)),
@@ -107,7 +108,7 @@ def test_registry_covers_every_mode_and_modes_are_typed() -> None:
 
 
 def test_fallback_names_the_failed_precondition() -> None:
-    topo = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1), engine_pp=2)
+    topo = Topology(PRESETS["tiny-qwen3"], MegatronParallel(tp=1), host=Host(pp=2))
     mode, why = choose_full(topo, "auto")
     assert mode is Mode.BROADCAST and "engine_pp_1" in why
     assert choose_full(_topo("tp2-tp1"), "auto") == (Mode.P2P, None)

@@ -27,7 +27,7 @@ from shardsync.layout import (
     logical_tensors,
     megatron_layout,
 )
-from shardsync.plan import Plan, build_plan, execute_local, make_buckets
+from shardsync.plan import Plan, Wire, build_plan, execute_local, make_buckets
 from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
 from tests.unit.reference_rules import (
@@ -508,8 +508,7 @@ MUTATIONS = ("add_engine", "norm_names", "wire_dtype", "vocab", "tie", "trainer_
 @given(cases(max_dp=2, max_engines=2), st.sampled_from(MUTATIONS))
 def test_fingerprint_stable_and_config_sensitive(case: Case, mutation: str) -> None:
     def fingerprint(c: Case, wire: str | None = None) -> str:
-        return build_plan(megatron_layout(c.spec, c.trainer), engines_layout(c),
-                          wire_dtype=wire).fingerprint
+        return build_plan(megatron_layout(c.spec, c.trainer), engines_layout(c), Wire(wire)).fingerprint
 
     fp = fingerprint(case)
     assert fp == fingerprint(Case(case.spec.replace(), case.trainer, tuple(case.engines)))

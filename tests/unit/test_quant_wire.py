@@ -11,10 +11,12 @@ import pytest
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
+from shardsync.layout.piece import Role
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format
-from shardsync.quant.wire import DERIVED, PER_WORD, WIDE, WORD, cells, twin_box, wide_copies
+from shardsync.quant.wire import DERIVED, PER_WORD, WIDE, WORD, cells, wide_copies
 from shardsync.topology import Topology
+from shardsync.views import Host, views_of
 from tests.fp8_straddle import STRADDLE
 
 DENSE, MOE, MLA = PRESETS["tiny-qwen3-fp8"], PRESETS["tiny-qwen3-moe-fp8"], PRESETS["tiny-deepseek-v3-fp8"]
@@ -29,7 +31,7 @@ ENGINES = {"tp1": EngineParallel(tp=1), "tp2": EngineParallel(tp=2), "tp4": Engi
 
 
 def _topo(spec, trainer, engine, fmt: str | None = "fp8") -> Topology:
-    return Topology(spec, trainer, (dataclasses.replace(engine, dtype=spec.dtype),), quantization=fmt)
+    return Topology(spec, trainer, (dataclasses.replace(engine, dtype=spec.dtype),), views=views_of(fmt))
 
 
 def _targets(topo: Topology) -> set[str]:
@@ -89,21 +91,23 @@ def test_only_the_blocks_a_shard_cuts_move_wide(trainer: str) -> None:
     assert k not in topo.fp8.sent and k not in topo.fp8.split
     rank = topo.engine_layouts[0].ranks[0]
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
-    assert rank.tensor(qkv).dtype == WORD
+    assert rank.tensor(qkv).dtype == WORD and rank.tensor(qkv).role is Role.WORDS
+    assert rank.tensor(qkv + "_scale_inv").role is Role.SCALES and rank.tensor(qkv + "_scale_inv").parent == qkv
     # q's middle block rows, k and v arrive wide, each into a twin of its box alone (a model-dtype
     # copy of just those rows); the scales of q's whole blocks only travel
     twins = {t.name: t for t in rank.tensors if t.name.startswith(qkv + WIDE)}
     assert sorted(twins) == [qkv + WIDE + "[128:256,0:256]", qkv + WIDE + "[384:512,0:256]",
                              qkv + WIDE + "[512:640,0:256]"]
     assert all(t.dtype == spec.dtype and t.shape == (128, 256) for t in twins.values())
-    assert [twin_box(n) for n in sorted(twins)][0] == (qkv, (128, 0), (128, 256)) and twin_box(qkv) is None
+    # what a twin stands for is in its fields: the tensor and the box's offsets (its sizes: its shape)
+    assert [(t.role, t.parent, t.at) for _, t in sorted(twins.items())][0] == (Role.TWIN, qkv, (128, 0))
     assert sorted((p.logical.rsplit(".", 1)[-1], p.local, p.local_offsets) for n in twins
                   for p in rank.pieces_of(n)) == [
         ("weight", qkv + WIDE + "[384:512,0:256]", (0, 0)), ("weight", qkv + WIDE + "[512:640,0:256]", (0, 0)),
         ("weight[128:256,0:256]", qkv + WIDE + "[128:256,0:256]", (0, 0))]
     # what the rank keeps in bf16 beside what it serves: those boxes (and at TP 2 o_proj's middle
     # block columns; FSDP2's row halves of o_proj are whole blocks), not the whole tensors
-    mixed = {box[0] for t in rank.tensors if (box := twin_box(t.name)) is not None}
+    mixed = {t.parent for t in rank.tensors if t.role is Role.TWIN}
     o_proj = 256 * 128 if trainer == "tp2" else 0
     assert wide_copies(rank) == spec.num_layers * (3 * 128 * 256 + o_proj)
     assert wide_copies(rank) <= 0.6 * sum(PER_WORD * rank.tensor(n).numel for n in mixed)
@@ -145,7 +149,7 @@ def test_per_channel_scales_of_a_column_shard_are_its_own() -> None:
 def test_unquantized_and_engine_quantizing_topologies_plan_as_before() -> None:
     plain = _topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2), None)
     assert plain.fp8 is None and plain.trainer_layout is plain.trainer_base
-    hosted = dataclasses.replace(_topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2)), engine_kind="vllm")
+    hosted = dataclasses.replace(_topo(DENSE, MegatronParallel(tp=2), EngineParallel(tp=2)), host=Host("vllm"))
     assert hosted.fp8 is None  # an engine without shardsync's receiver loads whole tensors
-    sglang = dataclasses.replace(hosted, engine_kind="sglang")  # its host writes SGLang's FP8 parameters
+    sglang = dataclasses.replace(hosted, host=Host("sglang"))  # its host writes SGLang's FP8 parameters
     assert sglang.fp8 is not None and sglang.fp8.sent

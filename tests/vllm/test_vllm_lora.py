@@ -25,6 +25,7 @@ from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.receiver import peft_dir
 from shardsync.sync import WeightSync
+from shardsync.views import views_of
 from tests.dist._peft import grpo_step, lora_trainer, peft_greedy, whole_model_refusal
 from tests.dist._world import free_port, run_world
 from tests.dist.test_lora_sync import _merge
@@ -162,7 +163,7 @@ def _dies_mid_update(rank: int, world: int, port: int, url: str, out) -> None:
 
     par = MegatronParallel(tp=world, dtype="float32")
     join_trainer(rank, world, port, SPEC, par, seed=0)
-    params = load_rank(Topology(SPEC, par, lora=LORA).trainer_layout, rank,
+    params = load_rank(Topology(SPEC, par, views=views_of(None, LORA)).trainer_layout, rank,
                        random_source(SPEC, 50, shapes=adapter_tensors(SPEC, LORA)))
     sync = WeightSync(SPEC, par, rank, params, [url],
                       SyncConfig(lora=LORA, control=ControlConfig(channel="vllm", token=TOKEN),

@@ -1,0 +1,197 @@
+"""The weight view seam: what a rank holds, re-expressed without touching plans, buckets, the
+executor or the transports.
+
+A ``WeightView`` may replace the tensors every layout holds (an adapter's A/B instead of the
+base), refuse the shard-level path for the engines at hand, and, once the topology's base
+layouts exist, ``bind`` to them: the bound view (``BoundView``) retypes the trainer layout (and says
+what each trainer rank derives before a send), retypes each engine layout and the whole-tensor
+one, adds the raw dtypes and scale rules the plans carry, and says one line on what it does.
+``Views`` composes views in order, as torchtitan's model converters are: each hook gets the
+previous view's answer.  Every hook defaults to leaving things as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+
+from shardsync.layout.engine import EngineParallel
+from shardsync.layout.fsdp2 import Fsdp2Parallel
+from shardsync.layout.megatron import MegatronParallel
+from shardsync.layout.piece import Box, Layout
+from shardsync.plan.plan import Scaled
+from shardsync.quant.source import SourceQuantizer
+from shardsync.quant.wire import Derived
+from shardsync.spec import ModelSpec
+
+TrainerParallel = MegatronParallel | Fsdp2Parallel
+Derivations = tuple[tuple[Derived, ...], ...]  # per trainer rank: what it derives before a send
+
+
+@dataclass(frozen=True)
+class Host:
+    """How the engines of one topology host shardsync's receiver, as their facts say: their kind
+    (``reference``, ``sglang``, ``vllm``, or one shardsync does not know) and the pipeline depth
+    an engine reports whose layout has no stages (its shard-level path is refused)."""
+
+    kind: str = "reference"
+    pp: int = 1
+
+
+class Bases(Protocol):
+    """What a view binds to: a topology's model, engine host, wire dtype and base layouts (the
+    tensors the trainer's ``params`` and each engine hold, before any view retyped them)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def host(self) -> Host: ...
+
+    @property
+    def wire_dtype(self) -> str: ...
+
+    @property
+    def trainer_base(self) -> Layout: ...
+
+    @property
+    def engine_bases(self) -> tuple[Layout, ...]: ...
+
+
+class BoundView:
+    """A view bound to one topology's base layouts: how the plans carry what it re-expresses."""
+
+    def trainer(self, layout: Layout, derived: Derivations) -> tuple[Layout, Derivations]:
+        """The trainer layout as the plans read it, and per rank what it derives before a send."""
+        return layout, derived
+
+    def engine(self, layout: Layout) -> Layout:
+        """An engine's (or the whole-tensor) layout as the plans write it."""
+        return layout
+
+    def raw(self, raw: dict[str, str]) -> dict[str, str]:
+        """Logical tensors that move as their own bits (``layout/raw.py``), and in which dtype."""
+        return raw
+
+    def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
+        """BoundView tensors whose blocks ride with their scales (``plan.Scaled``)."""
+        return {}
+
+    def deriver(self, derived: Sequence[Derived], params: Mapping[str, torch.Tensor], *,
+                count: bool) -> SourceQuantizer | None:
+        """What derives trainer rank's tensors (``derived``: its share of ``trainer``) from its
+        ``params`` before each send (None: nothing to derive)."""
+        return None
+
+    def summary(self, engines: Sequence[Layout], itemsize: int) -> str | None:
+        """One line on what the view moves (``shardsync plan``), or None."""
+        return None
+
+
+class WeightView:
+    """One declared way of re-expressing the weights a sync moves (see the module)."""
+
+    def trainer_base(self, spec: ModelSpec, trainer: TrainerParallel, inner: Callable[[], Layout]) -> Layout:
+        """The tensors the trainer's ``params`` hold (``inner``: what they would be without this view)."""
+        return inner()
+
+    def engine_base(self, spec: ModelSpec, engine: EngineParallel, inner: Callable[[], Layout]) -> Layout:
+        return inner()
+
+    def full_base(self, spec: ModelSpec, dtype: str, replicas: int, inner: Callable[[], Layout]) -> Layout:
+        return inner()
+
+    def refusal(self, spec: ModelSpec, host: Host) -> str | None:
+        """Why shard-level syncs cannot serve these engines with this view (None: they can)."""
+        return None
+
+    def bind(self, topo: Bases) -> BoundView:
+        """This view on the wire of ``topo`` (its base layouts built when first read)."""
+        return BoundView()
+
+
+V = TypeVar("V", bound=WeightView)
+W = TypeVar("W", bound=BoundView)
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class Views:
+    """Views applied in order; the topology's one place where views meet layouts."""
+
+    views: tuple[WeightView, ...] = ()
+
+    def find(self, kind: type[V]) -> V | None:
+        """The view of ``kind`` among these (None: not composed here)."""
+        return next((v for v in self.views if isinstance(v, kind)), None)
+
+    def trainer_base(self, spec: ModelSpec, trainer: TrainerParallel, inner: Callable[[], Layout]) -> Layout:
+        for v in self.views:
+            inner = _bound(v.trainer_base, spec, trainer, inner)
+        return inner()
+
+    def engine_base(self, spec: ModelSpec, engine: EngineParallel, inner: Callable[[], Layout]) -> Layout:
+        for v in self.views:
+            inner = _bound(v.engine_base, spec, engine, inner)
+        return inner()
+
+    def full_base(self, spec: ModelSpec, dtype: str, replicas: int, inner: Callable[[], Layout]) -> Layout:
+        for v in self.views:
+            inner = _bound2(v.full_base, spec, dtype, replicas, inner)
+        return inner()
+
+    def refusal(self, spec: ModelSpec, host: Host) -> str | None:
+        return next((r for v in self.views if (r := v.refusal(spec, host)) is not None), None)
+
+    def bind(self, topo: Bases) -> BoundViews:
+        return BoundViews(tuple(v.bind(topo) for v in self.views))
+
+
+def _bound(hook: Callable[[ModelSpec, P, Callable[[], Layout]], Layout], spec: ModelSpec, par: P,
+           inner: Callable[[], Layout]) -> Callable[[], Layout]:
+    return lambda: hook(spec, par, inner)
+
+
+def _bound2(hook: Callable[[ModelSpec, str, int, Callable[[], Layout]], Layout], spec: ModelSpec, dtype: str,
+            replicas: int, inner: Callable[[], Layout]) -> Callable[[], Layout]:
+    return lambda: hook(spec, dtype, replicas, inner)
+
+
+@dataclass(frozen=True)
+class BoundViews(BoundView):
+    """BoundViews views composed in order: itself a ``BoundView``."""
+
+    wires: tuple[BoundView, ...] = ()
+
+    def trainer(self, layout: Layout, derived: Derivations) -> tuple[Layout, Derivations]:
+        for w in self.wires:
+            layout, derived = w.trainer(layout, derived)
+        return layout, derived
+
+    def engine(self, layout: Layout) -> Layout:
+        for w in self.wires:
+            layout = w.engine(layout)
+        return layout
+
+    def raw(self, raw: dict[str, str]) -> dict[str, str]:
+        for w in self.wires:
+            raw = w.raw(raw)
+        return raw
+
+    def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
+        return {k: v for w in self.wires for k, v in w.scaled(logical).items()}
+
+    def deriver(self, derived: Sequence[Derived], params: Mapping[str, torch.Tensor], *,
+                count: bool) -> SourceQuantizer | None:
+        return next((d for w in self.wires if (d := w.deriver(derived, params, count=count)) is not None), None)
+
+    def find(self, kind: type[W]) -> W | None:
+        """The bound view of ``kind`` (None: no view bound so)."""
+        return next((w for w in self.wires if isinstance(w, kind)), None)
+
+    def summary(self, engines: Sequence[Layout], itemsize: int) -> str | None:
+        lines = [s for w in self.wires if (s := w.summary(engines, itemsize)) is not None]
+        return "\n".join(lines) or None
