@@ -32,7 +32,7 @@ from shardsync.plan import Plan, build_plan
 from shardsync.plan.plan import Scaled, Wire, dtype_itemsize
 from shardsync.quant.wire import Derived, Fp8Wire
 from shardsync.spec import ModelSpec
-from shardsync.views import AdapterBound, AdapterView, BoundViews, Fp8Bound, Host, Views
+from shardsync.views import AdapterBound, BoundViews, Fp8Bound, Host, Views
 
 ENGINE_KINDS = ("reference", "sglang", "vllm")
 STAGED_KINDS = ("sglang",)  # engine kinds whose ranks receive per pipeline stage
@@ -92,8 +92,7 @@ class Topology:
     @property
     def lora(self) -> Lora | None:
         """The adapter every layout holds alone (None: the whole model)."""
-        hit = self.views.find(AdapterView)
-        return None if hit is None else hit.lora
+        return self.views.lora
 
     @cached_property
     def _trainer_views(self) -> tuple[Layout, tuple[tuple[Derived, ...], ...]]:

@@ -67,9 +67,9 @@ class WeightService:
     def info(self) -> InfoResponse:
         return InfoResponse(spec=spec_to_dict(self.worker.spec), tp=self.worker.tp, ep=self.worker.ep,
                             dtype=self.worker.dtype, weight_version=self.session.version, stale=self.session.stale,
-                            lora=None if self.worker.model.lora is None
-                            else LoraMsg.model_validate(self.worker.model.lora.to_dict()),
-                            **{"quantization": self.worker.quantization, **self.facts})
+                            lora=None if (lora := self.worker.views.lora) is None
+                            else LoraMsg.model_validate(lora.to_dict()),
+                            **{"quantization": self.worker.views.quantization, **self.facts})
 
     def version(self) -> VersionResponse:
         return VersionResponse(weight_version=self.session.version, stale=self.session.stale,
@@ -77,8 +77,7 @@ class WeightService:
 
     def connect(self, req: ConnectRequest) -> dict[str, Any]:
         fingerprints = check_connect(req, self.worker.spec, self.worker.tp, self.worker.dtype, self.worker.ep,
-                                     staging=self.worker.receiver.unpushable, quantization=self.worker.quantization,
-                                     lora=self.worker.model.lora)
+                                     staging=self.worker.receiver.unpushable, views=self.worker.views)
         self.session.offer(req, fingerprints)
         return {"ok": True, "fingerprints": fingerprints}
 

@@ -23,9 +23,10 @@ from shardsync.paths import UpdateArgs
 from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts
 from shardsync.receiver.merged import Merged
-from shardsync.receiver.quantized import Quantized
+from shardsync.receiver.viewed import EngineRank, wrap
 from shardsync.runtime.ledger import RankReport
 from shardsync.spec import ModelSpec
+from shardsync.views import views_of
 from shardsync.vocab import Commit, Op
 
 SHARD = -1  # staging_bytes: exactly one copy of the rank's shard
@@ -63,13 +64,13 @@ class EngineWorker:
         for p in model.parameters():
             p.requires_grad_(False)
         self.ep = model.ep
-        self.destination = destination_of(model, rank, staging_bytes)
-        if model.quantization is not None:  # the trainer's bytes land wide; this rank quantizes them
-            self.destination = Quantized(self.destination, model.targets, model.quantization,
-                                         dtype=model.dtype, device=model.device)
+        # what this engine serves (an FP8 format, an adapter): the trainer composes the same views
+        self.views = views_of(model.quantization, model.lora)
+        self.destination = wrap(self.views, destination_of(model, rank, staging_bytes),
+                                EngineRank(model.spec, model.layout.ranks[rank], model.dtype, model.device))
         self.staging: Staged | None = self.destination.staged()
         self.receiver = Receiver(model.spec, rank, tp, self.destination, dtype=model.dtype, device=model.device,
-                                 secret=secret, ep=model.ep, quantization=self.quantization, lora=model.lora)
+                                 secret=secret, ep=model.ep, views=self.views)
         self.seqs: dict[int, Decoding] = {}  # sequences being generated, by the dispatcher's id
         self.notify: Notify | None = None  # where a staged receive reports (set by the host)
         self._stage: threading.Thread | None = None
@@ -91,11 +92,6 @@ class EngineWorker:
     @property
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
-
-    @property
-    def quantization(self) -> str | None:
-        """The FP8 format this engine serves (its name), None when unquantized."""
-        return None if self.model.quantization is None else self.model.quantization.name
 
     # -- commands (each one is called on every worker, in the same order) --
 

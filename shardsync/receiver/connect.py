@@ -14,7 +14,7 @@ from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.topology import Topology
-from shardsync.views import views_of
+from shardsync.views import NO_VIEWS, Views
 from shardsync.vocab import Channel, DeltaTransport, Ipc
 
 
@@ -56,9 +56,15 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
     })
 
 
-def topology_from_connect(req: ConnectRequest, dtype: str, quantization: str | None = None) -> Topology:
-    """The topology a connect request describes, with this engine's wire dtype and quantization
-    (an FP8 engine's plans carry its weights quantized: ``quant.wire``)."""
+def lora_of(req: ConnectRequest) -> Lora | None:
+    """The adapter a connect request syncs alone (None: the whole model)."""
+    return None if req.lora is None else Lora.from_dict(req.lora.model_dump())
+
+
+def topology_from_connect(req: ConnectRequest, dtype: str, views: Views = NO_VIEWS) -> Topology:
+    """The topology a connect request describes, with this engine's wire dtype and the views it
+    serves (an FP8 engine's plans carry its weights quantized: ``quant.wire``); the caller checked
+    that the request's adapter is the one ``views`` hold (``lora_of``)."""
     spec = spec_from_dict(req.spec).replace(dtype=dtype)
     t = req.trainer.model_dump()
     kind, shard, replicate = t.pop("kind"), t.pop("shard"), t.pop("replicate")
@@ -80,8 +86,7 @@ def topology_from_connect(req: ConnectRequest, dtype: str, quantization: str | N
         raise ValueError(f"engine_variants names {len(variants)} engines, engines {len(req.engines)}")
     engines = tuple(EngineParallel(tp=tp, ep=ep, pp=pp, dtype=dtype, whole=w, variants=frozenset(v))
                     for tp, ep, pp, w, v in zip(req.engines, eps, pps, whole, variants, strict=True))
-    lora = None if req.lora is None else Lora.from_dict(req.lora.model_dump())
-    return Topology(spec, trainer, engines, views=views_of(quantization, lora), relay=req.relay)
+    return Topology(spec, trainer, engines, views=views, relay=req.relay)
 
 
 PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engine receives into {where}: "
@@ -91,13 +96,12 @@ PUSH_NEEDS_STAGING = ("ipc='push' writes an engine's staging copy, and this engi
 
 def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep: int = 1,
                   pp: int = 1, *, staging: str | None = None,
-                  variants: frozenset[str] = frozenset(), quantization: str | None = None,
-                  lora: Lora | None = None) -> dict[str, str]:
+                  variants: frozenset[str] = frozenset(), views: Views = NO_VIEWS) -> dict[str, str]:
     """This engine's fingerprints of the plans ``req`` names; a ``SessionError`` saying what
     differs when trainer and engine disagree (nothing is joined or changed).  ``staging``:
     where this engine receives, unless it stages whole shards (what a push needs); ``variants``:
-    this engine's layout variants, which the plan must have been made for; ``quantization``: the
-    FP8 format it serves; ``lora``: the adapter it serves (an adapter sync must name the same one)."""
+    this engine's layout variants, which the plan must have been made for; ``views``: what it
+    serves (its FP8 format; its adapter, which an adapter sync must name)."""
     if req.protocol != PROTOCOL_VERSION:
         raise Conflict(f"protocol {req.protocol} != engine protocol {PROTOCOL_VERSION}")
     if req.ipc is Ipc.PUSH and staging is not None:
@@ -110,14 +114,18 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
         raise Conflict(f"trainer model {theirs.name} differs from this engine's {spec.name}: sync "
                        "needs identical architectures")
     try:
-        topo = topology_from_connect(req, dtype, quantization)
+        theirs_lora = lora_of(req)
+    except (TypeError, ValueError) as e:
+        raise Invalid(f"cannot read the trainer's adapter: {e}") from None
+    lora = views.lora
+    if theirs_lora != lora:
+        raise Conflict(f"the trainer syncs {'no adapter' if theirs_lora is None else f'adapter {theirs_lora}'}, "
+                       f"this engine serves {'no adapter' if lora is None else f'adapter {lora}'}: start the "
+                       "engine with the trainer's LoRA rank, alpha and targets (or connect a full-model sync)")
+    try:
+        topo = topology_from_connect(req, dtype, views)
     except (TypeError, ValueError) as e:
         raise Invalid(f"cannot build the sync topology: {e}") from None
-    if topo.lora != lora:
-        theirs_lora = "no adapter" if topo.lora is None else f"adapter {topo.lora}"
-        raise Conflict(f"the trainer syncs {theirs_lora}, this engine serves "
-                       f"{'no adapter' if lora is None else f'adapter {lora}'}: start the engine with the "
-                       "trainer's LoRA rank, alpha and targets (or connect a full-model sync)")
     declared = req.engines[req.engine_index] if req.engine_index < len(req.engines) else None
     if declared != tp:
         raise Conflict(f"engine {req.engine_index} declared with TP {declared if declared else '?'}, "
@@ -145,9 +153,9 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
         except ValueError as e:
             raise Conflict(f"{mode} plan cannot be built here: {e}") from None
         if mine[mode] != fp:
-            served = "" if quantization is None else (
-                f" (this engine serves {quantization}: the trainer plans FP8 when the engine reports it, e.g. "
-                "SGLang started with --quantization fp8)")
+            served = "" if views.quantization is None else (
+                f" (this engine serves {views.quantization}: the trainer plans FP8 when the engine reports it, "
+                "e.g. SGLang started with --quantization fp8)")
             raise Conflict(f"{mode} plan fingerprint mismatch: trainer {fp}, engine {mine[mode]}; "
                            f"trainer and engine disagree on the layouts{served}")
     return mine

@@ -36,16 +36,16 @@ from shardsync.dtypes import dtype_name
 from shardsync.lora import Lora
 from shardsync.mode import Mode
 from shardsync.paths import UpdateArgs
-from shardsync.quant import Fp8Format, quantized
-from shardsync.receiver.connect import check_connect
+from shardsync.receiver.connect import check_connect, lora_of
 from shardsync.receiver.destination import Destination, Loader, Params, Slice
-from shardsync.receiver.quantized import Quantized
 from shardsync.receiver.receiver import Receiver, engine_rank
+from shardsync.receiver.viewed import EngineRank, loader_refusal, wrap
 from shardsync.runtime.ledger import RankReport, UpdateResult
 from shardsync.spec import ModelSpec
 from shardsync.store import auth
 from shardsync.store.keys import Keys
 from shardsync.store.sealed import put
+from shardsync.views import NO_VIEWS, Views
 from shardsync.vocab import Reason, Refused
 
 log = logging.getLogger(__name__)
@@ -71,25 +71,24 @@ def hosted_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, *, whole: bool,
                     params: Callable[[], Mapping[str, torch.Tensor]], load: Callable[[Iterator[Slice]], None],
                     dtype: torch.dtype, device: torch.device | str, secret: str, ep: int = 1,
                     pp_rank: int = 0, pp: int = 1, variants: frozenset[str] = frozenset(),
-                    quantization: Fp8Format | None = None) -> Receiver:
+                    views: Views = NO_VIEWS) -> Receiver:
     """One rank's receiver inside a hosting engine (vLLM, SGLang): shards land in place in the
     engine's parameters (``params()``) when they are shardsync's engine layout (``in_place``)
     and the trainer plans shards; whole tensors, or parameters the engine repacks, go through
-    the engine's own loader (``load``), which shards them itself.  ``quantization``: the FP8
-    format the parameters hold (shards in place only: ``receiver.quantized``)."""
+    the engine's own loader (``load``), which shards them itself.  ``views``: what the parameters
+    serve (an FP8 format: shards in place only, ``receiver.viewed``)."""
     layout, rank = engine_rank(spec, tp_rank, tp_size, dtype_name=dtype_name(dtype), whole=whole, ep=ep,
-                               pp_rank=pp_rank, pp=pp, variants=variants)
+                               pp_rank=pp_rank, pp=pp, variants=variants, views=views)
+    dest: Destination
     if in_place and not whole:
-        dest: Destination = Params(params())
-        if quantization is not None:
-            dest = Quantized(dest, quantized(rank, spec, quantization), quantization, dtype=dtype, device=device)
-    elif quantization is not None:
-        raise ValueError(f"an FP8 engine ({quantization.name}) receives shards into its parameters in place only")
+        dest = wrap(views, Params(params()), EngineRank(spec, rank, dtype, device))
     else:
+        refused = loader_refusal(views)
+        if refused is not None:
+            raise ValueError(refused)
         dest = Loader(rank, layout.logical, load, dtype=dtype, device=device)
     return Receiver(spec, tp_rank, tp_size, dest, dtype=dtype, device=device, secret=secret, whole=whole, ep=ep,
-                    pp_rank=pp_rank, pp=pp, variants=variants,
-                    quantization=None if quantization is None else quantization.name)
+                    pp_rank=pp_rank, pp=pp, variants=variants, views=views)
 
 
 class HostedRank:
@@ -140,10 +139,10 @@ class HostedRank:
             raise Refused(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: planned with layout variants "
                           f"{sorted(planned)}, its parameters are {sorted(self.variants)}", Reason.LAYOUT_MISMATCH,
                           {req.engine_index: sorted(self.variants)})
-        rx = self._receiver_for(whole, None if req.lora is None else Lora.from_dict(req.lora.model_dump()))
+        rx = self._receiver_for(whole, lora_of(req))
         return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp,
                                       staging=rx.unpushable, variants=frozenset() if whole else self.variants,
-                                      quantization=rx.quantization, lora=rx.lora)
+                                      views=rx.views)
 
     def join(self, connect: dict, mac: str | None, *, session_open: bool = False) -> None:
         """Check, then join the sync group (bounded); tells the trainer whether an update

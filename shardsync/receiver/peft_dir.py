@@ -24,6 +24,7 @@ from shardsync.plan.local import region
 from shardsync.receiver.destination import Loader, Slice
 from shardsync.receiver.receiver import Receiver, engine_rank
 from shardsync.spec import ModelSpec
+from shardsync.views import views_of
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -122,6 +123,7 @@ def adapter_receiver(spec: ModelSpec, tp_rank: int, tp_size: int, root: str | Pa
     if served != lora:
         raise ValueError(f"the trainer syncs adapter {lora}, {engine}'s adapter directory {root} holds adapter "
                          f"{served}: start {engine} on an adapter of the trainer's rank, alpha and targets")
-    layout, rank = engine_rank(spec, tp_rank, tp_size, dtype_name=dtype_name(dtype), whole=True, lora=lora)
+    views = views_of(None, lora)
+    layout, rank = engine_rank(spec, tp_rank, tp_size, dtype_name=dtype_name(dtype), whole=True, views=views)
     dest = Loader(rank, layout.logical, writer(root, write=tp_rank == 0), dtype=dtype, device="cpu")
-    return Receiver(spec, tp_rank, tp_size, dest, dtype=dtype, device="cpu", secret=secret, whole=True, lora=lora)
+    return Receiver(spec, tp_rank, tp_size, dest, dtype=dtype, device="cpu", secret=secret, whole=True, views=views)

@@ -20,11 +20,10 @@ from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.layout.piece import Layout, RankLayout, addressed
-from shardsync.lora import Lora, engine_adapter_layout
 from shardsync.mode import Mode
 from shardsync.paths import Colocated, Endpoint, Program, UpdateArgs, compile_path, connection_modes, release
 from shardsync.paths.disk import DiskApply
-from shardsync.receiver.connect import PUSH_NEEDS_STAGING, topology_from_connect
+from shardsync.receiver.connect import PUSH_NEEDS_STAGING, lora_of, topology_from_connect
 from shardsync.receiver.destination import Destination
 from shardsync.runtime.checksum import BoxKey, piece_checksums
 from shardsync.runtime.gated import Gated
@@ -35,6 +34,7 @@ from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous
 from shardsync.transport.colocated.push_receiver import Staging
 from shardsync.transport.group import SyncGroup
+from shardsync.views import NO_VIEWS, Views
 from shardsync.vocab import Ipc
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,14 @@ log = logging.getLogger(__name__)
 
 def engine_rank(spec: ModelSpec, tp_rank: int, tp_size: int, *, dtype_name: str, whole: bool = False, ep: int = 1,
                 pp_rank: int = 0, pp: int = 1, variants: frozenset[str] = frozenset(),
-                lora: Lora | None = None) -> tuple[Layout, RankLayout]:
+                views: Views = NO_VIEWS) -> tuple[Layout, RankLayout]:
     """The engine layout of ``spec`` in ``dtype_name`` and the pieces rank ``(pp_rank, tp_rank)``
     holds (stage-major): what a receiver writes, and what a host checks its parameters against
-    (``lora``: the adapter's tensors alone)."""
+    (``views``: what the engine serves, e.g. an adapter's tensors alone)."""
     par = EngineParallel(tp=tp_size, ep=ep, pp=pp, dtype=dtype_name, whole=whole,
                          variants=frozenset() if whole else variants)
     spec = spec.replace(dtype=dtype_name)
-    layout = engine_layout(spec, par) if lora is None else engine_adapter_layout(spec, lora, par)
+    layout = views.engine_base(spec, par, lambda: engine_layout(spec, par))
     return layout, layout.ranks[pp_rank * tp_size + tp_rank]
 
 
@@ -60,19 +60,19 @@ class Receiver:
     def __init__(self, spec: ModelSpec, tp_rank: int, tp_size: int, destination: Destination, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu", secret: str,
                  whole: bool = False, ep: int = 1, pp_rank: int = 0, pp: int = 1,
-                 variants: frozenset[str] = frozenset(), quantization: str | None = None,
-                 lora: Lora | None = None) -> None:
+                 variants: frozenset[str] = frozenset(), views: Views = NO_VIEWS) -> None:
         self.spec, self.tp_rank, self.tp_size, self.whole, self.ep = spec, tp_rank, tp_size, whole, ep
-        self.lora = lora  # the adapter this rank serves: it joins adapter syncs of that adapter only
+        # what this rank serves (an FP8 format: plans carry those weights quantized; an adapter: it
+        # joins syncs of that adapter only); the trainer composes the same views from its facts
+        self.views = views
         self.pp_rank, self.pp = pp_rank, pp
-        self.quantization = quantization  # the FP8 format served: plans carry those weights quantized
         self.index = pp_rank * tp_size + tp_rank  # this rank among the engine's (stage-major)
         self.destination = destination
         self._secret = secret  # the trainer signs the store values this rank acts on
         self.dtype, self.device = dtype, torch.device(device)
         self.dtype_name = dtype_name(dtype)
         self.layout, self.rank_layout = engine_rank(spec, tp_rank, tp_size, dtype_name=self.dtype_name, whole=whole,
-                                                    ep=ep, pp_rank=pp_rank, pp=pp, variants=variants, lora=lora)
+                                                    ep=ep, pp_rank=pp_rank, pp=pp, variants=variants, views=views)
         self._meta = {t.name: t for t in self.rank_layout.tensors}
         self._views: dict[int, tuple[object, Mapping[str, torch.Tensor]]] = {}  # id(mapping) -> views
         self.group: SyncGroup | None = None
@@ -108,9 +108,9 @@ class Receiver:
         """Join the sync group ``req`` names (blocks, bounded, until every member is in);
         returns this rank's sync rank.  A join that fails leaves the current connection as
         it was and releases what it built."""
-        topo = topology_from_connect(req, self.dtype_name, self.quantization)
-        if topo.lora != self.lora:
-            raise ValueError(f"the trainer syncs adapter {topo.lora}, this receiver holds adapter {self.lora}")
+        if lora_of(req) != self.views.lora:
+            raise ValueError(f"the trainer syncs adapter {lora_of(req)}, this receiver holds adapter {self.views.lora}")
+        topo = topology_from_connect(req, self.dtype_name, self.views)
         if topo.engines[req.engine_index].whole != self.whole:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "
                              f"engine, this receiver holds {'whole' if self.whole else 'sharded'} ones")

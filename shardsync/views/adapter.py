@@ -30,6 +30,9 @@ class AdapterView(WeightView):
 
     lora: Lora
 
+    def adapter(self) -> Lora | None:
+        return self.lora
+
     def trainer_base(self, spec: ModelSpec, trainer: TrainerParallel, inner: Callable[[], Layout]) -> Layout:
         if isinstance(trainer, Fsdp2Parallel):
             return fsdp2_adapter_layout(spec, self.lora, trainer)

@@ -22,6 +22,7 @@ from shardsync.layout.engine import EngineParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
 from shardsync.layout.megatron import MegatronParallel
 from shardsync.layout.piece import Box, Layout
+from shardsync.lora.config import Lora
 from shardsync.plan.plan import Scaled
 from shardsync.quant.source import SourceQuantizer
 from shardsync.quant.wire import Derived
@@ -108,6 +109,14 @@ class WeightView:
         """Why shard-level syncs cannot serve these engines with this view (None: they can)."""
         return None
 
+    def quantization(self) -> str | None:
+        """The quantization an engine serving this view reports in its facts (None: none)."""
+        return None
+
+    def adapter(self) -> Lora | None:
+        """The adapter an engine serving this view reports, and a sync of it moves alone (None: none)."""
+        return None
+
     def bind(self, topo: Bases) -> BoundView:
         """This view on the wire of ``topo`` (its base layouts built when first read)."""
         return BoundView()
@@ -146,8 +155,21 @@ class Views:
     def refusal(self, spec: ModelSpec, host: Host) -> str | None:
         return next((r for v in self.views if (r := v.refusal(spec, host)) is not None), None)
 
+    @property
+    def quantization(self) -> str | None:
+        """What an engine serving these views reports as its quantization (``InfoResponse``)."""
+        return next((q for v in self.views if (q := v.quantization()) is not None), None)
+
+    @property
+    def lora(self) -> Lora | None:
+        """The adapter these views hold alone (None: the whole model)."""
+        return next((a for v in self.views if (a := v.adapter()) is not None), None)
+
     def bind(self, topo: Bases) -> BoundViews:
         return BoundViews(tuple(v.bind(topo) for v in self.views))
+
+
+NO_VIEWS = Views()  # the whole model, as the engine's dtype holds it
 
 
 def _bound(hook: Callable[[ModelSpec, P, Callable[[], Layout]], Layout], spec: ModelSpec, par: P,

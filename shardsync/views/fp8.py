@@ -31,6 +31,9 @@ class Fp8View(WeightView):
     def refusal(self, spec: ModelSpec, host: Host) -> str | None:
         return _refusal(self.fmt.name, host)
 
+    def quantization(self) -> str | None:
+        return self.fmt.name
+
     def bind(self, topo: Bases) -> BoundView:
         if topo.host.kind not in RECEIVER_QUANTIZES:
             return BoundView()
@@ -58,6 +61,9 @@ class ServedQuantized(WeightView):
 
     def refusal(self, spec: ModelSpec, host: Host) -> str | None:
         return _refusal(self.name, host)
+
+    def quantization(self) -> str | None:
+        return self.name
 
 
 @dataclass(frozen=True)

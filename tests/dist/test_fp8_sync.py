@@ -103,7 +103,7 @@ def _world(rank: int, world: int, port: int, case: tuple, out) -> None:
     inner = Staged(live) if staged else Params(live)
     dest = Quantized(inner, targets, FMT, dtype=dtype)
     receiver = Receiver(spec, tp_rank, engine_tp, dest, dtype=dtype, secret=SECRET, ep=engine_ep,
-                        quantization=FMT.name)
+                        views=views_of(FMT.name))
     fps = {m: topo.fingerprint(m) for m in ("p2p", "broadcast")}
     req = connect_request(topo, 0, fps, rdv, bucket_bytes=64 * 1024, credits=2, ipc=None, control="store")
     receiver.join(req)

@@ -110,7 +110,7 @@ def _world(rank: int, world: int, port: int, sync_port: int, engine_tp: int, sta
     engine.load_source(_base())
     base = {n: p.clone() for n, p in engine.named_parameters() if not n.startswith("adapter.")}
     dest = destination_of(engine, tp_rank, SHARD if staged else 0)
-    receiver = Receiver(SPEC, tp_rank, engine_tp, dest, dtype=torch.float32, secret=SECRET, lora=LORA)
+    receiver = Receiver(SPEC, tp_rank, engine_tp, dest, dtype=torch.float32, secret=SECRET, views=views_of(None, LORA))
     req = connect_request(topo, 0, {m.value: topo.fingerprint(m.value) for m in set(MODES)}, rdv,
                           bucket_bytes=16 * 1024, credits=2, ipc=None, control="store")
     receiver.join(req)

@@ -141,7 +141,7 @@ def test_an_engine_serving_another_adapter_refuses_the_connect() -> None:
     rdv = Rendezvous("127.0.0.1", 1, 2, "x")
     req = connect_request(topo, 0, {"p2p": topo.fingerprint("p2p")}, rdv, bucket_bytes=1 << 20, credits=2,
                           ipc=None, control="store")
-    assert check_connect(req, SPEC, 1, SPEC.dtype, lora=LORA) == {"p2p": topo.fingerprint("p2p")}
+    assert check_connect(req, SPEC, 1, SPEC.dtype, views=views_of(None, LORA)) == {"p2p": topo.fingerprint("p2p")}
     for served in (None, Lora(16, 32.0)):
         with pytest.raises(Conflict, match="--lora-rank|this engine serves"):
-            check_connect(req, SPEC, 1, SPEC.dtype, lora=served)
+            check_connect(req, SPEC, 1, SPEC.dtype, views=views_of(None, served))

@@ -36,6 +36,7 @@ from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.store.sealed import put
 from shardsync.store.secret import load_secret
+from shardsync.views import views_of
 from shardsync.vocab import Reason, Refused
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class SglangHost:
             self._receivers[whole] = hosted_receiver(
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=True, params=self._live,
                 load=sglang_loader(self.model), dtype=self.dtype, device=self.device, secret=self.secret, ep=self.ep,
-                pp_rank=self.pp_rank, pp=self.pp, variants=self.variants, quantization=self.fmt)
+                pp_rank=self.pp_rank, pp=self.pp, variants=self.variants, views=views_of(self.fmt))
         return self._receivers[whole]
 
     def _live(self) -> dict[str, torch.Tensor]:
