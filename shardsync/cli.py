@@ -48,6 +48,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     spec = load_spec(args.model, dtype=args.dtype)
     try:
+        trainer: MegatronParallel | Fsdp2Parallel
         if args.trainer == "fsdp2":  # --trainer-dp ranks shard every tensor; --trainer-replicate copies (HSDP)
             trainer = Fsdp2Parallel(shard=args.trainer_dp, replicate=args.trainer_replicate)
         else:
@@ -79,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    if trainer.kind == "fsdp2":
+    if isinstance(trainer, Fsdp2Parallel):
         desc = f"FSDP2 shard {trainer.shard}" + (f" x replicate {trainer.replicate}" if trainer.replicate > 1 else "")
     else:
         experts = f" EP{trainer.ep} ETP{trainer.expert_tp}" if spec.is_moe else ""

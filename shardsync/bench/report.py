@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from shardsync.bench.provenance import Provenance, check
 from shardsync.bench.sweep import BenchConfig, MiB
@@ -16,8 +17,8 @@ REPORT_VERSION = 1
 def build(cfg: BenchConfig, layout: BenchLayout, results: list[dict], env: dict) -> dict:
     """The report; raises ``ProvenanceError`` if any result's timings cannot be proven."""
     for r in results:
-        check(Provenance(**{k: tuple(v) if k == "sync_points" else v for k, v in r["provenance"].items()}),
-              r["label"])
+        fields: dict[str, Any] = {k: tuple(v) if k == "sync_points" else v for k, v in r["provenance"].items()}
+        check(Provenance(**fields), r["label"])
         if r["metrics"] is None:
             raise ValueError(f"{r['label']}: no metrics")
     return {"version": REPORT_VERSION, "config": asdict(cfg), "layout": layout.describe(),
@@ -164,8 +165,8 @@ def plot_inflight(rep: dict, path: Path) -> Path:
                     events += [(ts, n), (te, -n)]
                 s = spans.setdefault(g, [ts, te])
                 s[0], s[1] = min(s[0], ts), max(s[1], te)
-        for g, (s, e) in sorted(spans.items()):
-            ax.axvspan((s - origin) * 1e3, (e - origin) * 1e3, ymin=0.0, ymax=1.0, alpha=0.18,
+        for g, (start, end) in sorted(spans.items()):
+            ax.axvspan((start - origin) * 1e3, (end - origin) * 1e3, ymin=0.0, ymax=1.0, alpha=0.18,
                        color=colors[g % len(colors)], label=f"group {g} active")
         xs, ys, cur = [0.0], [0.0], 0
         for t, d in sorted(events, key=lambda e: (e[0], e[1])):

@@ -290,7 +290,7 @@ def _spawn(cfg: BenchConfig) -> int:
                     print(f"error: bench rank(s) {failed} failed; see their output above", file=sys.stderr)
                 return procs[0].exitcode or 1
             time.sleep(0.2)
-        return procs[0].exitcode or max(p.exitcode for p in procs)
+        return procs[0].exitcode or max(p.exitcode or 0 for p in procs)
     finally:
         for p in procs:
             if p.is_alive():

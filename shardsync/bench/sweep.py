@@ -46,10 +46,11 @@ class BenchConfig:
             bad = [v for v in values if v not in allowed]
             if bad or not values:
                 raise ValueError(f"--{name} {','.join(values)}: use a comma list of {', '.join(allowed)}")
-        for name, values in (("bucket-mb", self.bucket_mb), ("credits", self.credits),
-                             ("window", self.windows), ("stride-us", self.stride_us),
-                             ("reuse", self.reuse), ("inflight-mb", self.inflight_mb)):
-            if not values:
+        axes: tuple[tuple[str, tuple[object, ...]], ...] = (
+            ("bucket-mb", self.bucket_mb), ("credits", self.credits), ("window", self.windows),
+            ("stride-us", self.stride_us), ("reuse", self.reuse), ("inflight-mb", self.inflight_mb))
+        for name, axis in axes:
+            if not axis:
                 raise ValueError(f"--{name} needs at least one value")
         if any(b <= 0 for b in self.bucket_mb):
             raise ValueError(f"--bucket-mb values must be > 0, got {self.bucket_mb}")

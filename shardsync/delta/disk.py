@@ -140,10 +140,11 @@ class DiskPublisher:
                 before_rename: Callable[[], None] | None = None) -> Path:
         """Trainer rank 0, after every stage wrote: manifest, fsync, atomic rename."""
         tmp, final = _tmp_dir(self.root, version), version_dir(self.root, version)
+        stages = [f"stage{s}.safetensors" for s in range(self.topo.trainer.pp)]
         manifest = {"version": version, "base_version": base_version, "encoding": "xor",
                     "compression": "zstd", "checksum": "xxh64", "dtype": self.topo.wire_dtype,
-                    "stages": [f"stage{s}.safetensors" for s in range(self.topo.trainer.pp)]}
-        missing = [s for s in manifest["stages"] if not (tmp / s).is_file()]
+                    "stages": stages}
+        missing = [s for s in stages if not (tmp / s).is_file()]
         if missing:
             raise RuntimeError(f"version {version}: stage files {missing} were not written")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

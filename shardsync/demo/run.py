@@ -200,7 +200,7 @@ def run_demo(cfg: DemoConfig) -> int:
         for p in procs:
             p.start()
         t = cfg.trainer
-        if t.kind == "fsdp2":
+        if isinstance(t, Fsdp2Parallel):
             desc = f"FSDP2 shard {t.shard}"
         else:
             experts = f" EP{t.ep} ETP{t.expert_tp}" if cfg.trainer_ep > 1 or cfg.trainer_etp else ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardsync.family.table import (
+    Attention,
     Block,
     Concat,
     ExpertMlps,
@@ -21,6 +22,7 @@ from shardsync.family.table import (
     Row,
     SharedExpert,
     Split,
+    Supports,
     T,
     Whole,
 )
@@ -64,7 +66,8 @@ GQA = Block(
         T("self_attn.o_proj.weight", "H", "q"),
         T("post_self_attn_layernorm.weight", "H", when=post_norms),
     ),
-    kind="gqa",
+    kind=Attention.GQA,
+    supports=frozenset({Supports.FP8, Supports.ADAPTER}),
     megatron=(
         Row("{attn_norm}", Whole("input_layernorm.weight")),
         Row("self_attention.linear_qkv.weight", QkvGroups("weight")),
@@ -114,7 +117,8 @@ MLA = Block(
         T(_A + "kv_b_proj.weight", "kvb", "kl"),
         T(_A + "o_proj.weight", "H", "hv"),
     ),
-    kind="mla",
+    kind=Attention.MLA,
+    supports=frozenset({Supports.FP8}),
     rotary="rope",
     megatron=(
         Row("input_layernorm.weight", Whole()),
@@ -171,7 +175,8 @@ def with_indexer(mla: Block) -> Block:
                  T(_I + "wq_b.weight", "iq", "ql"), T(_I + "wk.weight", "id", "H"),
                  T(_I + "k_norm.weight", "id"), T(_I + "k_norm.bias", "id"),
                  T(_I + "weights_proj.weight", "ih", "H")),
-        kind="dsa",
+        kind=Attention.DSA,
+        supports=mla.supports,
         rotary=mla.rotary,
         # megatron-core builds core_attention (the indexer) before the projections: first after the input norm
         megatron=(mla.megatron[0],

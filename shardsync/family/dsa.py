@@ -22,7 +22,7 @@ from shardsync.family.fields import (
     write_mla,
     write_sigmoid_moe,
 )
-from shardsync.family.table import Family
+from shardsync.family.table import Attention, Family
 
 if TYPE_CHECKING:
     from shardsync.spec import ModelSpec
@@ -61,7 +61,7 @@ def _write_glm5(spec: ModelSpec) -> dict[str, Any]:
 
 
 # a shared layer: latent attention over the keys the layer before chose
-SHARED_DSA = dataclasses.replace(MLA, kind="dsa_shared")
+SHARED_DSA = dataclasses.replace(MLA, kind=Attention.DSA_SHARED)
 
 DEEPSEEK_V32 = Family("deepseek_v32", "DeepseekV32ForCausalLM", DSA, gated_mlp(), MOE, mtp=MTP,
                       rope_interleaved=True, read=_read, write=_write_v32, check=_check_v32)

@@ -15,7 +15,21 @@ checkpoints quantize ``in_proj_qkvz``, ``out_proj`` and the full attention's pro
 
 from __future__ import annotations
 
-from shardsync.family.table import Block, Fused, MtpHead, Part, QkvGroups, QkvHeads, Row, Rows, Split, T, Whole
+from shardsync.family.table import (
+    Attention,
+    Block,
+    Fused,
+    MtpHead,
+    Part,
+    QkvGroups,
+    QkvHeads,
+    Row,
+    Rows,
+    Split,
+    Supports,
+    T,
+    Whole,
+)
 
 _L = "linear_attn."
 _CONV = _L + "conv1d.weight"
@@ -53,7 +67,8 @@ def gated_deltanet(*, interleaved: bool) -> Block:
             T(_L + "norm.weight", "ldv"),
             T(_L + "out_proj.weight", "H", "lvd"),
         ),
-        kind="gdn" if interleaved else "gdn_stacked",
+        kind=Attention.GDN if interleaved else Attention.GDN_STACKED,
+        supports=frozenset({Supports.FP8}),
         megatron=(
             Row("self_attention.input_layernorm.weight", Whole("input_layernorm.weight")),
             *(Row("self_attention." + _L + t, Whole(_L + t)) for t in (*_OWN, *projections, *_REST)),
@@ -92,7 +107,8 @@ GATED_GQA = Block(
         T(_A + "k_norm.weight", "d"),
         T(_A + "o_proj.weight", "H", "q"),
     ),
-    kind="gqa_gated",
+    kind=Attention.GQA_GATED,
+    supports=frozenset({Supports.FP8}),
     megatron=(
         Row("{attn_norm}", Whole("input_layernorm.weight")),
         Row("self_attention.linear_qkv.weight", QkvGroups("weight", gate=True)),

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shardsync.vocab import Word
+
 if TYPE_CHECKING:
     from shardsync.spec import ModelSpec
 
@@ -49,6 +51,41 @@ def _linear_dims(spec: ModelSpec) -> dict[str, int]:
                       spec.linear_value_head_dim)
     return {"lq": nk * dk, "2lq": 2 * nk * dk, "lvd": nv * dv, "lqkvz": 2 * nk * dk + 2 * nv * dv, "lba": 2 * nv,
             "lconv": 2 * nk * dk + nv * dv, "lnv": nv, "ldv": dv, "lkern": spec.linear_conv_kernel_dim, "one": 1}
+
+
+class Attention(Word):
+    """The attention a block computes: grouped-query (``GQA``; gated: Qwen3-Next's full-attention
+    layers), latent (``MLA``), sparse (``DSA``; ``DSA_SHARED`` reuses the layer before's choice)
+    and gated DeltaNet (``GDN``; ``GDN_STACKED`` with the checkpoint's projections stacked, not
+    interleaved).  The reference models build one module per word."""
+
+    GQA = "gqa"
+    GQA_GATED = "gqa_gated"
+    MLA = "mla"
+    DSA = "dsa"
+    DSA_SHARED = "dsa_shared"
+    GDN = "gdn"
+    GDN_STACKED = "gdn_stacked"
+
+
+class Supports(Word):
+    """A weight view a block's linears take: FP8 engines (its engine rows' ``fp8`` name every
+    linear an FP8 engine quantizes) and LoRA adapters on its modules (``lora.table``)."""
+
+    FP8 = "fp8"
+    ADAPTER = "adapter"
+
+
+class Variant(Word):
+    """The layout variant words a row may name (``Row.variant`` / ``Row.unless``): Megatron's
+    layer specs (``FUSED`` the TE spec, ``SEPARATE`` the local one) and the engines' departures
+    from their default layout (``layout.engine.ENGINE_VARIANTS`` says what each means)."""
+
+    FUSED = "fused"
+    SEPARATE = "separate"
+    SHARED_FUSED = "shared_fused"
+    VLLM = "vllm"
+    INDEXER_FUSED = "indexer_fused"
 
 
 # -- logical tensors ---------------------------------------------------------------------------
@@ -198,6 +235,12 @@ class Row:
     unless: str | tuple[str, ...] | None = None
     fp8: bool = False
 
+    def __post_init__(self) -> None:
+        unless = (self.unless,) if isinstance(self.unless, str) else self.unless or ()
+        for word in (self.variant, *unless):
+            if word is not None:  # a typo would make the row vanish silently: refused at import
+                Variant.parse(word, f"row {self.name}'s layout variant")
+
     def exists(self, spec: ModelSpec, variants: frozenset[str]) -> bool:
         unless = (self.unless,) if isinstance(self.unless, str) else self.unless or ()
         return (self.when(spec) and (self.variant is None or self.variant in variants)
@@ -222,7 +265,8 @@ class Block:
     logical: tuple[T | PerExpert, ...]
     megatron: tuple[Row, ...]
     engine: tuple[Row, ...]
-    kind: str = ""  # attention blocks: the module the reference models build for it (``gqa``, ``mla``)
+    kind: Attention | None = None  # attention blocks: what they compute (the reference models' module)
+    supports: frozenset[Supports] = frozenset()  # the weight views its linears take
     rotary: str = "rot"  # attention blocks: the ``dims`` symbol of the channels rotary turns
     shared: SharedExpert = SharedExpert()  # mixture-of-experts blocks: the shared expert's engine module
 

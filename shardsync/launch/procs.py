@@ -112,7 +112,7 @@ def listening_ports() -> set[int]:
 
 def listening(ports: Iterable[int]) -> dict[int, list[str]]:
     """For each of ``ports`` something listens on: the local addresses (hex, as /proc shows)."""
-    wanted, found = set(ports), {}
+    wanted, found = set(ports), dict[int, list[str]]()
     for addr, port in _listeners():
         if port in wanted:
             found.setdefault(port, []).append(addr)

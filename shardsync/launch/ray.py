@@ -183,7 +183,7 @@ def _results(gens: list, deadline: float) -> Iterator[StepResult]:
             raise TimeoutError("the trainer ranks did not finish in time")
         for gen in ready:
             try:
-                ref = next(gen)
+                ref = next(gen)  # type: ignore[arg-type]  # ray.wait hands back the generators it was given
             except StopIteration:
                 continue
             yield ray.get(ref)  # raises the rank's error

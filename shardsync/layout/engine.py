@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardsync.family.table import ExpertStacks, QkvHeads, Row
+from shardsync.family.table import ExpertStacks, QkvHeads, Row, Variant
 from shardsync.gcpause import gc_paused
 from shardsync.layout.cut import Cut, Local, cut_rows
 from shardsync.layout.full import full_layout
@@ -77,15 +77,16 @@ class EngineParallel:
 
 # The variant words of an engine layout: what each changes against the default (SGLang's
 # names, shared experts apart), and when an engine holds it.
-ENGINE_VARIANTS: dict[str, str] = {
-    "shared_fused": "the shared expert is expert E of the w13/w2 stacks (SGLang's shared-expert fusion, on by "
-                    "default at EP 1 on CUDA sm80+; --disable-shared-experts-fusion turns it off)",
-    "vllm": "vLLM's names (latent attention: fused_qkv_a_proj for SGLang's fused_qkv_a_proj_with_mqa; experts "
-            "under mlp.experts.routed_experts; the sparse-attention indexer's wk and weights_proj as one "
-            "wk_weights_proj)",
-    "indexer_fused": "the sparse-attention indexer's wk and weights_proj as one bfloat16 wk_weights_proj (SGLang on "
-                     "CUDA when the indexer's rotary is interleaved: GLM-5; SGLANG_DISABLE_DSA_INDEXER_FUSION=1 turns "
-                     "it off)",
+ENGINE_VARIANTS: dict[str, str] = {  # the engine words of ``family.table.Variant``, and what each means
+    Variant.SHARED_FUSED.value:
+        "the shared expert is expert E of the w13/w2 stacks (SGLang's shared-expert fusion, on by default at EP 1 "
+        "on CUDA sm80+; --disable-shared-experts-fusion turns it off)",
+    Variant.VLLM.value:
+        "vLLM's names (latent attention: fused_qkv_a_proj for SGLang's fused_qkv_a_proj_with_mqa; experts under "
+        "mlp.experts.routed_experts; the sparse-attention indexer's wk and weights_proj as one wk_weights_proj)",
+    Variant.INDEXER_FUSED.value:
+        "the sparse-attention indexer's wk and weights_proj as one bfloat16 wk_weights_proj (SGLang on CUDA when the "
+        "indexer's rotary is interleaved: GLM-5; SGLANG_DISABLE_DSA_INDEXER_FUSION=1 turns it off)",
 }
 
 

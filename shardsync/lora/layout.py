@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+from shardsync.family.table import Supports
 from shardsync.layout.cut import Cut, Local, cut_rows
 from shardsync.layout.engine import EngineParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel, row_blocks
@@ -14,7 +15,7 @@ from shardsync.layout.logical import model_tensors
 from shardsync.layout.megatron import MegatronParallel
 from shardsync.layout.piece import Box, Layout, RankLayout, TensorMeta
 from shardsync.lora.config import Lora
-from shardsync.lora.table import ADAPTED_ATTENTION, TARGETS
+from shardsync.lora.table import TARGETS
 from shardsync.spec import ModelSpec
 
 
@@ -23,10 +24,11 @@ def check_lora(spec: ModelSpec, lora: Lora) -> None:
     attention = any(TARGETS[t].attention for t in lora.targets)
     mlp = any(not TARGETS[t].attention for t in lora.targets)
     for layer in range(spec.num_layers):
-        kind = spec.family_table.blocks(spec, layer)[0].kind
-        if attention and kind not in ADAPTED_ATTENTION:
-            raise ValueError(f"{spec.name}: layer {layer} has {kind} attention; LoRA adapts only "
-                             f"{sorted(ADAPTED_ATTENTION)} attention (drop q/k/v/o_proj from the targets)")
+        block = spec.family_table.blocks(spec, layer)[0]
+        if attention and Supports.ADAPTER not in block.supports:
+            raise ValueError(f"{spec.name}: layer {layer} has {block.kind} attention, whose block takes no LoRA "
+                             "adapter (its Block.supports; grouped-query attention does): drop q/k/v/o_proj from "
+                             "the targets")
         if mlp and spec.family_table.is_moe and spec.sparse_layer(layer):
             raise ValueError(f"{spec.name}: layer {layer} is a mixture-of-experts layer; LoRA on routed experts "
                              "is not supported (target the attention modules only)")

@@ -59,6 +59,3 @@ def from_peft(name: str, adapter: str = "default") -> str:
     -> ``<module>.lora_A.weight`` (PEFT's checkpoint name)."""
     return name.removeprefix(PEFT_PREFIX).replace(f".{adapter}.", ".")
 
-
-# the attention kinds whose q/k/v/o are plain linears an adapter can sit on
-ADAPTED_ATTENTION = frozenset({"gqa"})

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.dtypes import torch_dtype
+from shardsync.family.table import Attention
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
 from shardsync.lora import Lora, engine_adapter_layout
@@ -320,7 +321,7 @@ class _Experts(nn.Module):
         return self.tp.all_reduce(out).view_as(x)
 
 
-def _latent(kind: str) -> Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton], LatentAttention]:
+def _latent(kind: Attention) -> Callable[[ModelSpec, RankLayout, str, _TP, torch.device, Baton], LatentAttention]:
     def build(spec: ModelSpec, rl: RankLayout, prefix: str, tp: _TP, device: torch.device,
               baton: Baton) -> LatentAttention:
         return LatentAttention(spec, prefix, tp.size, lambda name, attrs: _Leaf(rl, name, attrs, device),
@@ -348,13 +349,14 @@ def _gdn(interleaved: bool) -> Callable[[ModelSpec, RankLayout, str, _TP, torch.
 
 
 # the family's attention block (``Block.kind``) -> the module that computes it on one TP rank
-ATTENTION: dict[str, _AttentionKind] = {
-    "gqa": _AttentionKind(_gqa(False), "self_attn"),
+ATTENTION: dict[Attention | None, _AttentionKind] = {
+    Attention.GQA: _AttentionKind(_gqa(False), "self_attn"),
     # SGLang's Qwen3-Next / Qwen3.5 attention layer holds its tensors itself (no ``self_attn.``)
-    "gqa_gated": _AttentionKind(_gqa(True), ""),
-    "gdn": _AttentionKind(_gdn(True), "linear_attn"),
-    "gdn_stacked": _AttentionKind(_gdn(False), "linear_attn"),
-    **{kind: _AttentionKind(_latent(kind), "self_attn") for kind in ("mla", "dsa", "dsa_shared")},
+    Attention.GQA_GATED: _AttentionKind(_gqa(True), ""),
+    Attention.GDN: _AttentionKind(_gdn(True), "linear_attn"),
+    Attention.GDN_STACKED: _AttentionKind(_gdn(False), "linear_attn"),
+    **{kind: _AttentionKind(_latent(kind), "self_attn") for kind in (Attention.MLA, Attention.DSA,
+                                                                     Attention.DSA_SHARED)},
 }
 
 
@@ -369,7 +371,7 @@ class _Layer(nn.Module):
         if kind not in ATTENTION:
             raise NotImplementedError(f"{spec.name}: the reference engine does not compute {kind} attention (layer "
                                       f"{layer}) yet; shardsync plans and syncs this family, the reference models "
-                                      f"run {sorted(ATTENTION)}")
+                                      f"run {sorted(str(k) for k in ATTENTION)}")
         where = ATTENTION[kind]
         attn = where.build(spec, rl, f"{p}{where.module}." if where.module else p, tp, device, baton)
         if where.module:

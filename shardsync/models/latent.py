@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardsync.family.table import Attention
 from shardsync.models.ops import apply_rope, attention, rms_norm
 from shardsync.models.parallel import Comm
 from shardsync.models.sparse import index_keys, select
@@ -87,7 +88,7 @@ class LatentAttention(nn.Module):
     passes its choice on through ``baton``; "dsa_shared" reuses the choice of the layer before."""
 
     def __init__(self, spec: ModelSpec, prefix: str, tp_size: int, leaf: Callable[[str, tuple[str, ...]], nn.Module],
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor], *, kind: str = "mla",
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor], *, kind: Attention = Attention.MLA,
                  baton: Baton | None = None) -> None:
         super().__init__()
         self.spec, self.all_reduce, self.kind, self.baton = spec, all_reduce, kind, baton or Baton()
@@ -101,7 +102,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = leaf(prefix + "kv_a_layernorm", ("weight",))
         self.kv_b_proj = leaf(prefix + "kv_b_proj", ("weight",))
         self.o_proj = leaf(prefix + "o_proj", ("weight",))
-        if kind == "dsa":
+        if kind is Attention.DSA:
             self.indexer = nn.Module()
             for name in ("wq_b", "wk", "weights_proj"):
                 self.indexer.add_module(name, leaf(f"{prefix}indexer.{name}", ("weight",)))
@@ -112,9 +113,9 @@ class LatentAttention(nn.Module):
     def _choose(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, layer: int) -> torch.Tensor | None:
         """Sparse attention: which keys each query sees (this layer's indexer, or the layer before's)."""
-        if self.kind == "mla":
+        if self.kind is Attention.MLA:
             return None
-        if self.kind == "dsa_shared":
+        if self.kind is Attention.DSA_SHARED:
             return self.baton.take(layer)
         ix = self.indexer
         keys = index_keys(self.spec, x, ix.wk.dense(), ix.k_norm.weight, ix.k_norm.bias, cos, sin)
@@ -154,13 +155,13 @@ class TrainerLatentAttention(nn.Module):
     their output."""
 
     def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool,
-                 weights: Callable[[str, tuple[str, ...], bool], nn.Module], *, kind: str = "mla",
+                 weights: Callable[[str, tuple[str, ...], bool], nn.Module], *, kind: Attention = Attention.MLA,
                  baton: Baton | None = None, layer: int = 0) -> None:
         super().__init__()
         self.spec, self.tp, self.fused, self.kind, self.baton = spec, tp, fused, kind, baton or Baton()
         self.layer = layer
         p = prefix + "self_attention."
-        if kind == "dsa":  # megatron-core's DSA: the indexer lives in core_attention (built first), replicated
+        if kind is Attention.DSA:  # megatron-core's DSA: the indexer lives in core_attention (built first), replicated
             self.core_attention = nn.Module()
             ix = self.core_attention.indexer = nn.Module()
             for name in ("linear_wq_b", "linear_wk", "k_norm", "linear_weights_proj"):  # megatron-core's order
@@ -183,9 +184,9 @@ class TrainerLatentAttention(nn.Module):
 
     def _choose(self, h: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor | None:
-        if self.kind == "mla":
+        if self.kind is Attention.MLA:
             return None
-        if self.kind == "dsa_shared":
+        if self.kind is Attention.DSA_SHARED:
             return self.baton.take(self.layer)
         ix = self.core_attention.indexer
         keys = index_keys(self.spec, h, ix.linear_wk.weight.to(dtype), ix.k_norm.weight, ix.k_norm.bias, cos, sin)

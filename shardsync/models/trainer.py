@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardsync.family.table import Attention
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
 from shardsync.layout.logical import mtp_layers
 from shardsync.lora import TARGETS, Lora, megatron_adapter_layout
@@ -302,7 +303,7 @@ class _AttentionKind:
     owns_input_norm: bool = False  # the layer's input norm lives in the module under either spec
 
 
-def _latent(kind: str) -> _AttentionKind:
+def _latent(kind: Attention) -> _AttentionKind:
     def build(spec: ModelSpec, prefix: str, tp: Comm, fused: bool, weights: _Make, layer: int,
               baton: Baton) -> nn.Module:
         return TrainerLatentAttention(spec, prefix, tp, fused, weights, kind=kind, baton=baton, layer=layer)
@@ -324,8 +325,10 @@ def _gdn(interleaved: bool) -> _AttentionKind:
 
 
 # the family's attention block (``Block.kind``) -> its module under Megatron's names
-ATTENTION = {"gqa": _gqa(False), "gqa_gated": _gqa(True), "gdn": _gdn(True), "gdn_stacked": _gdn(False),
-             **{kind: _latent(kind) for kind in ("mla", "dsa", "dsa_shared")}}
+ATTENTION: dict[Attention | None, _AttentionKind] = {
+    Attention.GQA: _gqa(False), Attention.GQA_GATED: _gqa(True), Attention.GDN: _gdn(True),
+    Attention.GDN_STACKED: _gdn(False),
+    **{kind: _latent(kind) for kind in (Attention.MLA, Attention.DSA, Attention.DSA_SHARED)}}
 
 
 class _Layer(nn.Module):
@@ -346,7 +349,7 @@ class _Layer(nn.Module):
         if name not in ATTENTION:
             raise NotImplementedError(f"{spec.name}: the reference trainer does not compute {name} attention (layer "
                                       f"{layer}) yet; shardsync plans and syncs this family, the reference models "
-                                      f"run {sorted(ATTENTION)}")
+                                      f"run {sorted(str(k) for k in ATTENTION)}")
         kind = ATTENTION[name]
         # the TE spec's fused norm, or one the attention module always holds
         self.norm_in_attention = kind.owns_input_norm or (self.fused_attn and kind.fuses_input_norm)

@@ -12,6 +12,7 @@ counted: these are floors to compare with published figures, not predictions of 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardsync.plan.bucket import make_buckets
@@ -51,7 +52,7 @@ def fabric(name: str) -> Fabric:
     return FABRICS[name]
 
 
-def _bound(sent: dict[int, int], got: dict[int, int], node_of, f: Fabric) -> tuple[float, str]:
+def _bound(sent: dict[str, int], got: dict[str, int], node_of: Callable[[str], str], f: Fabric) -> tuple[float, str]:
     """(seconds, what binds) for per-endpoint byte counts."""
     if f.node_gbytes_s is None:
         side, rank, b = max([("send", r, b) for r, b in sent.items()] + [("recv", r, b) for r, b in got.items()],

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 from shardsync.layout import EngineParallel, MegatronParallel
@@ -130,49 +130,48 @@ def grid_cases() -> Iterator[Case]:
 
 def extra_cases() -> list[Case]:
     """The preconditions the grid never trips (settings outside its axes)."""
-    base = dict(model="tiny-qwen3", relation="equal", trainer_tp=2, engine_tps=(2,))
+    base = partial(Case, model="tiny-qwen3", relation="equal", trainer_tp=2, engine_tps=(2,))
     # 12 heads, 6 KV heads and FFN 768 divide by 3, so an engine of TP 3 exists; the 64-padded
     # vocab (1024) does not, which vLLM's vocab split needs.
-    tp3 = dict(model="tiny-qwen2", relation="engine non-pow2", trainer_tp=2, engine_tps=(3,),
+    tp3 = partial(Case, model="tiny-qwen2", relation="engine non-pow2", trainer_tp=2, engine_tps=(3,),
                spec_changes=(("num_heads", 12), ("num_kv_heads", 6), ("intermediate_size", 768)))
     return [
-        Case(**base, engine_kind="tensorrt-llm", note="unknown engine kind"),
-        Case(**base, engine_pp=2, note="engine runs PP 2"),
-        Case(**base, engine_kind="sglang", engine_stages=2, note="SGLang PP 2: each stage's ranks get its layers"),
-        Case(**base, quantization="fp8", note="FP8 engine: the trainer sends e4m3 bytes and scales"),
-        Case(**base, engine_kind="sglang", quantization="fp8",
+        base(engine_kind="tensorrt-llm", note="unknown engine kind"),
+        base(engine_pp=2, note="engine runs PP 2"),
+        base(engine_kind="sglang", engine_stages=2, note="SGLang PP 2: each stage's ranks get its layers"),
+        base(quantization="fp8", note="FP8 engine: the trainer sends e4m3 bytes and scales"),
+        base(engine_kind="sglang", quantization="fp8",
              note="SGLang serving block FP8: its host writes e4m3 bytes and scales in place"),
-        Case(**base, quantization="fp8-per-tensor", note="one scale per tensor: the loader quantizes it whole"),
-        Case(**{**base, "trainer_tp": 3, "relation": "trainer non-pow2"},
-             note="Megatron refuses TP 3 for 8 heads"),
-        Case(**tp3, note="12 heads, 6 KV heads, FFN 768: TP 3 divides"),
-        Case(**tp3, engine_kind="vllm", note="same, vLLM: padded vocab 1024 does not split by 3"),
+        base(quantization="fp8-per-tensor", note="one scale per tensor: the loader quantizes it whole"),
+        base(trainer_tp=3, relation="trainer non-pow2", note="Megatron refuses TP 3 for 8 heads"),
+        tp3(note="12 heads, 6 KV heads, FFN 768: TP 3 divides"),
+        tp3(engine_kind="vllm", note="same, vLLM: padded vocab 1024 does not split by 3"),
     ]
 
 
 def moe_cases() -> list[Case]:
     """Expert parallel on either side (tiny-qwen3-moe: 8 experts, 2 KV heads)."""
-    moe = dict(model="tiny-qwen3-moe")
+    moe = partial(Case, model="tiny-qwen3-moe")
     return [
-        Case(**moe, relation="EP over DP -> experts split over TP", trainer_tp=1, trainer_dp=2, trainer_ep=2,
+        moe(relation="EP over DP -> experts split over TP", trainer_tp=1, trainer_dp=2, trainer_ep=2,
              engine_tps=(2,), note="EP 2 -> engine EP 1"),
-        Case(**moe, relation="EP over TP, ETP 1 -> engine EP", trainer_tp=2, trainer_ep=2, trainer_etp=1,
+        moe(relation="EP over TP, ETP 1 -> engine EP", trainer_tp=2, trainer_ep=2, trainer_etp=1,
              engine_tps=(2,), engine_ep=2, note="EP 2 ETP 1 -> engine EP 2"),
-        Case(**moe, relation="expert TP -> engine EP", trainer_tp=2, engine_tps=(4,), engine_ep=4,
+        moe(relation="expert TP -> engine EP", trainer_tp=2, engine_tps=(4,), engine_ep=4,
              note="ETP 2 -> engine EP 4 (experts whole)"),
-        Case(**moe, relation="EP 4 -> EP 2 x MoE-TP 2", trainer_tp=1, trainer_dp=4, trainer_ep=4,
+        moe(relation="EP 4 -> EP 2 x MoE-TP 2", trainer_tp=1, trainer_dp=4, trainer_ep=4,
              engine_tps=(4,), engine_ep=2, note="EP 4 -> engine EP 2, MoE-TP 2"),
-        Case(**moe, relation="two engines, different EP", trainer_tp=2, trainer_pp=2, trainer_ep=2, trainer_etp=1,
+        moe(relation="two engines, different EP", trainer_tp=2, trainer_pp=2, trainer_ep=2, trainer_etp=1,
              engine_tps=(2, 4), engine_ep=2, note="PP 2 EP 2 -> engines TP 2 and 4, EP 2"),
-        Case(**moe, relation="vLLM partial EP", trainer_tp=2, engine_tps=(4,), engine_ep=2, engine_kind="vllm",
+        moe(relation="vLLM partial EP", trainer_tp=2, engine_tps=(4,), engine_ep=2, engine_kind="vllm",
              note="vLLM has EP = TP or none"),
-        Case(**moe, relation="vLLM EP = TP", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+        moe(relation="vLLM EP = TP", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
              note="vLLM --enable-expert-parallel"),
-        Case(**moe, relation="EP not dividing experts", trainer_tp=1, trainer_dp=3, trainer_ep=3,
+        moe(relation="EP not dividing experts", trainer_tp=1, trainer_dp=3, trainer_ep=3,
              engine_tps=(2,), note="Megatron refuses EP 3 for 8 experts"),
-        Case(**moe, relation="ETP x EP > TP x DP", trainer_tp=2, trainer_ep=2, engine_tps=(2,),
+        moe(relation="ETP x EP > TP x DP", trainer_tp=2, trainer_ep=2, engine_tps=(2,),
              note="Megatron refuses ETP 2 x EP 2 on 2 ranks"),
-        Case(**moe, relation="engine EP > TP", trainer_tp=2, engine_tps=(2,), engine_ep=4,
+        moe(relation="engine EP > TP", trainer_tp=2, engine_tps=(2,), engine_ep=4,
              note="the engine refuses EP 4 at TP 2"),
     ]
 
@@ -180,19 +179,19 @@ def moe_cases() -> list[Case]:
 def mla_cases() -> list[Case]:
     """Latent attention (tiny-deepseek-v3: 8 heads, q down projection; -q-proj without it;
     tiny-glm4-moe-lite: GLM's router in float32), experts as above."""
-    ds = dict(model="tiny-deepseek-v3")
+    ds = partial(Case, model="tiny-deepseek-v3")
     return [
-        Case(**ds, relation="MLA, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
+        ds(relation="MLA, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
              engine_ep=2, note="TP 2 EP 2 -> engine TP 2 EP 2 (the demo)"),
-        Case(**ds, relation="MLA heads over more TP", trainer_tp=2, trainer_pp=2, engine_tps=(8,), engine_ep=8,
+        ds(relation="MLA heads over more TP", trainer_tp=2, trainer_pp=2, engine_tps=(8,), engine_ep=8,
              note="PP 2 TP 2 -> engine TP 8 EP 8 (one head per rank)"),
         Case(model="tiny-deepseek-v3-q-proj", relation="MLA without q_lora_rank", trainer_tp=1, trainer_dp=2,
              trainer_ep=2, engine_tps=(4,), engine_ep=2, note="q_proj split by heads; kv_a whole"),
         Case(model="tiny-glm4-moe-lite", relation="GLM-4.7-Flash shape", trainer_tp=2, trainer_dp=2, trainer_ep=4,
              trainer_etp=1, engine_tps=(2, 2), engine_ep=2, note="TP 2 EP 4 -> two engines TP 2 EP 2"),
-        Case(**ds, relation="MLA heads not dividing TP", trainer_tp=2, engine_tps=(3,),
+        ds(relation="MLA heads not dividing TP", trainer_tp=2, engine_tps=(3,),
              note="the engine refuses TP 3 for 8 heads"),
-        Case(**ds, relation="MLA into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+        ds(relation="MLA into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
              note="vLLM --enable-expert-parallel"),
     ]
 
@@ -200,16 +199,16 @@ def mla_cases() -> list[Case]:
 def dsa_cases() -> list[Case]:
     """Sparse attention (tiny-glm5: GLM-5's interleaved indexer rotary; tiny-deepseek-v32):
     MLA plus an indexer replicated on every rank of every side."""
-    glm = dict(model="tiny-glm5")
+    glm = partial(Case, model="tiny-glm5")
     return [
-        Case(**glm, relation="DSA, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
+        glm(relation="DSA, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
              engine_ep=2, note="TP 2 EP 2 -> engine TP 2 EP 2 (the demo)"),
         Case(model="tiny-deepseek-v32", relation="DSA heads over more TP", trainer_tp=2, trainer_pp=2,
              engine_tps=(4,), engine_ep=4, note="PP 2 TP 2 -> engine TP 4 EP 4; indexer whole everywhere"),
-        Case(**glm, relation="GLM-5 shared indexer layers", trainer_tp=2, trainer_dp=2, trainer_ep=4, trainer_etp=1,
+        glm(relation="GLM-5 shared indexer layers", trainer_tp=2, trainer_dp=2, trainer_ep=4, trainer_etp=1,
              engine_tps=(2, 4), engine_ep=2, spec_changes=(("index_shared_layers", (2,)),),
              note="layer 2 reuses layer 1's choice: no indexer tensors there"),
-        Case(**glm, relation="DSA into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+        glm(relation="DSA into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
              note="vLLM fuses wk and weights_proj (wk_weights_proj)"),
     ]
 
@@ -217,18 +216,18 @@ def dsa_cases() -> list[Case]:
 def linear_cases() -> list[Case]:
     """Gated DeltaNet hybrids (tiny-qwen3-next: 4 key heads, 8 value heads; tiny-qwen3.5-moe: the
     projections apart in the checkpoint): linear-attention heads split by whole key-head groups."""
-    nxt = dict(model="tiny-qwen3-next")
+    nxt = partial(Case, model="tiny-qwen3-next")
     return [
-        Case(**nxt, relation="hybrid, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
+        nxt(relation="hybrid, EP 2 -> EP 2", trainer_tp=2, trainer_ep=2, trainer_etp=1, engine_tps=(2,),
              engine_ep=2, note="TP 2 EP 2 -> engine TP 2 EP 2"),
-        Case(**nxt, relation="linear heads over TP 4", trainer_tp=2, trainer_dp=2, trainer_ep=4, trainer_etp=1,
+        nxt(relation="linear heads over TP 4", trainer_tp=2, trainer_dp=2, trainer_ep=4, trainer_etp=1,
              engine_tps=(4,), engine_ep=4, note="one key-head group per engine rank"),
-        Case(**nxt, relation="linear heads not dividing TP", trainer_tp=2, engine_tps=(4,), engine_ep=4,
+        nxt(relation="linear heads not dividing TP", trainer_tp=2, engine_tps=(4,), engine_ep=4,
              spec_changes=(("linear_num_key_heads", 2), ("linear_num_value_heads", 4)),
              note="the engine refuses TP 4 for 2 key heads"),
         Case(model="tiny-qwen3.5-moe", relation="Qwen3.5: projections apart", trainer_tp=2, trainer_pp=2,
              engine_tps=(2, 4), engine_ep=2, note="PP 2 TP 2 -> engines TP 2 and 4, EP 2"),
-        Case(**nxt, relation="hybrid into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
+        nxt(relation="hybrid into vLLM", trainer_tp=2, engine_tps=(2,), engine_ep=2, engine_kind="vllm",
              note="vLLM names the attention self_attn.*"),
     ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from shardsync.layout import MegatronParallel
 from shardsync.plan.bucket import make_buckets
 from shardsync.plan.preconditions import check_p2p
 from shardsync.topology import Topology
@@ -57,7 +58,7 @@ def summarize(topo: Topology, bucket_bytes: int, progress: Callable[[str], None]
         "model": topo.spec.name,
         "trainer": {"kind": topo.trainer.kind, **topo.trainer.describe(),
                     **({"ep": topo.trainer.ep, "etp": topo.trainer.expert_tp}
-                       if topo.spec.is_moe and topo.trainer.kind == "megatron" else {})},
+                       if topo.spec.is_moe and isinstance(topo.trainer, MegatronParallel) else {})},
         "engines": [e.tp for e in topo.engines],
         **({"engine_ep": [e.ep for e in topo.engines]} if topo.spec.is_moe else {}),
         "bucket_bytes": bucket_bytes,

@@ -17,15 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsync.family.table import Supports
 from shardsync.layout.logical import logical_tensors
 from shardsync.layout.piece import Piece, RankLayout
 from shardsync.quant.fp8 import Fp8Format
 from shardsync.spec import ModelSpec
-
-# the attention kinds whose engine rows carry every linear an FP8 checkpoint quantizes
-# (``Row.fp8``): grouped-query, latent, sparse (the indexer's ``wq_b``, ``wk``), gated DeltaNet
-# (``in_proj_qkvz``, ``out_proj``) and the hybrids' gated full attention
-COVERED_ATTENTION = frozenset({"gqa", "mla", "dsa", "dsa_shared", "gdn", "gdn_stacked", "gqa_gated"})
 
 
 @dataclass(frozen=True)
@@ -40,11 +36,12 @@ class Target:
 
 def check_family(spec: ModelSpec) -> None:
     """Refuse families whose engines quantize linears this table does not name."""
-    kinds = {spec.family_table.blocks(spec, layer)[0].kind for layer in range(spec.num_layers)}
-    if not kinds <= COVERED_ATTENTION:
-        raise ValueError(f"{spec.name}: FP8 engines are supported for {sorted(COVERED_ATTENTION)} attention so far; "
-                         f"this model has {sorted(kinds)} (its other linears are not in shardsync's FP8 table); "
-                         "serve it unquantized")
+    blocks = [spec.family_table.blocks(spec, layer)[0] for layer in range(spec.num_layers)]
+    missing = sorted({str(b.kind) for b in blocks if Supports.FP8 not in b.supports})
+    if missing:
+        raise ValueError(f"{spec.name}: FP8 engines are supported for attention blocks that declare it (their "
+                         f"Block.supports); this model has {missing} attention (its other linears are not in "
+                         "shardsync's FP8 table); serve it unquantized")
 
 
 def quantized(rank: RankLayout, spec: ModelSpec, fmt: Fp8Format) -> dict[str, Target]:

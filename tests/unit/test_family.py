@@ -9,11 +9,16 @@ import pytest
 
 from shardsync.family import ARCHITECTURES, FAMILIES
 from shardsync.family.blocks import GQA, MOE, gated_mlp
-from shardsync.family.table import Block, ExpertMlps, Family, Row
+from shardsync.family.table import Attention, Block, ExpertMlps, Family, Row, Supports, Variant, Whole
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
+from shardsync.layout.engine import ENGINE_VARIANTS
 from shardsync.layout.logical import logical_tensors
+from shardsync.lora import Lora, check_lora
+from shardsync.models.engine import ATTENTION as ENGINE_ATTENTION
+from shardsync.models.trainer import ATTENTION as TRAINER_ATTENTION
 from shardsync.plan.plan import build_plan
 from shardsync.presets import PRESETS
+from shardsync.quant.targets import check_family
 from shardsync.spec import spec_from_config
 
 TINY = {s.family: s for s in PRESETS.values() if s.name.startswith("tiny-")}
@@ -83,3 +88,35 @@ def test_a_layout_refuses_a_kind_it_has_no_rule_for(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ValueError, match="the engine layout has no rule for ExpertMlps"):
         engine_layout(spec, EngineParallel(tp=1))
     assert megatron_layout(spec, MegatronParallel(tp=1)).ranks  # the Megatron rows are fine
+
+
+def test_a_variant_word_not_declared_fails_where_the_row_is_written() -> None:
+    assert Row("x.weight", Whole(), variant="vllm", unless=("shared_fused", "indexer_fused")).variant == "vllm"
+    with pytest.raises(ValueError, match="row x.weight's layout variant must be one of"):
+        Row("x.weight", Whole(), variant="vlm")  # a typo would make the row vanish from every layout
+    with pytest.raises(ValueError, match="got 'sharedfused'"):
+        Row("x.weight", Whole(), unless=("indexer_fused", "sharedfused"))
+    assert set(ENGINE_VARIANTS) <= {str(v) for v in Variant}
+
+
+def test_every_attention_block_names_its_kind_and_the_views_it_supports() -> None:
+    """Each kind is one word the reference models compute and the views read off the block:
+    LoRA sits on grouped-query attention only, FP8 engines serve every kind the tables name."""
+    blocks = {b for f in FAMILIES.values()
+              for b in (f.attention, f.shared_attention, f.linear_attention) if b is not None}
+    assert {b.kind for b in blocks} == set(Attention)
+    assert set(ENGINE_ATTENTION) == set(TRAINER_ATTENTION) == set(Attention)
+    assert {b.kind for b in blocks if Supports.ADAPTER in b.supports} == {Attention.GQA}
+    assert all(Supports.FP8 in b.supports for b in blocks)
+    mla = TINY["deepseek_v3"]
+    with pytest.raises(ValueError, match="mla attention, whose block takes no LoRA adapter"):
+        check_lora(mla, Lora(rank=4, alpha=8.0, targets=("q_proj",)))
+
+
+def test_fp8_engines_refuse_a_block_that_does_not_declare_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = dataclasses.replace(GQA, supports=frozenset({Supports.ADAPTER}))
+    _custom(monkeypatch, Family("no_fp8", "NoFp8ForCausalLM", plain, gated_mlp()))
+    spec = TINY["qwen3"].replace(family="no_fp8")
+    with pytest.raises(ValueError, match=r"this model has \['gqa'\] attention"):
+        check_family(spec)
+    check_family(TINY["qwen3"])  # the shared GQA block declares it

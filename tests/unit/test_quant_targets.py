@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardsync.family.table import Supports
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format, quantized
@@ -62,14 +63,14 @@ def test_sparse_and_linear_attention_quantize_what_their_checkpoints_do(model: s
     assert all(any(n.endswith(k) for n in held) and not any(n.endswith(k) for n in names) for k in kept)
 
 
-def test_every_family_attention_is_in_the_fp8_table() -> None:
-    """A new attention kind must say which of its linears an FP8 checkpoint quantizes (its rows'
-    ``fp8``) before FP8 engines of it are planned: ``check_family`` refuses it until then."""
-    from shardsync.quant.targets import COVERED_ATTENTION
-
-    kinds = {spec.family_table.blocks(spec, layer)[0].kind for spec in PRESETS.values()
-             for layer in range(spec.num_layers)}
-    assert kinds <= COVERED_ATTENTION, kinds - COVERED_ATTENTION
+def test_every_family_attention_declares_fp8_and_names_its_quantized_rows() -> None:
+    """A new attention block must say which of its linears an FP8 checkpoint quantizes (its rows'
+    ``fp8``) and declare FP8 (``Block.supports``) before FP8 engines of it are planned:
+    ``check_family`` refuses it until then."""
+    blocks = {spec.family_table.blocks(spec, layer)[0] for spec in PRESETS.values()
+              for layer in range(spec.num_layers)}
+    assert all(Supports.FP8 in b.supports for b in blocks), [b.kind for b in blocks if Supports.FP8 not in b.supports]
+    assert all(any(r.fp8 for r in b.engine) for b in blocks if Supports.FP8 in b.supports)
 
 
 def test_which_engines_take_shards_and_which_are_refused() -> None:

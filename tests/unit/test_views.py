@@ -37,8 +37,9 @@ DENSE, FP8 = PRESETS["tiny-qwen3"], PRESETS["tiny-qwen3-fp8"]
 LORA = Lora(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
 
 
-def _topo(spec: ModelSpec, views: Views, host: Host = Host()) -> Topology:
-    return Topology(spec, MegatronParallel(tp=2), (EngineParallel(tp=2, dtype=spec.dtype),), views=views, host=host)
+def _topo(spec: ModelSpec, views: Views, host: Host | None = None) -> Topology:
+    return Topology(spec, MegatronParallel(tp=2), (EngineParallel(tp=2, dtype=spec.dtype),), views=views,
+                    host=host or Host())
 
 
 def test_views_of_composes_one_view_per_served_fact() -> None:
