@@ -1,7 +1,7 @@
 """The FP8 reference engine's linears on one GPU: every FP8 weight of a model's engine rank (its
 shapes, as many of each as the model has), multiplied by ``M`` tokens three ways, side by side:
 bf16 weights (``F.linear``), FP8 weights dequantized first (what the engine did before, and still
-does where the GEMM does not apply) and torch's blockwise FP8 GEMM (``quant.matmul.scaled_linear``,
+does where the GEMM does not apply) and torch's blockwise FP8 GEMM (``models.fp8_gemm.scaled_linear``,
 the activations quantized per token group included).  Sums over the model's linears: one forward
 pass's GEMM time; the error of each FP8 way against the bf16 product is printed beside it.
 
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from gpu_update import cuda_ms
 
 from shardsync.layout import EngineParallel, engine_layout
+from shardsync.models.fp8_gemm import gemm_scales, quantize_activations, scaled, scaled_linear
 from shardsync.presets import load_spec
 from shardsync.quant import dequantize, fp8_format, quantize, quantized
-from shardsync.quant.matmul import gemm_scales, quantize_activations, scaled, scaled_linear
 
 
 def shapes(model: str, tp: int, fmt_name: str) -> collections.Counter[tuple[int, int]]:

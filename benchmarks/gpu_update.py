@@ -110,12 +110,12 @@ def delta_throughput(numel: int, density: float) -> dict:
 
 
 def quantize_GBps(topo: Topology, params: dict) -> dict:
-    """An FP8 engine's weights quantized by the trainer before a send (``quant.source``): the
+    """An FP8 engine's weights quantized by the trainer before a send (``runtime.quantizer``): the
     fused kernels replayed as one graph (one read of the bf16 weights, a write of the e4m3
     bytes; counting the changed bytes also reads the kept ones) against the same regions
     through the torch ops, as GB/s of bf16 read."""
     from shardsync.quant.fp8 import quantize
-    from shardsync.quant.source import SourceQuantizer
+    from shardsync.runtime.quantizer import SourceQuantizer
 
     assert topo.fp8 is not None
     fmt = topo.fp8.fmt

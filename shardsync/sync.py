@@ -36,8 +36,8 @@ from shardsync.paths import (
     compile_path,
     release,
 )
-from shardsync.quant.source import SourceQuantizer
 from shardsync.runtime.checksum import combine, compare, piece_checksums
+from shardsync.runtime.quantizer import SourceQuantizer
 from shardsync.runtime.record import UpdateRecord, append_jsonl, make_record
 from shardsync.runtime.schedule import SyncRanks, subgroups
 from shardsync.spec import ModelSpec
@@ -46,6 +46,7 @@ from shardsync.store.rendezvous import Rendezvous, free_port, open_store
 from shardsync.store.secret import load_secret
 from shardsync.topology import Topology
 from shardsync.transport import SyncGroup
+from shardsync.viewed import deriver
 from shardsync.vocab import Completion, Ipc, Refused, Signals
 
 log = logging.getLogger("shardsync")
@@ -174,7 +175,7 @@ class WeightSync:
         self.conn = conn = agree(self.ranks, self._engines, self.config, self.spec, self.parallel, decision, rdv, keys)
         topo = conn.topo
         self.plan_s = time.perf_counter() - t0
-        self._derive = topo.bound.deriver(topo.derived(self.rank), self.params, count=self.config.detail)
+        self._derive = deriver(topo, self.rank, self.params, count=self.config.detail)
         self._local = self.params if self._derive is None else self._derive.tensors
         if self.config.delta is not None and (self._snapshot is None or self._snapshot.params is not self._local):
             raw = {p.local: torch_dtype(topo.raw_dtypes[p.logical])

@@ -41,12 +41,12 @@ from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.layout.piece import addressed
 from shardsync.lora import Lora, engine_adapter_layout
 from shardsync.models.deltanet import DeltaState, DeltaWeights, deltanet
+from shardsync.models.fp8_gemm import scaled, scaled_linear
 from shardsync.models.latent import Baton, LatentAttention
 from shardsync.models.lora import LoraTerm, LoraWeights, engine_terms
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
 from shardsync.quant import Fp8Format, dequantize, fp8_format, quantize, quantized
-from shardsync.quant.matmul import scaled, scaled_linear
 from shardsync.spec import DTYPES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class _Leaf(nn.Module):
     def quantize_(self, attr: str, fmt: Fp8Format, dtype: torch.dtype, scale_shape: tuple[int, ...],
                   gemm: bool = False) -> None:
         """Hold ``attr`` in FP8 from now on (zeroed, its scale after the leaf's other parameters);
-        ``gemm``: compute with it by the FP8 GEMM where ``quant.matmul`` can."""
+        ``gemm``: compute with it by the FP8 GEMM where ``models.fp8_gemm`` can."""
         w = self.get_parameter(attr)
         self.register_parameter(attr, nn.Parameter(torch.zeros(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
                                                    requires_grad=False))
@@ -454,7 +454,7 @@ class EngineModel(nn.Module):
     parallel within the TP group (mixture-of-experts models).  ``quantization``: an FP8 format
     (``quant.FORMATS``): the linear weights ``quant.targets`` names are held in e4m3 with their
     scales (SGLang's names and shapes), multiplied by the FP8 GEMM where the GPU has it
-    (``quant.matmul``; ``fp8_gemm=False``: never) and dequantized elsewhere.  ``lora``: the engine serves
+    (``models.fp8_gemm``; ``fp8_gemm=False``: never) and dequantized elsewhere.  ``lora``: the engine serves
     that adapter on top of its base: ``adapter`` holds the rank's adapter tensors (zeroed, PEFT's
     names) and every adapted linear adds its low-rank term; a sync then writes the adapter
     (``synced_tensors``) and the base stays as loaded.  ``lora_merge``: no low-rank term; the
@@ -510,7 +510,7 @@ class EngineModel(nn.Module):
                     layer.mlp.lora = terms
 
     def gemm_weights(self) -> list[str]:
-        """The FP8 weights this rank multiplies by the FP8 GEMM (``quant.matmul``), not dequantized."""
+        """The FP8 weights this rank multiplies by the FP8 GEMM (``models.fp8_gemm``), not dequantized."""
         return [f"{name}.{attr}" for name, leaf in self.named_modules() if isinstance(leaf, _Leaf)
                 for attr in sorted(leaf.gemm)]
 

@@ -145,7 +145,7 @@ def make_record(version: int, mode: Mode, error: str | None, stats: Stats | None
                 started_at: float = 0.0) -> UpdateRecord:
     """A trainer rank's record of one update: its own ``Stats``, the engines' results, and the
     control times around them.  ``unpack`` and ``derive`` are the slowest engine's; ``quantize``
-    this rank's (an FP8 engine's weights quantized before the send: ``quant.source``)."""
+    this rank's (an FP8 engine's weights quantized before the send: ``runtime.quantizer``)."""
     stats = stats or Stats()
     unpack = max((e.unpack_s for e in engines), default=0.0)
     derive = max((e.derive_s for e in engines), default=0.0)

@@ -12,11 +12,9 @@ previous view's answer.  Every hook defaults to leaving things as they are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
-
-import torch
 
 from shardsync.layout.engine import EngineParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
@@ -24,7 +22,6 @@ from shardsync.layout.megatron import MegatronParallel
 from shardsync.layout.piece import Box, Layout
 from shardsync.lora.config import Lora
 from shardsync.plan.plan import Scaled
-from shardsync.quant.source import SourceQuantizer
 from shardsync.quant.wire import Derived
 from shardsync.spec import ModelSpec
 
@@ -80,12 +77,6 @@ class BoundView:
     def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
         """BoundView tensors whose blocks ride with their scales (``plan.Scaled``)."""
         return {}
-
-    def deriver(self, derived: Sequence[Derived], params: Mapping[str, torch.Tensor], *,
-                count: bool) -> SourceQuantizer | None:
-        """What derives trainer rank's tensors (``derived``: its share of ``trainer``) from its
-        ``params`` before each send (None: nothing to derive)."""
-        return None
 
     def summary(self, engines: Sequence[Layout], itemsize: int) -> str | None:
         """One line on what the view moves (``shardsync plan``), or None."""
@@ -205,10 +196,6 @@ class BoundViews(BoundView):
 
     def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
         return {k: v for w in self.wires for k, v in w.scaled(logical).items()}
-
-    def deriver(self, derived: Sequence[Derived], params: Mapping[str, torch.Tensor], *,
-                count: bool) -> SourceQuantizer | None:
-        return next((d for w in self.wires if (d := w.deriver(derived, params, count=count)) is not None), None)
 
     def find(self, kind: type[W]) -> W | None:
         """The bound view of ``kind`` (None: no view bound so)."""

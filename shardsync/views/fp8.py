@@ -4,18 +4,15 @@ what arrives wide.  The only place an FP8 topology's layouts are retyped."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from shardsync.layout.piece import Box, Layout
 from shardsync.plan.plan import Scaled
 from shardsync.quant.fp8 import FORMATS, Fp8Format
-from shardsync.quant.source import SourceQuantizer
 from shardsync.quant.support import RECEIVER_QUANTIZES, receiver_quantizes
 from shardsync.quant.targets import check_family
-from shardsync.quant.wire import Derived, Fp8Wire, fp8_wire
+from shardsync.quant.wire import Fp8Wire, fp8_wire
 from shardsync.spec import ModelSpec
 from shardsync.views.base import Bases, BoundView, Derivations, Host, WeightView
 
@@ -83,10 +80,6 @@ class Fp8Bound(BoundView):
 
     def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
         return self.wire.scaled(logical)
-
-    def deriver(self, derived: Sequence[Derived], params: Mapping[str, torch.Tensor], *,
-                count: bool) -> SourceQuantizer | None:
-        return SourceQuantizer(derived, params, self.wire.fmt, count=count) if derived else None
 
     def summary(self, engines: Sequence[Layout], itemsize: int) -> str | None:
         return self.wire.summary(engines, itemsize)

@@ -1,4 +1,4 @@
-"""FP8 engines as a library (``quant/wire.py``, ``quant/source.py``, ``receiver/quantized.py``):
+"""FP8 engines as a library (``quant/wire.py``, ``runtime/quantizer.py``, ``receiver/quantized.py``):
 trainer ranks and engine ranks in one spawned gloo world, each engine rank holding e4m3 weights
 and scales (SGLang's names) in place or staged.  The trainer quantizes the blocks it holds whole
 and sends e4m3 words and scales; the others (the blocks a trainer shard cuts) arrive wide and
@@ -21,7 +21,7 @@ from shardsync.models.weights import load_rank, random_source
 from shardsync.paths import Endpoint, UpdateArgs, compile_path
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format, quantize, quantized
-from shardsync.quant.source import SourceQuantizer
+from shardsync.runtime.quantizer import SourceQuantizer
 from shardsync.receiver import Params, Receiver, Staged, connect_request
 from shardsync.receiver.quantized import Quantized
 from shardsync.runtime.checksum import combine, compare, piece_checksums

@@ -1,4 +1,4 @@
-"""FP8 on a GPU (marked ``gpu``: ``pytest -m gpu``): the fused block quantizer (``quant.kernel``)
+"""FP8 on a GPU (marked ``gpu``: ``pytest -m gpu``): the fused block quantizer (``runtime.fp8_kernel``)
 equals ``fp8.quantize`` bit for bit on random bf16 matrices (partial blocks, strided views,
 float32 and ue8m0 scales) and counts exactly the e4m3 bytes and scales that change; a trainer on
 the GPU syncs an FP8 reference engine on the same GPU through CUDA IPC (map and push), bitwise."""
@@ -13,7 +13,7 @@ from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import PRESETS
 from shardsync.quant.fp8 import fp8_format, quantize
-from shardsync.quant.kernel import quantize_into
+from shardsync.runtime.fp8_kernel import quantize_into
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from shardsync.views import views_of
@@ -103,7 +103,7 @@ def test_a_trainer_quantizes_megatrons_fused_qkv_in_place() -> None:
     """Heads of 128 rows: each query group's q, k and v of Megatron's ``linear_qkv`` are whole
     blocks, so the trainer reads them in place; every region's words and scales equal the
     quantizer of the region assembled (``SourceQuantizer.region``)."""
-    from shardsync.quant.source import SourceQuantizer
+    from shardsync.runtime.quantizer import SourceQuantizer
 
     spec = PRESETS["tiny-qwen3-fp8"].replace(name="tiny-qwen3-fp8-128", head_dim=128, num_heads=4, num_kv_heads=2)
     topo = Topology(spec, MegatronParallel(tp=1, dtype="bfloat16"), views=views_of("fp8"))
@@ -125,7 +125,7 @@ def test_a_trainer_rank_quantizes_the_whole_cells_of_a_straddling_weight(rank: i
     """6 query heads of 64 at trainer TP 2: each rank's 192 query rows cut q_proj's middle block;
     each rank quantizes its whole cells (``quant.wire.cells``) on the GPU, bitwise equal to the
     quantizer of the cell's rows of the full weight."""
-    from shardsync.quant.source import SourceQuantizer
+    from shardsync.runtime.quantizer import SourceQuantizer
 
     spec = STRADDLE
     topo = Topology(spec, MegatronParallel(tp=2, dtype="bfloat16"), views=views_of("fp8"))

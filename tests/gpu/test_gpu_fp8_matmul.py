@@ -1,5 +1,5 @@
 """The reference engine's FP8 GEMM on a GPU (marked ``gpu``: ``pytest -m gpu``): torch's blockwise
-scaled matmul (``quant.matmul``) equals the math it stands for (the per-token-group quantized
+scaled matmul (``models.fp8_gemm``) equals the math it stands for (the per-token-group quantized
 activations times the dequantized e4m3 weight, accumulated in float32) to the output's rounding,
 and an FP8 engine on Hopper computes its linears with it, near the bf16 engine."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from shardsync.models.engine import EngineModel
+from shardsync.models.fp8_gemm import TOKENS, scaled, scaled_linear
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.quant.fp8 import dequantize, fp8_format, quantize
-from shardsync.quant.kernel import quantize_groups
-from shardsync.quant.matmul import TOKENS, scaled, scaled_linear
+from shardsync.runtime.fp8_kernel import quantize_groups
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from shardsync.control.client import SyncError
@@ -16,15 +17,18 @@ from shardsync.control.wire import Decision, InfoResponse, LoraMsg, Served
 from shardsync.layout import EngineParallel, Layout, MegatronParallel
 from shardsync.layout.piece import Role
 from shardsync.lora import Lora
+from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import PRESETS
 from shardsync.quant import FORMATS
 from shardsync.receiver.connect import spec_to_dict
 from shardsync.spec import ModelSpec
 from shardsync.topology import Topology
+from shardsync.viewed import DERIVERS, deriver
 from shardsync.views import (
     NO_VIEWS,
     AdapterView,
     BoundView,
+    Fp8Bound,
     Fp8View,
     Host,
     ServedQuantized,
@@ -59,7 +63,7 @@ def test_a_view_with_only_defaults_leaves_the_topology_as_it_was() -> None:
     assert same.raw_dtypes == plain.raw_dtypes and same.scaled == {} and same.summary() is None
     assert same.fingerprint("p2p") == plain.fingerprint("p2p")
     assert same.fingerprint("broadcast") == plain.fingerprint("broadcast")
-    assert plain.bound.deriver((), {}, count=False) is None and plain.fp8 is None and plain.lora is None
+    assert deriver(plain, 0, {}, count=False) is None and plain.fp8 is None and plain.lora is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +105,14 @@ def test_views_apply_in_order_and_the_first_refusal_speaks() -> None:
 def test_fp8_and_adapters_retype_only_through_their_views() -> None:
     fp8 = _topo(FP8, views_of("fp8"))
     assert fp8.fp8 is not None and fp8.scaled and fp8.trainer_layout is not fp8.trainer_base
-    assert fp8.derived(0) and fp8.summary() is not None and "FP8 on the wire" in fp8.summary()
+    assert fp8.derived(0) and "FP8 on the wire" in (fp8.summary() or "")
+    assert set(DERIVERS) == {Fp8Bound}
+    params = load_rank(fp8.trainer_base, 0, random_source(FP8, 0))
+    made = deriver(fp8, 0, params, count=False)  # the trainer side: rank 0 quantizes its regions
+    assert made is not None and {d.words for d in fp8.derived(0)} <= set(made.tensors)
+    made.refresh()
+    words = made.tensors[fp8.derived(0)[0].words]
+    assert words.dtype == torch.int32 and bool(words.ne(0).any())
     rank = fp8.engine_layouts[0].ranks[0]
     roles = {t.role for t in rank.tensors}
     assert roles >= {Role.VALUES, Role.WORDS, Role.SCALES}

@@ -28,7 +28,7 @@ Launched = tuple[int, Mapping[str, torch.Tensor], dict[int, int], Exception | No
 
 class Producer(Protocol):
     """Makes some of the local tensors the runs read (an FP8 engine's e4m3 words and scales,
-    ``quant.source``) and can write them straight into a staging set instead."""
+    ``runtime.quantizer``) and can write them straight into a staging set instead."""
 
     def produce_into(self, runs: Sequence[Run], dst: Mapping[str, torch.Tensor]) -> tuple[Callable[[], None] | None,
                                                                                           list[Run]]:

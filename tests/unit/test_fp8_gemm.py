@@ -1,4 +1,4 @@
-"""Which FP8 weights the reference engine multiplies by the FP8 GEMM (``quant.matmul.scaled``):
+"""Which FP8 weights the reference engine multiplies by the FP8 GEMM (``models.fp8_gemm.scaled``):
 whole 128 x 128 blocks on Hopper only; on a CPU every FP8 weight is dequantized, as before.
 The GEMM's arithmetic runs in ``tests/gpu/test_gpu_fp8_matmul.py``."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from shardsync.models.engine import EngineModel
+from shardsync.models.fp8_gemm import TOKENS, scaled
 from shardsync.presets import PRESETS
 from shardsync.quant.fp8 import Fp8Format, fp8_format
-from shardsync.quant.matmul import TOKENS, scaled
 
 
 def test_only_whole_blocks_of_the_block_formats() -> None:

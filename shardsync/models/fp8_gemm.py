@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardsync.quant.fp8 import E4M3, Fp8Format
-from shardsync.quant.kernel import quantize_groups
+from shardsync.runtime.fp8_kernel import quantize_groups
 
 GROUP = 128  # activation columns sharing one scale (1 x 128), as the weight's 128 x 128 blocks
 TOKENS = Fp8Format(block=(1, GROUP))  # the activations' format: the block cast per token group

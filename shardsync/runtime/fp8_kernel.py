@@ -9,7 +9,7 @@ Divisions are IEEE-rounded (``div_rn``) as torch's are; the fp32 -> e4m3 convers
 hardware's round-to-nearest-even, as torch's.  Block formats with float32 or exponent-bit
 (``ue8m0``) scales; others (per channel, vLLM's log2 rounding) take the torch path.  The
 same cast per token group of activations (``quantize_groups``, 1 x 128, many rows to a program)
-feeds the reference engine's FP8 GEMM (``quant.matmul``).
+feeds the reference engine's FP8 GEMM (``models.fp8_gemm``).
 """
 
 from __future__ import annotations

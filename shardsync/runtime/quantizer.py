@@ -5,7 +5,7 @@ A region held in one piece is quantized from the parameter in place; one held in
 pieces (Megatron's fused QKV interleaves each query group's rows) is read in place too where
 each piece is whole blocks (the kernel takes each block row's source row), else assembled
 first, into a buffer kept across updates.  On a GPU the block formats run as one fused pass
-per region (``quant.kernel``), all of them replayed as one CUDA graph: hundreds of launches
+per region (``runtime.fp8_kernel``), all of them replayed as one CUDA graph: hundreds of launches
 from Python would take longer than the quantization itself.  A push may take regions over
 (``produce_into``): the pass writes them straight into the engine's staging.  The e4m3 bytes
 are kept as int32 words, the layout's dtype for them.  Memory: half the rank's quantized
@@ -23,8 +23,8 @@ from shardsync.layout.piece import Piece
 from shardsync.plan.local import region as _region
 from shardsync.plan.runs import Run, box_view
 from shardsync.quant.fp8 import Fp8Format, quantize
-from shardsync.quant.kernel import fused, quantize_into
 from shardsync.quant.wire import PER_WORD, Derived
+from shardsync.runtime.fp8_kernel import fused, quantize_into
 
 # one fused quantize: the bf16 source, its block rows' source rows (or None), e4m3 and scales out
 Job = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
