@@ -264,7 +264,6 @@ class Plan:
         return (c.sizes == s and not any(c.src_offsets), c.sizes == d and not any(c.dst_offsets))
 
 
-@gc_paused
 @dataclass(frozen=True)
 class Wire:
     """What a plan carries besides its layouts: the wire dtype (None: the destination's), the
@@ -277,6 +276,7 @@ class Wire:
     scaled: Mapping[str, Scaled] = field(default_factory=dict)
 
 
+@gc_paused
 def build_plan(src: Layout, dst: Layout, wire: Wire = Wire()) -> Plan:
     """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder
     (destination ranks in order, each rank's reads in order, ties to the lower rank), a block

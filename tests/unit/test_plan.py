@@ -245,3 +245,24 @@ def test_megatron_refuses_tp_that_does_not_split_fused_qkv_rows() -> None:
     spec = TINY.replace(num_heads=8, num_kv_heads=1, head_dim=2)
     with pytest.raises(ValueError, match="tp=8"):
         megatron_layout(spec, MegatronParallel(tp=8))
+
+
+def test_a_plan_builds_with_the_cyclic_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its ~10^6 small objects would be scanned again and again (``gcpause``): a decorator lost
+    in an edit costs Qwen3-30B-A3B's plan 0.7 s (``benchmarks/plan_build.py``)."""
+    import gc
+
+    from shardsync.plan import plan as plan_module
+
+    seen: list[bool] = []
+
+    class Spy(plan_module.Reader):
+        def __init__(self, *args, **kwargs) -> None:
+            seen.append(gc.isenabled())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "Reader", Spy)
+    spec = PRESETS["tiny-qwen3"]
+    assert gc.isenabled()
+    build_plan(megatron_layout(spec, MegatronParallel(tp=2)), engine_layout(spec, EngineParallel(tp=1)))
+    assert seen == [False] and gc.isenabled()
