@@ -211,15 +211,26 @@ class Fp8Wire:
         their scales, and each box of it that moves wide its own twin (``twin``: a model-dtype
         tensor of the box's size).  Ranks that shared tuples still do."""
         done: dict[tuple[int, int], RankLayout] = {}
+        metas: dict[TensorMeta, tuple[TensorMeta, TensorMeta]] = {}  # TP ranks hold equal tensors: made once
         ranks = []
         for rank in layout.ranks:
             key = (id(rank.tensors), id(rank.pieces))
             if key not in done:
-                done[key] = self._retype_rank(rank)
+                done[key] = self._retype_rank(rank, metas)
             ranks.append(RankLayout(rank.label, done[key].tensors, done[key].pieces))
         return Layout(layout.kind, layout.spec, self.logical(layout.logical), tuple(ranks), layout.params)
 
-    def _retype_rank(self, rank: RankLayout) -> RankLayout:
+    def _quantized_metas(self, t: TensorMeta) -> tuple[TensorMeta, TensorMeta]:
+        """Engine tensor ``t`` held as e4m3 words, and its scale tensor."""
+        held = t.held
+        words = (t.shape[0], t.shape[1] // PER_WORD)
+        held_words = None if held is None else (*held[:-1], held[-1] // PER_WORD)
+        grid = self.fmt.scale_shape(t.stored)
+        return (TensorMeta(t.name, words, WORD, held_words, role=Role.WORDS),
+                TensorMeta(self.scale(t.name), (math.prod(grid[:-1]), grid[-1]), SCALE, None if held is None else grid,
+                           role=Role.SCALES, parent=t.name))
+
+    def _retype_rank(self, rank: RankLayout, metas: dict[TensorMeta, tuple[TensorMeta, TensorMeta]]) -> RankLayout:
         sent, split = self.sent, self.split
         cuts = {i: self._parts(p) for i, p in enumerate(rank.pieces) if p.logical in split}  # the rare cells
         words_in: set[str] = set()
@@ -235,13 +246,10 @@ class Fp8Wire:
             if t.name not in words_in:
                 tensors.append(t)
                 continue
-            held = t.held
-            words = (t.shape[0], t.shape[1] // PER_WORD)
-            held_words = None if held is None else (*held[:-1], held[-1] // PER_WORD)
-            tensors.append(TensorMeta(t.name, words, WORD, held_words, role=Role.WORDS))
-            grid = self.fmt.scale_shape(t.stored)
-            tensors.append(TensorMeta(self.scale(t.name), (math.prod(grid[:-1]), grid[-1]), SCALE,
-                                      None if held is None else grid, role=Role.SCALES, parent=t.name))
+            made = metas.get(t)
+            if made is None:
+                made = metas[t] = self._quantized_metas(t)
+            tensors += made
             tensors += [TensorMeta(twin(t.name, q.local_offsets, q.sizes), q.sizes, t.dtype, role=Role.TWIN,
                                    parent=t.name, at=q.local_offsets)
                         for q in wide.get(t.name, ())]
