@@ -82,6 +82,11 @@ class Destination:
         checksums then mismatch); empty where what is served is what was received."""
         return set()
 
+    def rebind(self, params: Mapping[str, torch.Tensor]) -> bool:
+        """Write into ``params`` from now on where the engine rebound a parameter's storage (a
+        repacking method may); True when something here followed.  Nothing writes in place here."""
+        return False
+
 
 class Deriving(Destination):
     """A destination that receives into tensors of its own and derives what ``inner`` serves
@@ -103,6 +108,9 @@ class Deriving(Destination):
     def staged(self) -> Staged | None:
         return self.inner.staged()
 
+    def rebind(self, params: Mapping[str, torch.Tensor]) -> bool:
+        return self.inner.rebind(params)
+
 
 class Params(Destination):
     """The engine's live parameters, written in place (``commit`` has nothing left to do)."""
@@ -117,6 +125,13 @@ class Params(Destination):
 
     def commit(self) -> None:
         return None
+
+    def rebind(self, params: Mapping[str, torch.Tensor]) -> bool:
+        held = self._params
+        if all(n in held and held[n].data_ptr() == t.data_ptr() for n, t in params.items()):
+            return False
+        self._params = dict(params)  # a new mapping: views made of the old one are made again
+        return True
 
 
 @dataclass(frozen=True)

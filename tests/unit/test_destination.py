@@ -95,3 +95,22 @@ def test_a_pushing_writer_sees_both_sets_and_its_receive_catches_nothing_up() ->
     assert Staged(_params(), commit="copy").sets().__len__() == 1
     with pytest.raises(ValueError, match="whole staged shards"):
         _staged(budget=32, order=["l0"])[1].sets()
+
+
+def test_in_place_destinations_follow_rebound_storage_and_derived_ones_pass_it_on() -> None:
+    """An engine that rebinds a parameter's storage (SGLang's repacking methods may) must not
+    leave the receive writing into the old one; staged destinations keep their own copies."""
+    from shardsync.quant import FORMATS
+    from shardsync.quant.targets import Target
+    from shardsync.receiver import Params
+    from shardsync.receiver.quantized import Quantized
+
+    live = {"a": torch.zeros(4), "w": torch.zeros(128, 128, dtype=torch.float8_e4m3fn)}
+    params = Params(live)
+    assert not params.rebind(dict(live))  # the same storage: nothing to follow
+    moved = {**live, "a": torch.ones(4)}
+    assert params.rebind(moved) and params.tensors()["a"].data_ptr() == moved["a"].data_ptr()
+    fp8 = Quantized(Params(live), {"w": Target("w", (128, 128), "w_scale_inv", (1, 1))}, FORMATS["fp8"],
+                    dtype=torch.bfloat16)
+    assert fp8.rebind(moved) and fp8.inner.tensors()["a"].data_ptr() == moved["a"].data_ptr()
+    assert not Staged(live).rebind(moved)

@@ -25,10 +25,9 @@ from shardsync.engines.sglang.fp8 import KV_CACHE_SCALES, served_format
 from shardsync.layout.engine import EngineParallel, variant_choices
 from shardsync.lora import Lora
 from shardsync.quant import Fp8Format, quantized
-from shardsync.receiver import Params, Receiver, Slice, peft_dir
+from shardsync.receiver import Receiver, Slice, peft_dir
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
-from shardsync.receiver.quantized import Quantized
 from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
 from shardsync.store import auth
@@ -262,22 +261,10 @@ class SglangHost:
         """Point the in-place receiver at the parameters' current storage when SGLang rebound
         any since the last update (a session that repacks weights may); True when it had to."""
         rx = self._receivers.get(False)
-        if rx is None:
-            return False
-        fp8 = rx.destination if isinstance(rx.destination, Quantized) else None  # its parameters: the inner ones
-        params = rx.destination if fp8 is None else fp8.inner
-        if params.name != "params":
-            return False
-        held = params.tensors()
-        live = {n: p.data for n, p in self.model.named_parameters()}
-        if all(held[n].data_ptr() == t.data_ptr() for n, t in live.items()):
+        if rx is None or not rx.destination.rebind({n: p.data for n, p in self.model.named_parameters()}):
             return False
         log.info("shardsync: tp%d: SGLang rebound parameters since the last update; receiving into the new ones",
                  self.tp_rank)
-        if fp8 is None:
-            rx.destination = Params(live)
-        else:
-            fp8.inner = Params(live)
         return True
 
     def _update(self, call: SglangCall) -> None:
