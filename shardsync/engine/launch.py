@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardsync.lora import Lora
+from shardsync.lora.flags import lora_flags
 from shardsync.placement import rank_device
 from shardsync.store.auth import is_loopback
 from shardsync.store.rendezvous import Rendezvous, free_port, open_store
@@ -82,11 +83,7 @@ def engine_command(cfg: EngineConfig) -> list[str]:
            "--crossing", cfg.crossing.value, "--commit-wait-s", str(cfg.commit_wait_s)]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
                 "--delta-root": cfg.delta_root, "--quantization": cfg.quantization}
-    if cfg.lora is not None:
-        optional.update({"--lora-rank": str(cfg.lora.rank), "--lora-alpha": repr(cfg.lora.alpha),
-                         "--lora-targets": ",".join(cfg.lora.targets)})
-        if cfg.lora_merge:
-            cmd.append("--lora-merge")
+    cmd += lora_flags(cfg.lora) + (["--lora-merge"] if cfg.lora_merge and cfg.lora is not None else [])
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
 
 

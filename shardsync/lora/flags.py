@@ -23,3 +23,11 @@ def lora_of(args: argparse.Namespace) -> Lora | None:
         return None
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
     return Lora(args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+
+
+def lora_flags(lora: Lora | None) -> list[str]:
+    """``lora_of``'s inverse: the flags that name ``lora`` (none for None), for a command line
+    that starts another process with the same adapter."""
+    if lora is None:
+        return []
+    return ["--lora-rank", str(lora.rank), "--lora-alpha", repr(lora.alpha), "--lora-targets", ",".join(lora.targets)]

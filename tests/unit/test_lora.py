@@ -145,3 +145,18 @@ def test_an_engine_serving_another_adapter_refuses_the_connect() -> None:
     for served in (None, Lora(16, 32.0)):
         with pytest.raises(Conflict, match="--lora-rank|this engine serves"):
             check_connect(req, SPEC, 1, SPEC.dtype, views=views_of(None, served))
+
+
+def test_the_command_line_flags_name_an_adapter_both_ways() -> None:
+    import argparse
+
+    from shardsync.engine.launch import EngineConfig, engine_command
+    from shardsync.lora.flags import add_lora_args, lora_flags, lora_of
+
+    p = argparse.ArgumentParser()
+    add_lora_args(p, "rank")
+    odd = Lora(rank=8, alpha=3.0, targets=("q_proj", "v_proj"))
+    assert lora_of(p.parse_args(lora_flags(odd))) == odd and lora_flags(None) == []
+    cmd = engine_command(EngineConfig(model="tiny-qwen3", port=1, lora=odd, lora_merge=True))
+    assert cmd[cmd.index("--lora-rank") + 1] == "8" and "--lora-merge" in cmd
+    assert "--lora-rank" not in engine_command(EngineConfig(model="tiny-qwen3", port=1, lora_merge=True))
