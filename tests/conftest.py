@@ -23,3 +23,15 @@ def _own_runtime_dir():
             yield
         finally:
             os.environ.pop(ENV_RUNTIME_DIR, None)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls in process: extra intra-op threads only spin, badly so on a busy machine
+    (a module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

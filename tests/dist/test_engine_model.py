@@ -21,6 +21,8 @@ from shardsync.spec import ModelSpec
 from shardsync.presets import PRESETS
 from tests.dist._world import free_port, run_world
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SPECS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-glm4")
 CKPT_SPECS = ("tiny-qwen2", "tiny-llama")  # tied and untied embeddings
 BF16_SPEC = "tiny-qwen3"
@@ -120,14 +122,6 @@ def _hf_logits(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> torch.Ten
         param.copy_(source(name))
     return hf(_ids(spec)).logits.float()
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: extra intra-op threads only spin, badly so on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,8 @@ from tests.dist.test_moe_models import (
     assert_trainer_world,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RTOL = 1e-5
 WORLD, WORLD_TIMEOUT_S = 4, 480
 
@@ -105,13 +107,6 @@ def inputs(spec: ModelSpec) -> dict[str, torch.Tensor]:
 def ids(spec: ModelSpec) -> torch.Tensor:
     return inputs(spec)["ids"][:3]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
