@@ -3,9 +3,12 @@ executor or the transports.
 
 A ``WeightView`` may replace the tensors every layout holds (an adapter's A/B instead of the
 base), refuse the shard-level path for the engines at hand, and, once the topology's base
-layouts exist, ``bind`` to them: the bound view (``BoundView``) retypes the trainer layout (and says
-what each trainer rank derives before a send), retypes each engine layout and the whole-tensor
-one, adds the raw dtypes and scale rules the plans carry, and says one line on what it does.
+layouts exist, ``bind`` to them: the bound view (``BoundView``) retypes the trainer layout (and
+says what each trainer rank derives before a send), retypes each engine layout and the
+whole-tensor one, adds the raw dtypes and scale rules the plans carry, and says one line on what
+it does.  What execution a view needs lives in the rooms above, in tables from the view's type:
+the engine side wraps a host's destination (``receiver.viewed``), the trainer side derives
+tensors before a send (``shardsync.viewed``).
 ``Views`` composes views in order, as torchtitan's model converters are: each hook gets the
 previous view's answer.  Every hook defaults to leaving things as they are.
 """
@@ -75,7 +78,7 @@ class BoundView:
         return raw
 
     def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
-        """BoundView tensors whose blocks ride with their scales (``plan.Scaled``)."""
+        """Wire tensors of quantized words -> their block scales, which ride with them (``plan.Scaled``)."""
         return {}
 
     def summary(self, engines: Sequence[Layout], itemsize: int) -> str | None:
@@ -175,7 +178,7 @@ def _bound2(hook: Callable[[ModelSpec, str, int, Callable[[], Layout]], Layout],
 
 @dataclass(frozen=True)
 class BoundViews(BoundView):
-    """BoundViews views composed in order: itself a ``BoundView``."""
+    """Bound views composed in order: itself a ``BoundView``."""
 
     wires: tuple[BoundView, ...] = ()
 
