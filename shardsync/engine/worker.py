@@ -51,7 +51,7 @@ def destination_of(model: EngineModel, rank: int, staging_bytes: int) -> Destina
         return destination_for(model.synced_tensors(), staging_bytes)
     assert model.lora is not None
     adapter = model.adapter_layout.ranks[rank]
-    steps = merge_plan(model.layout.ranks[rank], adapter, model.lora)
+    steps = merge_plan(model.spec, model.layout.ranks[rank], adapter, model.lora)
     params = dict(model.named_parameters())
     inner = destination_for({n: params[n] for n in dict.fromkeys(s.base for s in steps)}, staging_bytes)
     return Merged(inner, steps, adapter, model.lora, device=model.device)

@@ -5,6 +5,7 @@ so an adapter rides the same plans, paths and checks as a model: only these byte
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from shardsync.family.table import Supports
 from shardsync.layout.cut import Cut, Local, cut_rows
@@ -34,20 +35,35 @@ def check_lora(spec: ModelSpec, lora: Lora) -> None:
                              "is not supported (target the attention modules only)")
 
 
+@dataclass(frozen=True)
+class AdapterPair:
+    """One adapted linear: its logical ``A`` and ``B`` and the base weight ``scale * B @ A`` adds to."""
+
+    a: str
+    b: str
+    weight: str
+
+
+@functools.lru_cache(maxsize=16)
+def adapter_pairs(spec: ModelSpec, lora: Lora) -> tuple[AdapterPair, ...]:
+    """Every adapted linear in PEFT's order (layer, then target): who pairs with whom is this
+    table's, never read back from the tensors' names."""
+    check_lora(spec, lora)
+    return tuple(AdapterPair(pre + t.a, pre + t.b, pre + t.module + ".weight")
+                 for layer in range(spec.num_layers) for pre in (f"model.layers.{layer}.",)
+                 for t in (TARGETS[name] for name in lora.targets))
+
+
 @functools.lru_cache(maxsize=16)
 def adapter_tensors(spec: ModelSpec, lora: Lora) -> dict[str, Box]:
     """Every adapter tensor in PEFT's order (layer, then target, ``A`` before ``B``); shared by
     the layouts of this adapter, never changed in place."""
-    check_lora(spec, lora)
     base = model_tensors(spec)
     out: dict[str, Box] = {}
-    for layer in range(spec.num_layers):
-        pre = f"model.layers.{layer}."
-        for name in lora.targets:
-            t = TARGETS[name]
-            rows, cols = base[pre + t.module + ".weight"]
-            out[pre + t.a] = (lora.rank, cols)
-            out[pre + t.b] = (rows, lora.rank)
+    for pair in adapter_pairs(spec, lora):
+        rows, cols = base[pair.weight]
+        out[pair.a] = (lora.rank, cols)
+        out[pair.b] = (rows, lora.rank)
     return out
 
 

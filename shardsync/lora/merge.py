@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from shardsync.layout.piece import Box, RankLayout, box_overlap
 from shardsync.lora.config import Lora
+from shardsync.lora.layout import adapter_pairs
 from shardsync.lora.table import TARGETS
+from shardsync.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -27,21 +29,20 @@ class MergeStep:
     b_rows: tuple[int, int]
 
 
-def merge_plan(base: RankLayout, adapter: RankLayout, lora: Lora) -> tuple[MergeStep, ...]:
+def merge_plan(spec: ModelSpec, base: RankLayout, adapter: RankLayout, lora: Lora) -> tuple[MergeStep, ...]:
     """Every step of one rank's merge, for each target of each layer this rank holds: the
-    logical box its ``B`` rows x ``A`` columns cover, met with the base pieces of that weight."""
-    a_piece = {p.logical: p for p in adapter.pieces if p.logical.endswith(".lora_A.weight")}
-    b_piece = {p.logical: p for p in adapter.pieces if p.logical.endswith(".lora_B.weight")}
+    logical box its ``B`` rows x ``A`` columns cover, met with the base pieces of that weight
+    (the pairs: ``lora.layout.adapter_pairs``)."""
+    held = {p.logical: p for p in adapter.pieces}
     by_weight: dict[str, list] = {}
     for p in base.pieces:
         by_weight.setdefault(p.logical, []).append(p)
     steps = []
-    for a_name, a in a_piece.items():
-        module = a_name.removesuffix(".lora_A.weight")
-        b = b_piece[module + ".lora_B.weight"]
+    pairs = [(held[pair.a], held[pair.b], pair.weight) for pair in adapter_pairs(spec, lora) if pair.a in held]
+    for a, b, weight in pairs:
         # the logical box of the weight this rank's term covers: B's rows x A's columns
         box_off, box_size = (b.offsets[0], a.offsets[1]), (b.sizes[0], a.sizes[1])
-        for p in by_weight.get(module + ".weight", []):
+        for p in by_weight.get(weight, []):
             hit = box_overlap(box_off, box_size, p.offsets, p.sizes)
             if hit is None:
                 continue
@@ -51,7 +52,7 @@ def merge_plan(base: RankLayout, adapter: RankLayout, lora: Lora) -> tuple[Merge
                                    a.local, (a.local_offsets[1] + c0 - a.offsets[1], nc),
                                    b.local, (b.local_offsets[0] + r0 - b.offsets[0], nr)))
     covered = {s.a for s in steps}
-    missing = [p.local for p in adapter.pieces if p.logical.endswith(".lora_A.weight") and p.local not in covered]
+    missing = [a.local for a, _, _ in pairs if a.local not in covered]
     if missing:
         modules = ", ".join(TARGETS[t].module for t in lora.targets)
         raise ValueError(f"{base.label}: no base weight to merge {missing[:3]} into; a merging engine needs the "

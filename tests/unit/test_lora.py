@@ -117,7 +117,7 @@ def test_the_merge_lands_where_the_full_merge_would(tp: int) -> None:
     for r in range(tp):
         held = load_rank(base_lay, r, base)
         ad = load_rank(ad_lay, r, adapter)
-        steps = merge_plan(base_lay.ranks[r], ad_lay.ranks[r], LORA)
+        steps = merge_plan(SPEC, base_lay.ranks[r], ad_lay.ranks[r], LORA)
         touched = {n: torch.zeros_like(t, dtype=torch.int32) for n, t in held.items()}
         for s in steps:
             a = ad[s.a][:, s.a_cols[0]:s.a_cols[0] + s.a_cols[1]]
