@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from shardsync.control.client import EngineClient, Engines, SyncError
 from shardsync.control.sglang import SglangEngines
 from shardsync.control.vllm import VllmEngines
-from shardsync.control.wire import Decision, InfoResponse, Served
+from shardsync.control.wire import Decision, EngineFacts, InfoResponse
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
 from shardsync.lora import Lora
 from shardsync.quant.support import refusal
@@ -55,20 +55,20 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
         raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
     staged = {i.kind for i in infos} <= set(STAGED_KINDS)  # their pipeline stages are planned per rank
     try:
-        served = {Served(kind=i.kind, pp=1 if staged else i.pp, quantization=i.quantization, lora=i.lora)
+        facts = {EngineFacts(kind=i.kind, pp=1 if staged else i.pp, quantization=i.quantization, lora=i.lora)
                   .model_dump_json(): i for i in infos}
     except ValidationError as e:
         raise SyncError(f"an engine's facts are out of bounds: {e}") from None
-    if len(served) != 1:
-        raise SyncError(f"engines differ in (kind, pp, quantization, adapter): {sorted(served)}")
-    one = Served.model_validate_json(served.popitem()[0])
+    if len(facts) != 1:
+        raise SyncError(f"engines differ in (kind, pp, quantization, adapter): {sorted(facts)}")
+    one = EngineFacts.model_validate_json(facts.popitem()[0])
     refused = refusal(one.quantization)
     if refused is not None:
         raise SyncError(refused)
     return Decision(tps=[i.tp for i in infos], eps=[i.ep for i in infos],
                     pps=[i.pp for i in infos] if staged else [], dtype=dtypes.pop(), port=port,
                     variants=[i.variants for i in infos] if any(i.variants for i in infos) else [],
-                    name=f"shardsync-{uuid.uuid4().hex[:16]}", served=one)
+                    name=f"shardsync-{uuid.uuid4().hex[:16]}", facts=one)
 
 
 def rendezvous_of(decision: Decision, trainer_ranks: int, *, host: str, backend: str, timeout_s: float) -> Rendezvous:
@@ -82,8 +82,8 @@ def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel |
                 whole: bool, lora: Lora | None = None) -> Topology:
     """The connection's topology from the engines' facts (``whole``: engines whose own loaders
     shard whole tensors; ``lora``: the adapter this trainer syncs, which they must serve)."""
-    served = decision.served
-    theirs = None if served.lora is None else Lora.from_dict(served.lora.model_dump())
+    facts = decision.facts
+    theirs = None if facts.lora is None else Lora.from_dict(facts.lora.model_dump())
     if theirs != lora:
         raise SyncError(f"the engines serve {'no adapter' if theirs is None else f'adapter {theirs}'}, this trainer "
                         f"syncs {'the whole model' if lora is None else f'adapter {lora}'}: start the engines with "
@@ -96,4 +96,4 @@ def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel |
     return Topology(spec.replace(dtype=dtype), trainer,
                     tuple(EngineParallel(tp=t, ep=ep, pp=pp, dtype=dtype, whole=whole, variants=frozenset(v))
                           for t, ep, pp, v in zip(decision.tps, eps, pps, variants, strict=True)),
-                    views=views_of(served.quantization, lora), relay=relay, host=Host(served.kind, served.pp))
+                    views=views_of(facts.quantization, lora), relay=relay, host=Host(facts.kind, facts.pp))

@@ -158,7 +158,7 @@ class ChecksumResponse(BaseModel):
 
 # -- store values (trainer ranks agreeing; trainer rank 0 <-> engine control threads) --
 
-class Served(Msg):
+class EngineFacts(Msg):
     """What every engine of a connection serves, as their facts said (``InfoResponse``): how they
     host the receiver (``kind``, and ``pp``, the pipeline depth of engines whose layout has no
     stages), the quantization they serve and the adapter; the trainer composes its views from it."""
@@ -179,7 +179,7 @@ class Decision(Msg):
     dtype: str = ""
     port: int = 0
     name: str = ""
-    served: Served = Served()
+    facts: EngineFacts = EngineFacts()
     error: str | None = None
 
 

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from shardsync.control.client import SyncError
 from shardsync.control.connect import decide, topology_of
-from shardsync.control.wire import Decision, InfoResponse, LoraMsg, Served
+from shardsync.control.wire import Decision, EngineFacts, InfoResponse, LoraMsg
 from shardsync.layout import EngineParallel, Layout, MegatronParallel
 from shardsync.layout.piece import Role
 from shardsync.lora import Lora
@@ -136,7 +136,7 @@ def _info(**kw) -> InfoResponse:
 
 def test_the_engines_facts_are_one_typed_record_from_info_to_topology() -> None:
     d = decide([_info(kind="sglang", quantization="fp8"), _info(kind="sglang", quantization="fp8")], port=1)
-    assert d.served == Served(kind="sglang", pp=1, quantization="fp8")
+    assert d.facts == EngineFacts(kind="sglang", pp=1, quantization="fp8")
     again = Decision.model_validate_json(d.model_dump_json())  # how the other trainer ranks read it
     topo = topology_of(again, DENSE, MegatronParallel(tp=2), relay=False, whole=False)
     assert topo.host == Host("sglang") and topo.views == views_of("fp8")
@@ -147,7 +147,7 @@ def test_the_engines_facts_are_one_typed_record_from_info_to_topology() -> None:
     with pytest.raises(SyncError, match="out of bounds"):
         decide([_info(kind="k" * 100)], port=1)
     with pytest.raises(ValidationError):
-        Served.model_validate({"kind": "reference", "facts": {}})  # no untyped extras
+        EngineFacts.model_validate({"kind": "reference", "facts": {}})  # no untyped extras
     lora = LoraMsg(rank=4, alpha=8.0, targets=["q_proj", "v_proj"])
     d = decide([_info(lora=lora)], port=1)
     assert topology_of(d, DENSE, MegatronParallel(tp=2), relay=False, whole=False, lora=LORA).lora == LORA
