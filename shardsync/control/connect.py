@@ -55,13 +55,14 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
         raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
     staged = {i.kind for i in infos} <= set(STAGED_KINDS)  # their pipeline stages are planned per rank
     try:
-        facts = {EngineFacts(kind=i.kind, pp=1 if staged else i.pp, quantization=i.quantization, lora=i.lora)
-                  .model_dump_json(): i for i in infos}
+        facts = [EngineFacts(kind=i.kind, pp=1 if staged else i.pp, quantization=i.quantization, lora=i.lora)
+                 for i in infos]
     except ValidationError as e:
         raise SyncError(f"an engine's facts are out of bounds: {e}") from None
-    if len(facts) != 1:
-        raise SyncError(f"engines differ in (kind, pp, quantization, adapter): {sorted(facts)}")
-    one = EngineFacts.model_validate_json(facts.popitem()[0])
+    one = facts[0]
+    if any(f != one for f in facts):
+        raise SyncError(f"engines differ in (kind, pp, quantization, adapter): "
+                        f"{sorted({f.model_dump_json() for f in facts})}")
     refused = refusal(one.quantization)
     if refused is not None:
         raise SyncError(refused)
