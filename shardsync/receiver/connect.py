@@ -117,11 +117,10 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
         theirs_lora = lora_of(req)
     except (TypeError, ValueError) as e:
         raise Invalid(f"cannot read the trainer's adapter: {e}") from None
-    lora = views.lora
-    if theirs_lora != lora:
-        raise Conflict(f"the trainer syncs {'no adapter' if theirs_lora is None else f'adapter {theirs_lora}'}, "
-                       f"this engine serves {'no adapter' if lora is None else f'adapter {lora}'}: start the "
-                       "engine with the trainer's LoRA rank, alpha and targets (or connect a full-model sync)")
+    refused = views.mismatch(theirs_lora)
+    if refused is not None:
+        raise Conflict(f"{refused}: start the engine with the trainer's LoRA rank, alpha and targets (or connect "
+                       "a full-model sync)")
     try:
         topo = topology_from_connect(req, dtype, views)
     except (TypeError, ValueError) as e:

@@ -108,8 +108,9 @@ class Receiver:
         """Join the sync group ``req`` names (blocks, bounded, until every member is in);
         returns this rank's sync rank.  A join that fails leaves the current connection as
         it was and releases what it built."""
-        if lora_of(req) != self.views.lora:
-            raise ValueError(f"the trainer syncs adapter {lora_of(req)}, this receiver holds adapter {self.views.lora}")
+        refused = self.views.mismatch(lora_of(req))
+        if refused is not None:
+            raise ValueError(refused)
         topo = topology_from_connect(req, self.dtype_name, self.views)
         if topo.engines[req.engine_index].whole != self.whole:
             raise ValueError(f"the trainer planned {'whole' if not self.whole else 'sharded'} tensors for this "

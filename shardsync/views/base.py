@@ -159,6 +159,15 @@ class Views:
         """The adapter these views hold alone (None: the whole model)."""
         return next((a for v in self.views if (a := v.adapter()) is not None), None)
 
+    def mismatch(self, synced: Lora | None) -> str | None:
+        """Why an engine serving these views refuses a sync of the adapter ``synced`` (None: the
+        whole model), or None when it serves exactly that."""
+        served = self.lora
+        if synced == served:
+            return None
+        return (f"the trainer syncs {'no adapter' if synced is None else f'adapter {synced}'}, this engine serves "
+                f"{'no adapter' if served is None else f'adapter {served}'}")
+
     def bind(self, topo: Bases) -> BoundViews:
         return BoundViews(tuple(v.bind(topo) for v in self.views))
 

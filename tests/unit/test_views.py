@@ -153,3 +153,12 @@ def test_the_engines_facts_are_one_typed_record_from_info_to_topology() -> None:
     assert topology_of(d, DENSE, MegatronParallel(tp=2), relay=False, whole=False, lora=LORA).lora == LORA
     with pytest.raises(SyncError, match="serve adapter"):
         topology_of(d, DENSE, MegatronParallel(tp=2), relay=False, whole=False)
+
+
+def test_an_engine_refuses_a_sync_of_another_adapter_through_its_views() -> None:
+    other = Lora(rank=8, alpha=8.0, targets=("q_proj",))
+    assert views_of(None, LORA).mismatch(LORA) is None and NO_VIEWS.mismatch(None) is None
+    served = views_of(None, LORA)
+    assert served.mismatch(other) == f"the trainer syncs adapter {other}, this engine serves adapter {LORA}"
+    assert NO_VIEWS.mismatch(LORA) == f"the trainer syncs adapter {LORA}, this engine serves no adapter"
+    assert views_of("fp8", LORA).mismatch(None) == f"the trainer syncs no adapter, this engine serves adapter {LORA}"
