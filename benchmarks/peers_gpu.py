@@ -34,8 +34,8 @@ from shardsync.control.client import wait_healthy
 from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout
 from shardsync.layout.logical import logical_tensors
-from shardsync.layout.piece import addressed
 from shardsync.models.weights import load_rank
+from shardsync.piece import addressed
 from shardsync.plan.local import region
 from shardsync.presets import load_spec
 from shardsync.runtime.checksum import piece_checksums

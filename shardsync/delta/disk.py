@@ -30,7 +30,7 @@ from shardsync.delta.encode import xor_decode, xor_encode
 from shardsync.delta.parts import Part, apply_xor, stage_parts, targets_for
 from shardsync.delta.transfer import Snapshot, gather_stage
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 from shardsync.runtime.executor import BufferPool
 from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import Box, RankLayout, box_overlap
+from shardsync.piece import Box, RankLayout, box_overlap
 from shardsync.plan.plan import Copy, Plan
 
 

@@ -18,7 +18,7 @@ import torch
 from shardsync.delta.encode import HEADER, decode, encode, encoding_of
 from shardsync.delta.parts import Part, apply_values, p2p_parts, stage_parts, targets_for
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 from shardsync.runtime.executor import BufferPool, execute
 from shardsync.runtime.schedule import SyncRanks
 from shardsync.runtime.stats import Stats

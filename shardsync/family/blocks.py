@@ -7,25 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardsync.family.table import (
-    Attention,
-    Block,
-    Concat,
-    ExpertMlps,
-    ExpertStacks,
-    Fused,
-    MtpHead,
-    Part,
-    PerExpert,
-    QkvGroups,
-    QkvHeads,
-    Row,
-    SharedExpert,
-    Split,
-    Supports,
-    T,
-    Whole,
-)
+from shardsync.family.kinds import Concat, ExpertMlps, ExpertStacks, Fused, Part, QkvGroups, QkvHeads, Split, Whole
+from shardsync.family.table import Attention, Block, MtpHead, PerExpert, Row, SharedExpert, Supports, T
 
 if TYPE_CHECKING:
     from shardsync.spec import ModelSpec

@@ -15,21 +15,8 @@ checkpoints quantize ``in_proj_qkvz``, ``out_proj`` and the full attention's pro
 
 from __future__ import annotations
 
-from shardsync.family.table import (
-    Attention,
-    Block,
-    Fused,
-    MtpHead,
-    Part,
-    QkvGroups,
-    QkvHeads,
-    Row,
-    Rows,
-    Split,
-    Supports,
-    T,
-    Whole,
-)
+from shardsync.family.kinds import Fused, Part, QkvGroups, QkvHeads, Rows, Split, Whole
+from shardsync.family.table import Attention, Block, MtpHead, Row, Supports, T
 
 _L = "linear_attn."
 _CONV = _L + "conv1d.weight"

@@ -2,9 +2,9 @@
 each layout's local tensors are cut from them.
 
 A family is data: its HF config fields, its logical tensors per layer kind, and for each
-layout a row per local tensor naming a *kind* from the piece algebra (``Whole``, ``Split``,
-``Fused``, ``QkvGroups``, ``QkvHeads``, ``ExpertMlps``, ``ExpertStacks``).  The layout room
-interprets the kinds (``layout/cut.py``); nothing here builds a piece.
+layout a row per local tensor naming a *kind*: a rule that cuts it (``cut.Kind``; the shared
+ones, ``Whole``, ``Split``, ``Fused``, ``QkvGroups``..., in ``kinds.py``, a family's own in its
+module).  Nothing here builds a piece.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from shardsync.vocab import Word
 
 if TYPE_CHECKING:
+    from shardsync.family.cut import Kind
     from shardsync.spec import ModelSpec
 
 Predicate = Callable[["ModelSpec"], bool]
@@ -112,111 +113,6 @@ class PerExpert:
     tensors: tuple[T, ...]
 
 
-# -- how a local tensor is cut from logical ones ----------------------------------------------
-
-@dataclass(frozen=True)
-class Part:
-    """Block ``index`` of ``count`` equal row blocks of a logical tensor (a fused checkpoint
-    tensor's gate half is ``Part("mlp.gate_up_proj.weight", 0, 2)``)."""
-
-    name: str
-    index: int = 0
-    count: int = 1
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Row blocks of a logical tensor, in ``dims`` symbols (or digits): ``size`` rows at ``start``;
-    with ``groups``, that many such blocks, block g at ``start + g * stride``.  Split over TP, a
-    rank takes its share of the one block's rows, or its share of the groups (each whole): the
-    conv channels ``[q | k | v]`` of its heads, or Megatron's per-group parts of an interleaved
-    checkpoint projection."""
-
-    name: str
-    size: str
-    start: str = "0"
-    groups: str | None = None
-    stride: str | None = None
-
-
-@dataclass(frozen=True)
-class Whole:
-    """Held whole on every rank (norms, routers, MLA's down projections)."""
-
-    source: str | None = None  # None: the row's own name
-
-
-@dataclass(frozen=True)
-class Split:
-    """Split evenly over the tensor-parallel ranks along ``dim`` (0: column-parallel,
-    1: row-parallel in Megatron's words)."""
-
-    source: str | None = None
-    dim: int = 0
-
-
-@dataclass(frozen=True)
-class Fused:
-    """Each part split over the tensor-parallel ranks, the rank's slices stacked along dim 0
-    (``gate_up_proj``, Megatron's ``linear_fc1``; parts of unequal rows: ``Rows``)."""
-
-    parts: tuple[Part | Rows, ...]
-
-
-@dataclass(frozen=True)
-class Concat:
-    """Whole logical tensors stacked along dim 0, held whole on every rank (SGLang's
-    ``fused_qkv_a_proj_with_mqa`` = [q_a_proj; kv_a_proj_with_mqa])."""
-
-    sources: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class QkvGroups:
-    """Megatron's fused QKV: per query group its q heads, k head, v head, globally; a rank
-    holds one contiguous window.  ``gate``: the checkpoint's ``q_proj`` holds each head's query
-    and output gate (Qwen3-Next), Megatron's group its q heads, then their gates, then k and v."""
-
-    suffix: str  # weight | bias
-    gate: bool = False
-
-
-@dataclass(frozen=True)
-class QkvHeads:
-    """An engine's fused QKV: ``[q (my heads) | k | v (my kv heads)]``, kv heads replicated
-    over consecutive ranks when TP exceeds them.  ``gate``: each head's q rows are the
-    checkpoint's query and output gate, kept interleaved (SGLang, vLLM)."""
-
-    suffix: str
-    gate: bool = False
-
-
-@dataclass(frozen=True)
-class ExpertMlps:
-    """Megatron: this rank's local experts, each a dense MLP split over expert-TP
-    (``linear_fc1`` = [gate; up] slices, ``linear_fc2`` = down's columns)."""
-
-    gate: str  # logical names with ``{e}``
-    up: str
-    down: str
-
-
-@dataclass(frozen=True)
-class ExpertStacks:
-    """An engine's FusedMoE: this rank's experts stacked, ``w13 [E_loc, 2I/moe_tp, H]`` =
-    per expert [gate slice; up slice], ``w2 [E_loc, H, I/moe_tp]``.  ``shared``: the shared
-    expert's (gate, up, down), stacked as expert ``E`` where the engine fuses it
-    (variant ``shared_fused``)."""
-
-    gate: str
-    up: str
-    down: str
-    shared: tuple[str, str, str] | None = None
-
-
-Kind = Whole | Split | Fused | Concat | QkvGroups | QkvHeads | ExpertMlps | ExpertStacks
-
-
 @dataclass(frozen=True)
 class Row:
     """One local tensor of a layout (or a set of them, for expert kinds): its name after the
@@ -269,6 +165,13 @@ class Block:
     supports: frozenset[Supports] = frozenset()  # the weight views its linears take
     rotary: str = "rot"  # attention blocks: the ``dims`` symbol of the channels rotary turns
     shared: SharedExpert = SharedExpert()  # mixture-of-experts blocks: the shared expert's engine module
+
+    def __post_init__(self) -> None:
+        for layout, rows in (("megatron", self.megatron), ("engine", self.engine)):
+            for row in rows:  # a kind in a table no layout cuts it for is refused where it is written
+                if row.kind.layouts is not None and layout not in row.kind.layouts:
+                    raise ValueError(f"row {row.name}: {type(row.kind).__name__} is cut by the "
+                                     f"{'/'.join(sorted(row.kind.layouts))} layout only, not in {layout} rows")
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardsync.family.table import ExpertStacks, QkvHeads, Row, Variant
+from shardsync.family.cut import Cut, Experts
+from shardsync.family.table import Variant
 from shardsync.gcpause import gc_paused
-from shardsync.layout.cut import Cut, Local, cut_rows
+from shardsync.layout.base import Layout
+from shardsync.layout.cut import cut_rows
 from shardsync.layout.full import full_layout
 from shardsync.layout.logical import logical_tensors
-from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
+from shardsync.piece import Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
 
@@ -67,12 +69,6 @@ class EngineParallel:
     def moe_tp(self) -> int:
         return self.tp // self.ep
 
-    def kv_heads(self, num_kv_heads: int, rank: int) -> tuple[int, int]:
-        """(first kv head, count) held by ``rank``; consecutive ranks share one when tp > kv."""
-        if self.tp >= num_kv_heads:
-            return rank // (self.tp // num_kv_heads), 1
-        n = num_kv_heads // self.tp
-        return rank * n, n
 
 
 # The variant words of an engine layout: what each changes against the default (SGLang's
@@ -150,39 +146,6 @@ def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
             raise ValueError(f"engine layout of {spec.name} impossible: {why}")
 
 
-def _own(par: EngineParallel):
-    """The engine's own kinds: fused QKV by heads and the FusedMoE expert stacks."""
-
-    def cut(row: Row, name: str, c: Cut) -> list[Local]:
-        spec, kind, r, H = c.spec, row.kind, c.rank, c.spec.hidden_size
-        if isinstance(kind, QkvHeads):
-            d, nq = spec.head_dim, spec.num_heads // par.tp
-            qd = (1 + kind.gate) * d  # a head's q rows: its query, and its output gate when gated
-            k0, nkv = par.kv_heads(spec.num_kv_heads, r)
-            attn = c.hf + "self_attn."
-            segs = [Segment(attn + "q_proj." + kind.suffix, r * nq * qd, nq * qd),
-                    Segment(attn + "k_proj." + kind.suffix, k0 * d, nkv * d),
-                    Segment(attn + "v_proj." + kind.suffix, k0 * d, nkv * d)]
-            rows = nq * qd + 2 * nkv * d
-            return [Local(name, (rows, H) if kind.suffix == "weight" else (rows,), stacked(name, segs, c.logical, 0))]
-        if isinstance(kind, ExpertStacks):
-            n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.moe_tp
-            first, lo = (r // par.moe_tp) * n, (r % par.moe_tp) * f
-            projs = (kind.gate, kind.up, kind.down)
-            mlps = [tuple(c.hf + p.format(e=e) for p in projs) for e in range(first, first + n)]
-            if kind.shared is not None and "shared_fused" in c.variants:  # expert E: the shared one
-                mlps.append(tuple(c.hf + p for p in kind.shared))
-            n = len(mlps)
-            w13, w2 = name + ".w13_weight", name + ".w2_weight"
-            segs = [Segment(proj, lo, f) for mlp in mlps for proj in mlp[:2]]
-            down = [Piece(mlp[2], (0, lo), (H, f), w2, (k * H, 0)) for k, mlp in enumerate(mlps)]
-            return [Local(w13, (n * 2 * f, H), stacked(w13, segs, c.logical, 0), (n, 2 * f, H)),
-                    Local(w2, (n * H, f), down, (n, H, f))]
-        raise ValueError(f"{spec.name}: the engine layout has no rule for {type(kind).__name__} ({row.name})")
-
-    return cut
-
-
 def _engine_rank(spec: ModelSpec, par: EngineParallel, stage: int, r: int,
                  logical: dict[str, tuple[int, ...]], dtype: str) -> RankLayout:
     """TP rank ``r`` of stage ``stage``: its layers (global names), the embedding on the first
@@ -206,11 +169,11 @@ def _engine_rank(spec: ModelSpec, par: EngineParallel, stage: int, r: int,
     first, last = stage == 0, stage == par.pp - 1
     if first:
         vocab("model.embed_tokens.weight")
-    own = _own(par)
+    experts = Experts(par.ep, r // par.moe_tp, par.moe_tp, r % par.moe_tp)
     for layer in par.stage_layers(spec.num_layers, stage):
-        c = Cut(spec, layer, f"model.layers.{layer}.", t, r, logical, variants=par.variants)
+        c = Cut(spec, layer, f"model.layers.{layer}.", t, r, logical, variants=par.variants, experts=experts)
         for block in spec.family_table.blocks(spec, layer):
-            for made, row_dtype in cut_rows(block.engine, c, own):
+            for made, row_dtype in cut_rows(block.engine, c):
                 tensors.append(made.meta(row_dtype or dtype))
                 pieces.extend(made.pieces)
     if last:

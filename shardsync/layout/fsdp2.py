@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardsync.gcpause import gc_paused
+from shardsync.layout.base import Layout
 from shardsync.layout.logical import logical_tensors, model_tensors
-from shardsync.layout.piece import Layout, RankLayout, Segment, TensorMeta, stacked
+from shardsync.piece import RankLayout, Segment, TensorMeta, stacked
 from shardsync.spec import ModelSpec
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardsync.gcpause import gc_paused
+from shardsync.layout.base import Layout
 from shardsync.layout.logical import logical_tensors, model_tensors
-from shardsync.layout.piece import Layout, RankLayout, TensorMeta, whole
+from shardsync.piece import RankLayout, TensorMeta, whole
 from shardsync.spec import ModelSpec
 
 

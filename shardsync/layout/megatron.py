@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardsync.family.table import ExpertMlps, QkvGroups, Row
+from shardsync.family.cut import Cut, Experts, Local
+from shardsync.family.table import Row
 from shardsync.gcpause import gc_paused
-from shardsync.layout.cut import Cut, Local, Own, cut_rows
+from shardsync.layout.base import Layout
+from shardsync.layout.cut import cut_rows
 from shardsync.layout.logical import hf_prefixes, logical_tensors, mtp_layers
-from shardsync.layout.piece import Layout, Piece, RankLayout, Segment, TensorMeta, stacked, whole
+from shardsync.piece import Piece, RankLayout, Segment, TensorMeta, stacked, whole
 from shardsync.spec import ModelSpec
 
 # Megatron names of (input norm, pre-MLP norm), held whole on every TP rank.  Two spellings:
@@ -168,68 +170,19 @@ def check_megatron(spec: ModelSpec, par: MegatronParallel) -> None:
     par.stage_layers(spec.num_layers)
 
 
-def qkv_segments(spec: ModelSpec, hf: str, suffix: str, gate: bool = False) -> list[Segment]:
-    """Global fused QKV rows: per query group, its q heads, then its k head, then its v head.
-    ``gate``: the checkpoint's q_proj holds each head's query then its gate (``2d`` rows a head);
-    Megatron's group holds its q heads, then their gates, then k and v."""
-    d, p = spec.head_dim, spec.heads_per_group
-    pre = hf + "self_attn."  # ``hf``: the layer's logical prefix
-    q = pre + "q_proj." + suffix
-    segs = []
-    for g in range(spec.num_kv_heads):
-        if gate:
-            heads = range(g * p, (g + 1) * p)
-            segs += [Segment(q, 2 * d * i, d) for i in heads] + [Segment(q, 2 * d * i + d, d) for i in heads]
-        else:
-            segs.append(Segment(q, g * p * d, p * d))
-        segs.append(Segment(pre + "k_proj." + suffix, g * d, d))
-        segs.append(Segment(pre + "v_proj." + suffix, g * d, d))
-    return segs
-
-
-def _own(par: MegatronParallel, ep_rank: int, etp_rank: int):
-    """Megatron's own kinds: the interleaved fused QKV and the local experts' MLPs."""
-
-    def cut(row: Row, name: str, c: Cut) -> list[Local]:
-        spec, kind, H = c.spec, row.kind, c.spec.hidden_size
-        if isinstance(kind, QkvGroups):
-            rows = ((1 + kind.gate) * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim // c.tp
-            shape = (rows, H) if kind.suffix == "weight" else (rows,)
-            win = (c.rank * rows, (c.rank + 1) * rows)
-            segs = qkv_segments(spec, c.hf, kind.suffix, kind.gate)
-            return [Local(name, shape, stacked(name, segs, c.logical, 0, win))]
-        if isinstance(kind, ExpertMlps):
-            n, f = spec.num_experts // par.ep, spec.moe_intermediate_size // par.expert_tp
-            lo, fc1, fc2 = etp_rank * f, *EXPERT_NAMES[par.expert_names]
-            ones, twos = [], []
-            for j in range(n):
-                e = ep_rank * n + j
-                name1, name2 = c.local + fc1.format(j=j), c.local + fc2.format(j=j)
-                segs = [Segment(c.hf + kind.gate.format(e=e), lo, f), Segment(c.hf + kind.up.format(e=e), lo, f)]
-                ones.append(Local(name1, (2 * f, H), stacked(name1, segs, c.logical, 0)))
-                down = [Segment(c.hf + kind.down.format(e=e), lo, f)]
-                twos.append(Local(name2, (H, f), stacked(name2, down, c.logical, 1)))
-            if par.expert_names == "grouped":  # TEGroupedMLP registers every fc1 weight, then every fc2
-                return ones + twos
-            return [x for pair in zip(ones, twos, strict=True) for x in pair]
-        raise ValueError(f"{spec.name}: the Megatron layout has no rule for {type(kind).__name__} ({row.name})")
-
-    return cut
-
-
 Cuts = dict[tuple[object, ...], list[tuple[Local, str | None]]]
 
 
-def _cut(rows: tuple[Row, ...], c: Cut, own: Own, expert_rank: tuple[int, int],
-         memo: Cuts) -> list[tuple[Local, str | None]]:
+def _cut(rows: tuple[Row, ...], c: Cut, memo: Cuts) -> list[tuple[Local, str | None]]:
     """``cut_rows``, each row cut once per holder: a dense row per TP rank, an expert row per
     (EP, ETP) rank (a stage's ranks repeat both: Kimi-K2's 64 per stage have 8 dense cuts)."""
     out = []
     for i, row in enumerate(rows):
-        key = (c.layer, c.local, id(rows), i, expert_rank if isinstance(row.kind, ExpertMlps) else c.rank)
+        key = (c.layer, c.local, id(rows), i, (c.experts.ep_rank, c.experts.tp_rank) if row.kind.per_expert
+               else c.rank)
         made = memo.get(key)
         if made is None:
-            made = memo[key] = cut_rows((row,), c, own)
+            made = memo[key] = cut_rows((row,), c)
         out += made
     return out
 
@@ -259,11 +212,13 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
         vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight")
     attn_norm, mlp_norm = LAYER_NORM_NAMES[par.norm_names]
     names, variants = {"attn_norm": attn_norm, "mlp_norm": mlp_norm}, frozenset({par.norm_names})
-    own = _own(par, *expert_rank)
+    ep_rank, etp_rank = expert_rank
+    fc1, fc2 = EXPERT_NAMES[par.expert_names]
+    experts = Experts(par.ep, ep_rank, par.expert_tp, etp_rank, (fc1, fc2), par.expert_names == "grouped")
     for local, layer in enumerate(stages[stage]):
-        c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, names, variants=variants)
+        c = Cut(spec, layer, f"decoder.layers.{local}.", t, r, logical, names, variants=variants, experts=experts)
         for block in spec.family_table.blocks(spec, layer):
-            for made, row_dtype in _cut(block.megatron, c, own, expert_rank, memo):
+            for made, row_dtype in _cut(block.megatron, c, memo):
                 tensors.append(made.meta(row_dtype or dtype))
                 pieces.extend(made.pieces)
     if last:
@@ -273,12 +228,13 @@ def _stage_rank(spec: ModelSpec, par: MegatronParallel, stage: int, tp_rank: int
         for k, layer in enumerate(mtp_layers(spec)):  # megatron-core builds MTP on the last stage
             assert head is not None, "MTP layers exist only with a family's MTP head"
             hf_inner, hf_outer = hf_prefixes(spec, layer)
-            outer = Cut(spec, layer, f"mtp.layers.{k}.", t, r, logical, variants=variants, hf_prefix=hf_outer)
+            outer = Cut(spec, layer, f"mtp.layers.{k}.", t, r, logical, variants=variants, hf_prefix=hf_outer,
+                        experts=experts)
             inner = dataclasses.replace(outer, local=f"mtp.layers.{k}.transformer_layer.", names=names,
                                         hf_prefix=hf_inner)
             for block, c in ((head.before, outer), *((b, inner) for b in spec.family_table.blocks(spec, layer)),
                              (head.after, outer)):
-                for made, row_dtype in _cut(block.megatron, c, own, expert_rank, memo):
+                for made, row_dtype in _cut(block.megatron, c, memo):
                     tensors.append(made.meta(row_dtype or dtype))
                     pieces.extend(made.pieces)
         if not spec.tie_word_embeddings:

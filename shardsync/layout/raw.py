@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from shardsync.dtypes import torch_dtype
-from shardsync.family.table import Row, Split, Whole
+from shardsync.family.kinds import Split, Whole
+from shardsync.family.table import Row
 from shardsync.layout.logical import layer_blocks, mtp_layers
 from shardsync.spec import ModelSpec
 

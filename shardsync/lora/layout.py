@@ -7,16 +7,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from shardsync.family.cut import Cut, Local
 from shardsync.family.table import Supports
-from shardsync.layout.cut import Cut, Local, cut_rows
+from shardsync.layout.base import Layout
+from shardsync.layout.cut import cut_rows
 from shardsync.layout.engine import EngineParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel, row_blocks
 from shardsync.layout.full import full_rank
 from shardsync.layout.logical import model_tensors
 from shardsync.layout.megatron import MegatronParallel
-from shardsync.layout.piece import Box, Layout, RankLayout, TensorMeta
 from shardsync.lora.config import Lora
 from shardsync.lora.table import TARGETS
+from shardsync.piece import Box, RankLayout, TensorMeta
 from shardsync.spec import ModelSpec
 
 
@@ -74,7 +76,7 @@ def _rank(spec: ModelSpec, lora: Lora, label: str, layers: list[tuple[int, str]]
     for layer, local in layers:
         c = Cut(spec, layer, local, tp, r, logical)
         rows = [row for name in lora.targets for row in TARGETS[name].rows(megatron)]
-        made += [m for m, _ in cut_rows(rows, c, lambda row, name, c: [])]
+        made += [m for m, _ in cut_rows(rows, c)]
     return RankLayout(label, tuple(TensorMeta(m.name, m.shape, dtype) for m in made),
                       tuple(p for m in made for p in m.pieces))
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardsync.layout.piece import Box, RankLayout, box_overlap
 from shardsync.lora.config import Lora
 from shardsync.lora.layout import adapter_pairs
 from shardsync.lora.table import TARGETS
+from shardsync.piece import Box, RankLayout, box_overlap
 from shardsync.spec import ModelSpec
 
 

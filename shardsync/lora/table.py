@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardsync.family.table import Row, Split, Whole
+from shardsync.family.kinds import Split, Whole
+from shardsync.family.table import Row
 
 
 @dataclass(frozen=True)

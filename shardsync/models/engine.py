@@ -38,7 +38,6 @@ from torch import nn
 from shardsync.dtypes import torch_dtype
 from shardsync.family.table import Attention
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
-from shardsync.layout.piece import addressed
 from shardsync.lora import Lora, engine_adapter_layout
 from shardsync.models.deltanet import DeltaState, DeltaWeights, deltanet
 from shardsync.models.fp8_gemm import scaled, scaled_linear
@@ -46,6 +45,7 @@ from shardsync.models.latent import Baton, LatentAttention
 from shardsync.models.lora import LoraTerm, LoraWeights, engine_terms
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.weights import TensorSource, load_rank
+from shardsync.piece import addressed
 from shardsync.quant import Fp8Format, dequantize, fp8_format, quantize, quantized
 from shardsync.spec import DTYPES, ModelSpec
 

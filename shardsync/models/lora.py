@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import RankLayout
 from shardsync.lora import TARGETS, Lora, adapter_tensors
+from shardsync.piece import RankLayout
 from shardsync.spec import ModelSpec
 
 

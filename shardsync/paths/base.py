@@ -15,7 +15,7 @@ import torch
 
 from shardsync.delta.transfer import Snapshot
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 from shardsync.runtime.stats import Stats
 from shardsync.topology import Topology
 from shardsync.transport.colocated.push_receiver import Staging

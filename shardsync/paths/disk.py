@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from shardsync.delta.disk import DiskPublisher, apply_version
-from shardsync.layout.piece import RankLayout
 from shardsync.paths.base import Endpoint, Program, UpdateArgs
+from shardsync.piece import RankLayout
 from shardsync.runtime.stats import Stats
 
 

@@ -27,8 +27,9 @@ import torch
 
 from shardsync.dtypes import torch_dtype
 from shardsync.gcpause import gc_paused
-from shardsync.layout.piece import Box, Layout
+from shardsync.layout.base import Layout
 from shardsync.layout.raw import width
+from shardsync.piece import Box
 from shardsync.plan.reads import Read, Reader
 
 

@@ -10,7 +10,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from operator import itemgetter
 
-from shardsync.layout.piece import Box, Layout, Piece, box_overlap, volume
+from shardsync.layout.base import Layout
+from shardsync.piece import Box, Piece, box_overlap, volume
 
 Holders = list[tuple[int, str, Box]]  # [(rank, local, local offsets)], in rank order
 # The holders' loads out of the per-rank load list (``_loads``); None for one or two holders.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from shardsync.family.table import Supports
 from shardsync.layout.logical import logical_tensors
-from shardsync.layout.piece import Piece, RankLayout
+from shardsync.piece import Piece, RankLayout
 from shardsync.quant.fp8 import Fp8Format
 from shardsync.spec import ModelSpec
 

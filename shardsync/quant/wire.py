@@ -24,7 +24,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shardsync.layout.piece import Box, Layout, Piece, RankLayout, Role, TensorMeta, box_overlap, volume
+from shardsync.layout.base import Layout
+from shardsync.piece import Box, Piece, RankLayout, Role, TensorMeta, box_overlap, volume
 from shardsync.plan.plan import Scaled
 from shardsync.quant.fp8 import Fp8Format
 

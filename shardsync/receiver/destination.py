@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 from shardsync.plan.local import region
 from shardsync.runtime.gated import Gated
 from shardsync.vocab import Commit

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 from shardsync.quant.targets import Target
 
 Shapes = Mapping[str, tuple[int, ...]]

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 import torch
 
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import RankLayout
 from shardsync.lora.config import Lora
 from shardsync.lora.merge import MergeStep
+from shardsync.piece import RankLayout
 from shardsync.plan.local import region
 from shardsync.receiver.destination import Deriving, Destination
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from shardsync.layout.piece import Box, RankLayout, Role
+from shardsync.piece import Box, RankLayout, Role
 from shardsync.plan.runs import box_view
 from shardsync.quant.fp8 import Fp8Format, quantize
 from shardsync.quant.targets import Target

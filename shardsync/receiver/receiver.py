@@ -19,10 +19,11 @@ import torch
 from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
 from shardsync.layout import EngineParallel, engine_layout
-from shardsync.layout.piece import Layout, RankLayout, addressed
+from shardsync.layout.base import Layout
 from shardsync.mode import Mode
 from shardsync.paths import Colocated, Endpoint, Program, UpdateArgs, compile_path, connection_modes, release
 from shardsync.paths.disk import DiskApply
+from shardsync.piece import RankLayout, addressed
 from shardsync.receiver.connect import PUSH_NEEDS_STAGING, lora_of, topology_from_connect
 from shardsync.receiver.destination import Destination
 from shardsync.runtime.checksum import BoxKey, piece_checksums

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 from shardsync.quant import quantized
 from shardsync.receiver.destination import Destination
 from shardsync.receiver.quantized import Quantized

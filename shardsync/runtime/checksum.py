@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from shardsync.dtypes import torch_dtype
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF),
          torch.float16: (torch.int16, 0xFFFF), torch.int32: (torch.int32, 0xFFFFFFFF)}  # int32: FP8 words

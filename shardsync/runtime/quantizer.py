@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from shardsync.layout.piece import Piece
+from shardsync.piece import Piece
 from shardsync.plan.local import region as _region
 from shardsync.plan.runs import Run, box_view
 from shardsync.quant.fp8 import Fp8Format, quantize

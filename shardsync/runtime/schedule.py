@@ -14,8 +14,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardsync.layout.piece import box_overlap
 from shardsync.layout.raw import width
+from shardsync.piece import box_overlap
 from shardsync.plan.bucket import Bucket, make_buckets
 from shardsync.plan.plan import Copy, Plan
 from shardsync.runtime.steps import Binding, Step, SubRecv, full_region

@@ -7,10 +7,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shardsync.layout.base import Layout
 from shardsync.layout.engine import EngineParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
 from shardsync.layout.logical import model_tensors
-from shardsync.layout.piece import Layout
 from shardsync.lora import (
     Lora,
     engine_adapter_layout,

@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from shardsync.layout.base import Layout
 from shardsync.layout.engine import EngineParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
 from shardsync.layout.megatron import MegatronParallel
-from shardsync.layout.piece import Box, Layout
 from shardsync.lora.config import Lora
+from shardsync.piece import Box
 from shardsync.plan.plan import Scaled
 from shardsync.quant.wire import Derived
 from shardsync.spec import ModelSpec

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardsync.layout.piece import Box, Layout
+from shardsync.layout.base import Layout
+from shardsync.piece import Box
 from shardsync.plan.plan import Scaled
 from shardsync.quant.fp8 import FORMATS, Fp8Format
 from shardsync.quant.support import RECEIVER_QUANTIZES, receiver_quantizes

@@ -49,7 +49,7 @@ def room_of(module: str) -> str:
 # the plan algebra's modules; the rest of ``plan/`` reads topologies (``planning``)
 PLANNING = ("choose", "preconditions", "summary", "matrix", "fabric", "tuning")
 ROOMS = {"vocab": "mode", "store": "store",
-         "dtypes": "basics", "gcpause": "basics", "units": "basics",
+         "dtypes": "basics", "gcpause": "basics", "units": "basics", "piece": "basics",
          "spec": "model", "presets": "model", "family": "model",
          "layout": "layout", "plan": "plan", **{f"plan.{m}": "planning" for m in PLANNING},
          "quant": "formats", "lora": "formats", "views": "views", "topology": "topology",

@@ -1,21 +1,26 @@
 """Model families as tables: the registry is consistent, a new family is a table and nothing
-else, rows carry their own dtypes, and a layout refuses a kind it has no rule for."""
+else, rows carry their own dtypes, a block refuses a kind its layout has no rule for, and a
+family may declare a kind of its own."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import pytest
 
 from shardsync.family import ARCHITECTURES, FAMILIES
 from shardsync.family.blocks import GQA, MOE, gated_mlp
-from shardsync.family.table import Attention, Block, ExpertMlps, Family, Row, Supports, Variant, Whole
+from shardsync.family.cut import Cut, Kind, Local
+from shardsync.family.kinds import ExpertMlps, Whole
+from shardsync.family.table import Attention, Block, Family, Row, Supports, T, Variant
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.engine import ENGINE_VARIANTS
 from shardsync.layout.logical import logical_tensors
 from shardsync.lora import Lora, check_lora
 from shardsync.models.engine import ATTENTION as ENGINE_ATTENTION
 from shardsync.models.trainer import ATTENTION as TRAINER_ATTENTION
+from shardsync.piece import Piece
 from shardsync.plan.plan import build_plan
 from shardsync.presets import PRESETS
 from shardsync.quant.targets import check_family
@@ -80,14 +85,41 @@ def test_a_row_dtype_reaches_the_layouts_tensors(monkeypatch: pytest.MonkeyPatch
         f"decoder.layers.{n}.mlp.router.expert_bias" for n in range(1, spec.num_layers)}
 
 
-def test_a_layout_refuses_a_kind_it_has_no_rule_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = Block(logical=GQA.logical, megatron=GQA.megatron,
-                engine=(*GQA.engine, Row("mlp.experts", ExpertMlps("a{e}", "b{e}", "c{e}"))))
-    _custom(monkeypatch, Family("broken", "BrokenForCausalLM", bad, gated_mlp()))
-    spec = TINY["qwen3"].replace(family="broken")
-    with pytest.raises(ValueError, match="the engine layout has no rule for ExpertMlps"):
-        engine_layout(spec, EngineParallel(tp=1))
-    assert megatron_layout(spec, MegatronParallel(tp=1)).ranks  # the Megatron rows are fine
+def test_a_block_refuses_a_kind_its_layout_has_no_rule_for() -> None:
+    with pytest.raises(ValueError, match="ExpertMlps is cut by the megatron layout only, not in engine rows"):
+        Block(logical=GQA.logical, megatron=GQA.megatron,
+              engine=(*GQA.engine, Row("mlp.experts", ExpertMlps("a{e}", "b{e}", "c{e}"))))
+    assert Block(logical=GQA.logical, megatron=(*GQA.megatron, Row("mlp.experts", ExpertMlps("a", "b", "c"))),
+                 engine=GQA.engine).megatron[-1].kind.per_expert
+
+
+def test_a_family_declares_its_own_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind is open: a family module's own rule (here: a bias held by TP rank 0 alone) cuts in
+    every layout that holds the row, with no change to a layout module."""
+
+    @dataclass(frozen=True)
+    class FirstRank(Kind):
+        source: str
+
+        def cut(self, row: str, name: str, c: Cut) -> list[Local]:
+            src = c.hf + self.source
+            shape = c.logical[src]
+            zeros = (0,) * len(shape)
+            return [Local(name, shape, [Piece(src, zeros, shape, name, zeros)])] if c.rank == 0 else []
+
+    bias = "self_attn.o_proj.bias"
+    odd = Block(logical=(*GQA.logical, T(bias, "H")),
+                megatron=(*GQA.megatron, Row("self_attention.linear_proj.bias", FirstRank(bias))),
+                engine=(*GQA.engine, Row(bias, FirstRank(bias))), kind=GQA.kind)
+    _custom(monkeypatch, Family("odd", "OddForCausalLM", odd, gated_mlp()))
+    spec = TINY["qwen3"].replace(family="odd")
+    for lay in (megatron_layout(spec, MegatronParallel(tp=2)), engine_layout(spec, EngineParallel(tp=2))):
+        lay.validate()
+        held = [sum(p.logical.endswith(bias) for p in r.pieces) for r in lay.ranks]
+        assert held == [spec.num_layers, 0], lay.kind
+    plan = build_plan(megatron_layout(spec, MegatronParallel(tp=2)), engine_layout(spec, EngineParallel(tp=2)))
+    moved = [c for d in range(plan.dst.world_size) for c in plan.copies_to(d) if c.logical.endswith(bias)]
+    assert sorted((c.src, c.dst) for c in moved) == [(0, 0)] * spec.num_layers
 
 
 def test_a_variant_word_not_declared_fails_where_the_row_is_written() -> None:

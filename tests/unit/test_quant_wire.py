@@ -11,7 +11,7 @@ import pytest
 
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.layout.fsdp2 import Fsdp2Parallel
-from shardsync.layout.piece import Role
+from shardsync.piece import Role
 from shardsync.presets import PRESETS
 from shardsync.quant import fp8_format
 from shardsync.quant.wire import DERIVED, PER_WORD, WIDE, WORD, cells, wide_copies

@@ -15,9 +15,9 @@ from shardsync.control.client import SyncError
 from shardsync.control.connect import decide, topology_of
 from shardsync.control.wire import Decision, EngineFacts, InfoResponse, LoraMsg
 from shardsync.layout import EngineParallel, Layout, MegatronParallel
-from shardsync.layout.piece import Role
 from shardsync.lora import Lora
 from shardsync.models.weights import load_rank, random_source
+from shardsync.piece import Role
 from shardsync.presets import PRESETS
 from shardsync.quant import FORMATS
 from shardsync.receiver.connect import spec_to_dict

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from shardsync.layout.piece import RankLayout
+from shardsync.piece import RankLayout
 from shardsync.receiver.match import layout_difference, live_difference
 
 

@@ -7,11 +7,9 @@ padding rows): loaders zero them and syncs never write them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-
-from shardsync.spec import ModelSpec
 
 Box = tuple[int, ...]
 
@@ -101,47 +99,6 @@ class RankLayout:
         return [p for p in self.pieces if p.local == local]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A layout of one model over a set of ranks (``kind`` names the convention)."""
-
-    kind: str
-    spec: ModelSpec
-    logical: dict[str, Box]
-    ranks: tuple[RankLayout, ...]
-    params: tuple[tuple[str, object], ...] = ()
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    def describe(self) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.kind}({args})"
-
-    def validate(self) -> None:
-        """Refuse pieces outside their tensors or overlapping inside a local tensor."""
-        for rank in self.ranks:
-            seen: dict[str, list[Piece]] = {}
-            for p in rank.pieces:
-                if p.logical not in self.logical:
-                    raise ValueError(f"{rank.label}: piece of unknown logical tensor {p.logical}")
-                lshape = self.logical[p.logical]
-                meta = rank.tensor(p.local)
-                if len(p.sizes) != len(lshape) or len(meta.shape) != len(lshape):
-                    raise ValueError(f"{rank.label}: rank mismatch in {p}")
-                for o, s, n in zip(p.offsets, p.sizes, lshape, strict=True):
-                    if o < 0 or o + s > n:
-                        raise ValueError(f"{rank.label}: {p} exceeds logical shape {lshape}")
-                for o, s, n in zip(p.local_offsets, p.sizes, meta.shape, strict=True):
-                    if o < 0 or o + s > n:
-                        raise ValueError(f"{rank.label}: {p} exceeds local shape {meta.shape}")
-                for q in seen.setdefault(p.local, []):
-                    if box_overlap(p.local_offsets, p.sizes, q.local_offsets, q.sizes):
-                        raise ValueError(f"{rank.label}: pieces overlap in {p.local}: {p} / {q}")
-                seen[p.local].append(p)
-
-
 def box_overlap(a_off: Box, a_size: Box, b_off: Box, b_size: Box) -> tuple[Box, Box] | None:
     """Intersection of two boxes as (offsets, sizes), or None when empty."""
     offs, sizes = [], []
@@ -197,19 +154,3 @@ def whole(local: str, logical_name: str, logical: dict[str, Box]) -> Piece:
     shape = logical[logical_name]
     zeros = (0,) * len(shape)
     return Piece(logical_name, zeros, shape, local, zeros)
-
-
-def concat_layouts(kind: str, layouts: Iterable[Layout]) -> Layout:
-    """Several layouts of one model as one (e.g. N engines as one destination)."""
-    layouts = list(layouts)
-    if not layouts:
-        raise ValueError("concat_layouts needs at least one layout")
-    spec = layouts[0].spec
-    ranks: list[RankLayout] = []
-    for i, lay in enumerate(layouts):
-        if lay.spec != spec:
-            raise ValueError("cannot combine layouts of different models")
-        for r in lay.ranks:
-            ranks.append(RankLayout(f"{kind}{i}.{r.label}", r.tensors, r.pieces))
-    params = tuple((f"{kind}{i}", lay.describe()) for i, lay in enumerate(layouts))
-    return Layout(kind, spec, layouts[0].logical, tuple(ranks), params)
