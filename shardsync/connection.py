@@ -14,7 +14,7 @@ from shardsync.control.connect import topology_of
 from shardsync.control.hosted import LAYOUT_MISMATCH
 from shardsync.control.ranks import TrainerRanks
 from shardsync.control.wire import Decision, Note
-from shardsync.layout import MegatronParallel
+from shardsync.layout import Fsdp2Parallel, MegatronParallel
 from shardsync.mode import Mode
 from shardsync.paths import choose_full, connection_modes
 from shardsync.receiver.connect import connect_request
@@ -40,7 +40,7 @@ class Connection:
 
 
 def agree(ranks: TrainerRanks, client: EngineClient | None, cfg: SyncConfig, spec: ModelSpec,
-          parallel: MegatronParallel, decision: Decision, rdv: Rendezvous, keys: Keys) -> Connection:
+          parallel: MegatronParallel | Fsdp2Parallel, decision: Decision, rdv: Rendezvous, keys: Keys) -> Connection:
     """Choose the full path and offer the plan (rank 0 sends it through ``client``, every rank
     learns the answer).  A layout refusal that names the layout variants the engine's
     parameters are (SGLang's fused shared expert) is planned again for them, once; another

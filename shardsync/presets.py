@@ -62,9 +62,9 @@ _TINY_HYBRID: dict[str, Any] = {
 def _preset(name: str, family: str, H: int, L: int, h: int, ng: int, d: int, F: int, V: int,
             tied: bool, **extra: Any) -> ModelSpec:
     base: dict[str, Any] = {"rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, **FAMILIES[family].defaults, **extra}
-    return ModelSpec(name=name, family=family, hidden_size=H, num_layers=L, num_heads=h,
-                     num_kv_heads=ng, head_dim=d, intermediate_size=F, vocab_size=V,
-                     tie_word_embeddings=tied, **base)
+    return ModelSpec.build(name=name, family=family, hidden_size=H, num_layers=L, num_heads=h,
+                           num_kv_heads=ng, head_dim=d, intermediate_size=F, vocab_size=V,
+                           tie_word_embeddings=tied, **base)
 
 
 # Numbers from each model's published HuggingFace config.json (docs/models.md, "Presets").  Tiny presets: a few million

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsync.family import ARCHITECTURES, FAMILIES, Family
+from shardsync.family.section import S, Section
 from shardsync.family.table import dims
 
 ROUTERS = ("softmax", "sigmoid")
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -57,32 +59,14 @@ class ModelSpec:
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor channels (GLM4: 0.5)
     attention_bias: bool | None = None  # None: the family's flag (GLM-4.5 reads it from the config)
     qk_layernorm: bool | None = None
-    # multi-head latent attention (DeepSeek-V3 naming; kv_lora_rank 0: not MLA).  ``head_dim`` is
-    # then the q/k head (nope + rope) and ``num_kv_heads`` equals ``num_heads``
-    q_lora_rank: int | None = None  # None: q_proj straight from the hidden state
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
     num_nextn_predict_layers: int = 0  # MTP layers the checkpoint holds after the decoder
-    # DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5): a lightning indexer per layer scores the
-    # keys and each query attends to its ``index_topk`` best; 0 heads: no indexer
-    index_n_heads: int = 0
-    index_head_dim: int = 0
-    index_topk: int = 0
-    index_shared_layers: tuple[int, ...] = ()  # layers that reuse the layer before's choice (no indexer)
-    # gated DeltaNet hybrids (Qwen3-Next): every ``full_attention_interval``-th layer is full attention,
-    # the others linear attention with these key/value heads and a causal conv; 0: not a hybrid
-    full_attention_interval: int = 0
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel_dim: int = 0
+    # the numbers only some families have (latent attention, an indexer, linear attention), one
+    # section of each kind the family declares (``Family.sections``; ``section`` / ``find``)
+    sections: tuple[Section, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON gives a list
-        object.__setattr__(self, "index_shared_layers", tuple(self.index_shared_layers))
+        object.__setattr__(self, "sections", tuple(self.sections))
         if self.family not in FAMILIES:
             raise ValueError(
                 f"unknown model family {self.family!r}; supported: {sorted(FAMILIES)}"
@@ -108,7 +92,12 @@ class ModelSpec:
             raise ValueError(f"{self.name}: expert groups need n_group dividing num_experts into groups of >= 2 "
                              f"and 0 < topk_group <= n_group "
                              f"(got {self.num_experts}, {self.n_group}, {self.topk_group})")
-        broken = self.family_table.check(self) if self.family_table.check else None
+        kinds = [type(sec) for sec in self.sections]
+        if sorted(k.key for k in kinds) != sorted(k.key for k in self.family_table.sections):
+            raise ValueError(f"{self.name}: family {self.family} holds the sections "
+                             f"{sorted(k.key for k in self.family_table.sections)}, got {sorted(k.key for k in kinds)}")
+        broken = next((why for sec in self.sections if (why := sec.check(self))), None)
+        broken = broken or (self.family_table.check(self) if self.family_table.check else None)
         if broken:
             raise ValueError(f"{self.name}: {broken}")
         if self.num_heads % self.num_kv_heads:
@@ -154,24 +143,16 @@ class ModelSpec:
     def architecture(self) -> str:
         return self.family_table.architecture
 
-    @property
-    def is_mla(self) -> bool:
-        """Multi-head latent attention (MLA, or DSA on top of it)."""
-        return self.kv_lora_rank > 0
+    def find(self, kind: type[S]) -> S | None:
+        """Its section of ``kind`` (or of a kind derived from it), if its family has one."""
+        return next((sec for sec in self.sections if isinstance(sec, kind)), None)
 
-    @property
-    def is_sparse_attention(self) -> bool:
-        """DeepSeek sparse attention: an indexer picks each query's keys."""
-        return self.index_n_heads > 0
-
-    def linear_layer(self, layer: int) -> bool:
-        """Whether ``layer`` is a linear-attention (gated DeltaNet) layer of a hybrid."""
-        return (self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
-                and layer < self.num_layers)  # an MTP layer attends fully
-
-    def indexed_layer(self, layer: int) -> bool:
-        """Whether ``layer`` runs (and holds) its own indexer."""
-        return self.is_sparse_attention and layer not in self.index_shared_layers
+    def section(self, kind: type[S]) -> S:
+        """Its section of ``kind``, which code for that kind of model reads."""
+        sec = self.find(kind)
+        if sec is None:
+            raise ValueError(f"{self.name} ({self.family}) has no {kind.key} section")
+        return sec
 
     @property
     def is_moe(self) -> bool:
@@ -199,8 +180,46 @@ class ModelSpec:
             total += n
         return total
 
+    @classmethod
+    def build(cls, **fields: Any) -> ModelSpec:
+        """A spec from flat fields, as a ``config.json`` spells them: the common ones, and the
+        fields of the family's sections, gathered into them."""
+        kinds = FAMILIES[fields["family"]].sections if fields.get("family") in FAMILIES else ()
+        made = tuple(fields.pop("sections", ()))
+        kinds = tuple(kind for kind in kinds if not any(isinstance(sec, kind) for sec in made))
+        own = [{f.name: fields.pop(f.name) for f in dataclasses.fields(kind) if f.name in fields} for kind in kinds]
+        return cls(**fields, sections=made + tuple(kind(**given) for kind, given in zip(kinds, own, strict=True)))
+
     def replace(self, **changes: Any) -> ModelSpec:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``: common fields, or fields of its sections (``kv_lora_rank=``)."""
+        sections = []
+        for sec in self.sections:
+            mine = {f.name: changes.pop(f.name) for f in dataclasses.fields(sec) if f.name in changes}
+            sections.append(dataclasses.replace(sec, **mine) if mine else sec)
+        if "sections" in changes:
+            return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes, sections=tuple(sections))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON: the common fields, and each section under its key."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"}
+        return {**out, "sections": {sec.key: dataclasses.asdict(sec) for sec in self.sections}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        """The spec of its JSON (a peer's), refusing fields and sections no family declares."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown model spec fields {unknown}")
+        raw = d.get("sections") or {}
+        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+            raise ValueError("a model spec's sections must be an object of objects (section key -> fields)")
+        known = {kind.key: kind for fam in FAMILIES.values() for kind in fam.sections}  # every family's
+        strange = sorted(set(raw) - set(known))
+        if strange:
+            raise ValueError(f"unknown model spec sections {strange}; known: {sorted(known)}")
+        return cls(**{**d, "sections": tuple(known[k].from_dict(v) for k, v in raw.items())})
 
     def to_hf_config(self) -> dict[str, Any]:
         """A ``config.json`` dict that ``transformers`` builds the same model from."""
@@ -228,6 +247,8 @@ class ModelSpec:
         }
         if self.partial_rotary_factor != 1.0:
             cfg["partial_rotary_factor"] = self.partial_rotary_factor
+        for sec in self.sections:
+            cfg.update(sec.write(self))
         if self.family_table.write:
             cfg.update(self.family_table.write(self))
         return cfg
@@ -275,9 +296,10 @@ def _from_config_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         scaling = rope
     scaling = _rope_scaling(scaling)
     head_dim = cfg.get("head_dim") or hidden // heads
-    read = FAMILIES[family].read
+    fam = FAMILIES[family]
     try:
-        own = read(cfg) if read else {}
+        own = fam.read(cfg) if fam.read else {}
+        own["sections"] = tuple(kind.read(cfg) for kind in fam.sections)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     partial = cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None) or 1.0

@@ -25,7 +25,7 @@ from shardsync.control.connect import decide, engine_client, rendezvous_of
 from shardsync.control.wire import BeginRequest, Decision, Done, Go, Note, RankSums, Verdict
 from shardsync.delta.transfer import Snapshot
 from shardsync.dtypes import torch_dtype
-from shardsync.layout import MegatronParallel
+from shardsync.layout import Fsdp2Parallel, MegatronParallel
 from shardsync.mode import Mode
 from shardsync.paths import (
     Colocated,
@@ -65,7 +65,7 @@ class WeightSync:
     ``engines`` the engines' base URLs.
     """
 
-    def __init__(self, spec: ModelSpec, parallel: MegatronParallel, rank: int,
+    def __init__(self, spec: ModelSpec, parallel: MegatronParallel | Fsdp2Parallel, rank: int,
                  params: Mapping[str, torch.Tensor], engines: Sequence[str],
                  config: SyncConfig | None = None, *, trainer_group=None) -> None:
         if parallel.world_size > 1 and trainer_group is None:

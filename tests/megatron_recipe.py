@@ -10,22 +10,24 @@ from typing import Any
 
 import torch
 
+from shardsync.family.section import Indexer, Latent
 from shardsync.spec import ModelSpec
 
 
 def architecture(spec: ModelSpec) -> dict[str, Any]:
-    return {**_common(spec), **(mla_architecture(spec) if spec.is_mla else {})}
+    return {**_common(spec), **(mla_architecture(spec) if spec.find(Latent) is not None else {})}
 
 
 def mla_architecture(spec: ModelSpec) -> dict[str, Any]:
     """MLATransformerConfig's latent attention fields (megatron-core's ``qk_head_dim`` is the
     nope part).  Rotary: plain ``rope`` (yarn's numerics are the GPU check's business)."""
-    dsa = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=spec.index_n_heads,
-               dsa_indexer_head_dim=spec.index_head_dim, dsa_indexer_topk=spec.index_topk,
-               dsa_indexer_loss_coeff=0.0) if spec.is_sparse_attention else {}
-    return dict(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
-                qk_head_dim=spec.qk_nope_head_dim, qk_pos_emb_head_dim=spec.qk_rope_head_dim,
-                v_head_dim=spec.v_head_dim, rope_type="rope", qk_layernorm=True, **dsa)
+    lat, ix = spec.section(Latent), spec.find(Indexer)
+    dsa = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=ix.index_n_heads,
+               dsa_indexer_head_dim=ix.index_head_dim, dsa_indexer_topk=ix.index_topk,
+               dsa_indexer_loss_coeff=0.0) if ix is not None else {}
+    return dict(multi_latent_attention=True, q_lora_rank=lat.q_lora_rank, kv_lora_rank=lat.kv_lora_rank,
+                qk_head_dim=lat.qk_nope_head_dim, qk_pos_emb_head_dim=lat.qk_rope_head_dim,
+                v_head_dim=lat.v_head_dim, rope_type="rope", qk_layernorm=True, **dsa)
 
 
 def _common(spec: ModelSpec) -> dict[str, Any]:

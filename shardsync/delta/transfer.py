@@ -145,6 +145,7 @@ def gather_stage(group: SyncGroup | None, me: int, members: list[int], own: torc
         got = move_p2p(group, me, links, sending, budget, credits, pool, verify)
     if me != source:
         return None
+    assert own is not None, "the stage source is a member: it passes its payload"
     return [own] + [got[r] for r in members if r != source]
 
 
@@ -154,9 +155,9 @@ def _move_bcast(group: SyncGroup, name: str, payload: torch.Tensor | None, budge
     if name not in group.groups:
         return None
     root = payload is not None
-    size = torch.tensor([payload.numel() if root else 0], dtype=torch.int64)
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
     group.broadcast(size, name, 0).wait()
-    data = payload if root else torch.empty(int(size.item()), dtype=torch.uint8)
+    data = payload if payload is not None else torch.empty(int(size.item()), dtype=torch.uint8)
     local, steps = {}, []
     for j, (a, b) in enumerate(_chunks(data.numel(), budget)):
         key = f"b{j}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardsync.family.kinds import Concat, ExpertMlps, ExpertStacks, Fused, Part, QkvGroups, QkvHeads, Split, Whole
+from shardsync.family.section import Latent
 from shardsync.family.table import Attention, Block, MtpHead, PerExpert, Row, SharedExpert, Supports, T
 
 if TYPE_CHECKING:
@@ -74,11 +75,11 @@ GQA = Block(
 
 def q_lora(spec: ModelSpec) -> bool:
     """MLA's query goes through a low-rank down projection (DeepSeek-V3; not V2-Lite)."""
-    return spec.q_lora_rank is not None
+    return spec.section(Latent).q_lora_rank is not None
 
 
 def no_q_lora(spec: ModelSpec) -> bool:
-    return spec.q_lora_rank is None
+    return spec.section(Latent).q_lora_rank is None
 
 
 _A = "self_attn."

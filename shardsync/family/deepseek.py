@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardsync.family.blocks import MLA, MOE, MTP, gated_mlp, moe
-from shardsync.family.fields import first_k_dense, latent_dims, read_mla, read_sigmoid_moe, write_mla, write_sigmoid_moe
+from shardsync.family.fields import first_k_dense, read_mla, read_sigmoid_moe, write_mla, write_sigmoid_moe
+from shardsync.family.section import Latent
 from shardsync.family.table import Family
 
 if TYPE_CHECKING:
@@ -23,10 +24,6 @@ def _read(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**read_mla(cfg), **read_sigmoid_moe(cfg)}
 
 
-def _check(spec: ModelSpec) -> str | None:
-    return latent_dims(spec) or first_k_dense(spec)
-
-
 def _write(spec: ModelSpec) -> dict[str, Any]:
     return {**write_mla(spec), **write_sigmoid_moe(spec)}
 
@@ -38,7 +35,7 @@ def _write_lite(spec: ModelSpec) -> dict[str, Any]:
 
 
 DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", MLA, gated_mlp(), MOE, mtp=MTP, rope_interleaved=True,
-                     read=_read, write=_write, check=_check)
+                     sections=(Latent,), read=_read, write=_write, check=first_k_dense)
 GLM4_MOE_LITE = Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", MLA, gated_mlp(), moe(router_dtype="float32"),
                        mtp=MTP, rope_interleaved=True,
-                       read=_read, write=_write_lite, check=_check)
+                       sections=(Latent,), read=_read, write=_write_lite, check=first_k_dense)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardsync.family.section import Latent
+
 if TYPE_CHECKING:
     from shardsync.spec import ModelSpec
 
@@ -38,15 +40,6 @@ def first_k_dense(spec: ModelSpec) -> str | None:
     return None
 
 
-def latent_dims(spec: ModelSpec) -> str | None:
-    if not (spec.kv_lora_rank > 0 and min(spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim) > 0
-            and spec.head_dim == spec.qk_nope_head_dim + spec.qk_rope_head_dim
-            and (spec.q_lora_rank is None or spec.q_lora_rank > 0)):
-        return ("latent attention needs positive kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and "
-                "v_head_dim, head_dim = nope + rope, and q_lora_rank None or > 0")
-    return None
-
-
 def read_mtp(cfg: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's MTP layers after the decoder (GLM4-MoE, DeepSeek-V3)."""
     return {"num_nextn_predict_layers": cfg.get("num_nextn_predict_layers") or 0}
@@ -58,51 +51,11 @@ def write_mtp(spec: ModelSpec) -> dict[str, Any]:
 
 def read_mla(cfg: dict[str, Any]) -> dict[str, Any]:
     nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
-    return {"q_lora_rank": cfg.get("q_lora_rank"), "kv_lora_rank": cfg["kv_lora_rank"], "qk_nope_head_dim": nope,
-            "qk_rope_head_dim": rope, "v_head_dim": cfg["v_head_dim"], "head_dim": nope + rope,
-            "num_kv_heads": cfg["num_attention_heads"], **read_mtp(cfg)}
+    return {"head_dim": nope + rope, "num_kv_heads": cfg["num_attention_heads"], **read_mtp(cfg)}
 
 
 def write_mla(spec: ModelSpec) -> dict[str, Any]:
-    return {"q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
-            "qk_nope_head_dim": spec.qk_nope_head_dim, "qk_rope_head_dim": spec.qk_rope_head_dim,
-            "v_head_dim": spec.v_head_dim, **write_mtp(spec),
-            "head_dim": spec.qk_rope_head_dim,  # transformers' rotary reads head_dim as the rope part
+    return {**write_mtp(spec),
+            "head_dim": spec.section(Latent).qk_rope_head_dim,  # transformers' rotary reads head_dim as the rope part
             # what SGLang's DeepSeek classes read and transformers' config classes lack
             "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "rope_interleave": True}
-
-
-def read_dsa(cfg: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek sparse attention's indexer.  GLM-5 may mark layers ``shared`` (they reuse the
-    layer before's choice and hold no indexer): ``indexer_types``, or transformers' schedule
-    from ``index_topk_freq`` / ``index_skip_topk_offset`` (every layer full by default)."""
-    layers = cfg["num_hidden_layers"]
-    kinds = cfg.get("indexer_types")
-    if kinds is None:
-        freq, offset = max(cfg.get("index_topk_freq") or 1, 1), cfg.get("index_skip_topk_offset", 2)
-        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
-    unknown = sorted(set(kinds) - {"full", "shared"})
-    if unknown or len(kinds) != layers:
-        raise ValueError(f"indexer_types must name each of the {layers} layers 'full' or 'shared' (got {kinds})")
-    if kinds and kinds[0] == "shared":
-        raise ValueError("indexer_types: the first layer must be 'full' (a shared layer reuses the one before)")
-    return {"index_n_heads": cfg["index_n_heads"], "index_head_dim": cfg["index_head_dim"],
-            "index_topk": cfg["index_topk"],
-            "index_shared_layers": tuple(i for i, kind in enumerate(kinds) if kind == "shared")}
-
-
-def write_dsa(spec: ModelSpec) -> dict[str, Any]:
-    shared = set(spec.index_shared_layers)
-    return {"index_n_heads": spec.index_n_heads, "index_head_dim": spec.index_head_dim,
-            "index_topk": spec.index_topk,
-            "indexer_types": ["shared" if i in shared else "full" for i in range(spec.num_layers)]}
-
-
-def indexer_dims(spec: ModelSpec) -> str | None:
-    if not (spec.index_n_heads > 0 and spec.index_topk > 0 and spec.q_lora_rank
-            and spec.qk_rope_head_dim <= spec.index_head_dim):
-        return ("sparse attention needs positive index_n_heads and index_topk, a q_lora_rank (the indexer reads "
-                "the query's latent) and index_head_dim >= qk_rope_head_dim")
-    if 0 in spec.index_shared_layers or any(not 0 <= i < spec.num_layers for i in spec.index_shared_layers):
-        return "index_shared_layers must be layers after the first"
-    return None

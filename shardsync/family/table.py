@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shardsync.family.section import Indexer, Linear, Section
 from shardsync.vocab import Word
 
 if TYPE_CHECKING:
@@ -27,31 +28,17 @@ def always(spec: ModelSpec) -> bool:
 
 
 def dims(spec: ModelSpec) -> dict[str, int]:
-    """The symbols logical shapes are written in."""
+    """The symbols logical shapes are written in: the common ones, and each section's own."""
     d, h = spec.head_dim, spec.num_heads
-    return {"H": spec.hidden_size, "2H": 2 * spec.hidden_size, "d": d, "q": h * d, "kv": spec.num_kv_heads * d,
-            "F": spec.intermediate_size, "2F": 2 * spec.intermediate_size, "E": spec.num_experts,
-            "Fe": spec.moe_intermediate_size, "Fs": spec.shared_expert_intermediate_size,
-            # latent attention: q down rank, kv latent rank, kv down rows (latent + rope),
-            # q up rows (heads x (nope + rope)), kv up rows (heads x (nope + v)), attention output
-            "ql": spec.q_lora_rank or 0, "kl": spec.kv_lora_rank, "kva": spec.kv_lora_rank + spec.qk_rope_head_dim,
-            "qh": h * d, "kvb": h * (spec.qk_nope_head_dim + spec.v_head_dim), "hv": h * spec.v_head_dim,
-            # rotary widths: a share of the head (partial rotary), or MLA's rope part
-            "rot": int(d * spec.partial_rotary_factor), "rope": spec.qk_rope_head_dim,
-            # sparse attention's indexer: query rows (heads x head width), key width, heads
-            "iq": spec.index_n_heads * spec.index_head_dim, "id": spec.index_head_dim, "ih": spec.index_n_heads,
-            # gated attention: every head's query and gate rows (Qwen3-Next's q_proj)
-            "q2": 2 * h * d, **_linear_dims(spec)}
-
-
-def _linear_dims(spec: ModelSpec) -> dict[str, int]:
-    """Gated DeltaNet (linear attention): key rows (heads x key dim), value rows, the fused
-    checkpoint projections' rows, the conv channels ([q | k | v]), value heads, a value head's
-    width, the conv kernel."""
-    nk, nv, dk, dv = (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
-                      spec.linear_value_head_dim)
-    return {"lq": nk * dk, "2lq": 2 * nk * dk, "lvd": nv * dv, "lqkvz": 2 * nk * dk + 2 * nv * dv, "lba": 2 * nv,
-            "lconv": 2 * nk * dk + nv * dv, "lnv": nv, "ldv": dv, "lkern": spec.linear_conv_kernel_dim, "one": 1}
+    out = {"H": spec.hidden_size, "2H": 2 * spec.hidden_size, "d": d, "q": h * d, "kv": spec.num_kv_heads * d,
+           "F": spec.intermediate_size, "2F": 2 * spec.intermediate_size, "E": spec.num_experts,
+           "Fe": spec.moe_intermediate_size, "Fs": spec.shared_expert_intermediate_size,
+           # q up rows (heads x head width; MLA: nope + rope), rotary's share of a head (partial rotary),
+           # every head's query and gate rows (Qwen3-Next's gated q_proj)
+           "qh": h * d, "rot": int(d * spec.partial_rotary_factor), "q2": 2 * h * d, "one": 1}
+    for sec in spec.sections:
+        out.update(sec.dims(spec))
+    return out
 
 
 class Attention(Word):
@@ -194,9 +181,10 @@ class MtpHead:
 @dataclass(frozen=True)
 class Family:
     """One model family: what its HF config holds, how its layers are built, and the flags the
-    reference models' forward reads.  ``read`` maps a config to ``ModelSpec`` fields beyond
-    the common ones, ``write`` the reverse (``None``: nothing beyond); ``check`` says which of
-    the family's own rules a spec breaks."""
+    reference models' forward reads.  ``sections``: the kinds of numbers its specs hold beyond
+    the common fields (each reads, writes and checks itself); ``read`` maps a config to common
+    ``ModelSpec`` fields it sets its own way, ``write`` the reverse (``None``: nothing beyond);
+    ``check`` says which of the family's own rules a spec breaks."""
 
     name: str
     architecture: str
@@ -206,7 +194,7 @@ class Family:
     mtp: MtpHead | None = None  # the checkpoint's MTP layers (``num_nextn_predict_layers``)
     # sparse attention: the block of the layers that reuse the layer before's choice (no indexer)
     shared_attention: Block | None = None
-    # hybrids: the block of the linear-attention layers (``ModelSpec.linear_layer``)
+    # hybrids: the block of the linear-attention layers (``section.Linear.linear``)
     linear_attention: Block | None = None
     norm_offset: float = 0.0  # norms scale by (offset + weight): 1.0 for zero-centred ones (Qwen3-Next)
     index_rope_interleaved: bool = False  # the indexer's rotary on neighbouring pairs (GLM-5), else halves
@@ -216,6 +204,7 @@ class Family:
     fused_gate_up: bool = False  # gate and up as one checkpoint tensor
     rope_interleaved: bool = False  # rotary on neighbouring channel pairs
     lm_head_every_stage: bool = False  # SGLang 0.5.23 builds an untied lm_head on every PP stage
+    sections: tuple[type[Section], ...] = ()  # the numbers its specs hold beyond the common ones
     read: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     write: Callable[[ModelSpec], dict[str, Any]] | None = None
     check: Callable[[ModelSpec], str | None] | None = None  # a family rule a spec breaks, or None
@@ -229,8 +218,8 @@ class Family:
         """The attention block and the MLP block of ``layer`` (an MTP layer's decoder layer too)."""
         sparse = self.moe is not None and spec.sparse_layer(layer)
         attention = self.attention
-        if self.shared_attention is not None and layer in spec.index_shared_layers:
+        if self.shared_attention is not None and not spec.section(Indexer).indexed(layer):
             attention = self.shared_attention
-        if self.linear_attention is not None and spec.linear_layer(layer):
+        if self.linear_attention is not None and spec.section(Linear).linear(layer, spec.num_layers):
             attention = self.linear_attention
         return attention, (self.moe if sparse and self.moe is not None else self.mlp)

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,19 @@ from shardsync.launch.serving import serving
 from shardsync.placement import rank_device
 from shardsync.runtime.record import UpdateRecord
 
+if TYPE_CHECKING:
+    from shardsync.models.trainer import LossFn, StepStats
+
 log = logging.getLogger(__name__)
+
+
+class _Trainer(Protocol):
+    """What the loop asks of a trainer rank, the reference one (``TrainerModel``) or FSDP2's
+    (``Fsdp2Trainer``)."""
+
+    def policy_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, *, lr: float | None = None) -> StepStats: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,9 +140,11 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
         TransportConfig,
     )
     from shardsync.control.ranks import share_json
+    from shardsync.layout import Fsdp2Parallel
     from shardsync.models.lora import initial_adapter
     from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
     from shardsync.sync import WeightSync
+    from shardsync.vocab import Channel, DeltaTransport, Request
 
     torch.set_num_threads(1)
     rank = where.rank
@@ -141,7 +156,8 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     try:
         spec, source = initial_weights(cfg)
         device = torch.device(rank_device(cfg.device, rank))
-        if par.kind == "fsdp2":  # a real transformers model under fully_shard; the sync reads its shards
+        model: _Trainer
+        if isinstance(par, Fsdp2Parallel):  # a real transformers model under fully_shard; the sync reads its shards
             from shardsync.models.fsdp2_trainer import Fsdp2Trainer
 
             model = Fsdp2Trainer(spec, par, source, optim=OptimConfig(lr=cfg.learning_rate), lora=cfg.lora,
@@ -158,20 +174,25 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
             # detached views: the same storage, read in place, never part of an autograd graph
             synced = model.named_parameters() if cfg.lora is None else model.adapter_tensors().items()
             params = {n: p.detach() for n, p in synced}
+        # the demo's strings as the config's words (parsed as the config would, naming the same choices)
+        request = Request.AUTO if cfg.mode in ("both", "delta") else Request.parse(cfg.mode, "mode")
+        delta = (DeltaConfig(transport=DeltaTransport.parse(cfg.delta_transport, "delta transport"),
+                             dir=where.delta_dir) if cfg.mode == "delta" else None)
+        channel = Channel.VLLM if cfg.engine == "vllm" else Channel.STORE
         sync = WeightSync(spec, par, rank, params, list(where.engines),
-                          SyncConfig(mode="auto" if cfg.mode in ("both", "delta") else cfg.mode,
+                          SyncConfig(mode=request,
                                      transport=TransportConfig(bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
                                                                host=where.sync_host),
-                                     delta=DeltaConfig(transport=cfg.delta_transport, dir=where.delta_dir)
-                                     if cfg.mode == "delta" else None,
+                                     delta=delta,
                                      colocated=ColocatedConfig() if cfg.uses_ipc else None,
-                                     control=ControlConfig(channel="vllm" if cfg.engine == "vllm" else "store"),
+                                     control=ControlConfig(channel=channel),
                                      records_path=where.records_path, detail=where.detail, lora=cfg.lora),
                           trainer_group=dist.group.WORLD)
         sync.connect()
         if cfg.mode == "both":
             modes = [m for m in cfg.modes if m in sync.modes]
         else:  # delta: the sync picks a delta or a full update per step
+            assert sync.mode is not None  # connected
             modes = ["delta"] if cfg.mode == "delta" else [sync.mode]
         for step in range(1, cfg.steps + 1):
             batch = share_json(rollouts(cfg, where.engines, step, spec.vocab_size, step - 1) if rank == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardsync.family.cut import Cut, Experts
+from shardsync.family.section import Indexer
 from shardsync.family.table import Variant
 from shardsync.gcpause import gc_paused
 from shardsync.layout.base import Layout
@@ -92,7 +93,7 @@ def variant_choices(spec: ModelSpec, par: EngineParallel) -> tuple[frozenset[str
     toggles = []
     if spec.shared_expert_intermediate_size == spec.moe_intermediate_size > 0 and par.ep == 1:
         toggles.append("shared_fused")
-    if spec.is_sparse_attention and spec.family_table.index_rope_interleaved and "vllm" not in par.variants:
+    if spec.find(Indexer) is not None and spec.family_table.index_rope_interleaved and "vllm" not in par.variants:
         toggles.append("indexer_fused")
     choices = [par.variants]
     for word in toggles:
@@ -117,9 +118,7 @@ def check_engine(spec: ModelSpec, par: EngineParallel) -> None:
         (ng % t == 0 or t % ng == 0, f"tp={t} must divide or be a multiple of num_kv_heads={ng}"),
         (spec.intermediate_size % t == 0 or not dense_layers,
          f"intermediate_size={spec.intermediate_size} not divisible by tp={t}"),
-        (spec.linear_num_key_heads % t == 0 and spec.linear_num_value_heads % t == 0,
-         f"linear attention's key heads ({spec.linear_num_key_heads}) and value heads "
-         f"({spec.linear_num_value_heads}) must be divisible by tp={t} (SGLang and vLLM split them by heads)"),
+        *((why is None, why) for why in (sec.tp_refusal(t) for sec in spec.sections)),
     ]
     if spec.is_moe:
         rules += [

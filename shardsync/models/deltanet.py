@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardsync.family.section import Linear
 from shardsync.spec import ModelSpec
 
 
@@ -45,8 +46,9 @@ def split_projections(spec: ModelSpec, qkvz: torch.Tensor, ba: torch.Tensor, int
     """``q, k [b, s, key heads, dk]``, ``v, z [b, s, value heads, dv]``, ``b, a [b, s, value heads]``
     of a rank's projections: per key-head group (Qwen3-Next's checkpoint order, kept by the
     engines) or as stacked blocks ``[q | k | v | z]``, ``[b | a]`` (Qwen3.5)."""
-    dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
-    r = spec.linear_num_value_heads // spec.linear_num_key_heads
+    lin = spec.section(Linear)
+    dk, dv = lin.linear_key_head_dim, lin.linear_value_head_dim
+    r = lin.linear_num_value_heads // lin.linear_num_key_heads
     bsz, s = qkvz.shape[:2]
     if interleaved:
         groups = qkvz.shape[-1] // (2 * dk + 2 * r * dv)
@@ -111,13 +113,14 @@ def deltanet(spec: ModelSpec, x: torch.Tensor, w: DeltaWeights, *, interleaved: 
     mixed = torch.cat([q.reshape(bsz, s, -1), k.reshape(bsz, s, -1), v.reshape(bsz, s, -1)], dim=-1)
     mixed, conv_state = causal_conv(mixed, w.conv1d, state.conv if state is not None else None)
     q, k, v = mixed.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], dim=-1)
-    heads, r = v.shape[-1] // spec.linear_value_head_dim, spec.linear_num_value_heads // spec.linear_num_key_heads
-    q = q.reshape(bsz, s, -1, spec.linear_key_head_dim).repeat_interleave(r, dim=2)
-    k = k.reshape(bsz, s, -1, spec.linear_key_head_dim).repeat_interleave(r, dim=2)
-    v = v.reshape(bsz, s, heads, spec.linear_value_head_dim)
+    lin = spec.section(Linear)
+    heads, r = v.shape[-1] // lin.linear_value_head_dim, lin.linear_num_value_heads // lin.linear_num_key_heads
+    q = q.reshape(bsz, s, -1, lin.linear_key_head_dim).repeat_interleave(r, dim=2)
+    k = k.reshape(bsz, s, -1, lin.linear_key_head_dim).repeat_interleave(r, dim=2)
+    v = v.reshape(bsz, s, heads, lin.linear_value_head_dim)
     beta = b.float().sigmoid()
     g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
-    q = l2norm(q.float()) * spec.linear_key_head_dim ** -0.5
+    q = l2norm(q.float()) * lin.linear_key_head_dim ** -0.5
     out, recurrent = delta_rule(q, l2norm(k.float()), v.float(), g, beta, state.recurrent if state else None)
     out = gated_rms_norm(out.to(x.dtype), w.norm, z, spec.rms_norm_eps)
     return F.linear(out.reshape(bsz, s, -1), w.out_proj), DeltaState(conv_state, recurrent)

@@ -29,6 +29,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsync.dtypes import torch_dtype
+from shardsync.family.section import Indexer
 from shardsync.family.table import Attention
 from shardsync.layout import EngineParallel, Layout, RankLayout, engine_layout
 from shardsync.lora import Lora, engine_adapter_layout
@@ -129,6 +131,13 @@ class _Leaf(nn.Module):
     each with its scale beside it; ``dense`` gives the math its weights either way, ``linear``
     multiplies by one, in FP8 where the GPU has the kernel (``gemm``: those attrs)."""
 
+    # read as attributes: the parameters where ``attrs`` names them
+    weight: nn.Parameter
+    bias: nn.Parameter
+    e_score_correction_bias: nn.Parameter
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
+
     def __init__(self, rl: RankLayout, prefix: str, attrs: Sequence[str], device: torch.device) -> None:
         super().__init__()
         _hold(self, rl, prefix, attrs, device)
@@ -138,7 +147,7 @@ class _Leaf(nn.Module):
     def dense(self, attr: str = "weight", expert: int | None = None) -> torch.Tensor:
         """``attr`` (``expert``: that matrix of a stack) as the math reads it: dequantized where
         this leaf holds it in FP8."""
-        w = self.get_parameter(attr)
+        w: torch.Tensor = self.get_parameter(attr)
         w = w if expert is None else w[expert]
         held = self.fp8.get(attr)
         if held is None:
@@ -315,9 +324,9 @@ class _Experts(nn.Module):
                 y = self.experts.linear(F.silu(gate) * up, "w2_weight", expert=k)
                 out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         if self.shared is not None:  # its TP partial joins the same all-reduce
-            mlp, gate = self.shared
+            mlp, shared_gate = self.shared
             y = mlp(flat)
-            out = out + (y * torch.sigmoid(F.linear(flat, gate.weight)) if gate is not None else y)
+            out = out + (y * torch.sigmoid(F.linear(flat, shared_gate.weight)) if shared_gate is not None else y)
         return self.tp.all_reduce(out).view_as(x)
 
 
@@ -492,6 +501,7 @@ class EngineModel(nn.Module):
         self.quantization = None if quantization is None else fp8_format(quantization)
         self.targets = {} if self.quantization is None else quantized(rl, spec, self.quantization)
         for name, target in self.targets.items():
+            assert self.quantization is not None  # targets only with a format
             leaf, attr = name.rsplit(".", 1)
             held = self.get_submodule(leaf)
             assert isinstance(held, _Leaf), f"{name}: FP8 weights live on leaves"
@@ -505,7 +515,7 @@ class EngineModel(nn.Module):
             self.adapter = LoraWeights(self.adapter_layout.ranks[tp_rank], self.device)
             for i, layer in enumerate(self.model.layers):
                 terms = engine_terms(self.adapter, lora, i)
-                layer.self_attn.lora = terms  # ``lora.check_lora``: GQA attention, dense MLPs
+                cast(_Attention, layer.self_attn).lora = terms  # ``lora.check_lora``: GQA attention, dense MLPs
                 if isinstance(layer.mlp, _MLP):
                     layer.mlp.lora = terms
 
@@ -562,14 +572,15 @@ class EngineModel(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``capacity`` positions."""
-        kv = [layer.kv for layer in self.model.layers]
+        kv = [cast(_Layer, layer).kv for layer in self.model.layers]
         n = self.spec.num_layers
-        index = (batch, capacity, self.spec.index_head_dim)
+        ix = self.spec.find(Indexer)  # sparse attention: each layer's indexer keys
+        index = (batch, capacity, ix.index_head_dim if ix is not None else 0)
         return KVCache(
             keys=[torch.zeros(batch, h, capacity, k, dtype=self.dtype, device=self.device) for h, k, _ in kv],
             values=[torch.zeros(batch, h, capacity, v, dtype=self.dtype, device=self.device) for h, _, v in kv],
             index_keys=[torch.zeros(index, dtype=self.dtype, device=self.device)
-                        for _ in range(n if self.spec.is_sparse_attention else 0)],
+                        for _ in range(n if ix is not None else 0)],
             linear=[None] * n,
         )
 

@@ -9,6 +9,8 @@ the adapter's shards alone (``adapter_shards``).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -45,7 +47,8 @@ class Fsdp2Trainer:
         if lora is not None:  # PEFT's LoRA, started from PEFT's init as every rank draws it alike
             from peft import LoraConfig, get_peft_model
 
-            root = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+            # PEFT scales by alpha / r in floats; its field's annotation says int
+            root = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
                                                     target_modules=list(lora.targets)))
             start = initial_adapter(spec, lora, lora_seed)
             with torch.no_grad():
@@ -57,7 +60,8 @@ class Fsdp2Trainer:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         for layer in layers:
             fully_shard(layer, mesh=mesh)
-        self.model: nn.Module = fully_shard(root, mesh=mesh)
+        # ``root`` itself, its class extended with FSDPModule (the stubs return only the latter)
+        self.model = cast(nn.Module, fully_shard(root, mesh=mesh))
         o = optim or OptimConfig()
         self.optim_config = o
         self.trained = [p for p in self.model.parameters() if p.requires_grad]

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardsync.family.section import Latent
 from shardsync.family.table import Attention
 from shardsync.models.ops import apply_rope, attention, rms_norm
 from shardsync.models.parallel import Comm
@@ -23,7 +24,8 @@ from shardsync.models.sparse import index_keys, select
 from shardsync.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from shardsync.models.engine import KVCache
+    from shardsync.models.engine import KVCache, _Leaf
+    from shardsync.models.trainer import _Weights
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -47,7 +49,8 @@ def latent_heads(spec: ModelSpec, q: torch.Tensor, kv: torch.Tensor, k_rope: tor
     (``kv_b_proj`` of the latent), ``k_rope`` [b, s, rope] shared by the heads -> [b, s, h v].
     Rotary on the rope channels, neighbouring pairs; keys and values cached as ``cache`` holds.
     ``chosen`` [b, s, t]: the keys each query may see (sparse attention), besides the causal mask."""
-    nope, rope, vd = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    lat = spec.section(Latent)
+    nope, rope, vd = lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim
     b, s = q.shape[0], q.shape[1]
     h = q.shape[-1] // (nope + rope)
     q = q.view(b, s, h, nope + rope).transpose(1, 2)
@@ -80,6 +83,24 @@ class Baton:
         return self.chosen
 
 
+class _EngineIndexer(Protocol):
+    """``LatentAttention.indexer``: a plain module holding the indexer's leaves (SGLang's names)."""
+
+    wq_b: _Leaf
+    wk: _Leaf
+    weights_proj: _Leaf
+    k_norm: _Leaf
+
+
+class _TrainerIndexer(Protocol):
+    """``TrainerLatentAttention.core_attention.indexer``: a plain module holding megatron-core's."""
+
+    linear_wq_b: _Weights
+    linear_wk: _Weights
+    k_norm: _Weights
+    linear_weights_proj: _Weights
+
+
 class LatentAttention(nn.Module):
     """One engine rank's MLA heads.  ``leaf(name, attrs)`` makes the parameter holders (the
     engine's: ``dense()`` is a weight as the math reads it, dequantized when held in FP8, and
@@ -87,12 +108,12 @@ class LatentAttention(nn.Module):
     Sparse attention: ``kind`` "dsa" runs this layer's indexer (SGLang's names, replicated) and
     passes its choice on through ``baton``; "dsa_shared" reuses the choice of the layer before."""
 
-    def __init__(self, spec: ModelSpec, prefix: str, tp_size: int, leaf: Callable[[str, tuple[str, ...]], nn.Module],
+    def __init__(self, spec: ModelSpec, prefix: str, tp_size: int, leaf: Callable[[str, tuple[str, ...]], _Leaf],
                  all_reduce: Callable[[torch.Tensor], torch.Tensor], *, kind: Attention = Attention.MLA,
                  baton: Baton | None = None) -> None:
         super().__init__()
         self.spec, self.all_reduce, self.kind, self.baton = spec, all_reduce, kind, baton or Baton()
-        if spec.q_lora_rank is not None:
+        if spec.section(Latent).q_lora_rank is not None:
             self.fused_qkv_a_proj_with_mqa = leaf(prefix + "fused_qkv_a_proj_with_mqa", ("weight",))
             self.q_a_layernorm = leaf(prefix + "q_a_layernorm", ("weight",))
             self.q_b_proj = leaf(prefix + "q_b_proj", ("weight",))
@@ -108,7 +129,7 @@ class LatentAttention(nn.Module):
                 self.indexer.add_module(name, leaf(f"{prefix}indexer.{name}", ("weight",)))
             self.indexer.k_norm = leaf(prefix + "indexer.k_norm", ("weight", "bias"))
         # what a KV cache holds per layer: every local head's key (nope + rope) and value
-        self.nkv, self.k_dim, self.v_dim = spec.num_heads // tp_size, spec.head_dim, spec.v_head_dim
+        self.nkv, self.k_dim, self.v_dim = spec.num_heads // tp_size, spec.head_dim, spec.section(Latent).v_head_dim
 
     def _choose(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, layer: int) -> torch.Tensor | None:
@@ -117,7 +138,7 @@ class LatentAttention(nn.Module):
             return None
         if self.kind is Attention.DSA_SHARED:
             return self.baton.take(layer)
-        ix = self.indexer
+        ix = cast(_EngineIndexer, self.indexer)
         keys = index_keys(self.spec, x, ix.wk.dense(), ix.k_norm.weight, ix.k_norm.bias, cos, sin)
         start = 0
         if cache is not None:
@@ -131,15 +152,16 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 layer: int) -> torch.Tensor:
         spec, eps = self.spec, self.spec.rms_norm_eps
+        lat = spec.section(Latent)
         q_latent = x
-        if spec.q_lora_rank is None:
+        if lat.q_lora_rank is None:
             q, kva = self.q_proj.linear(x), self.kv_a_proj_with_mqa.linear(x)
         else:
             qa, kva = self.fused_qkv_a_proj_with_mqa.linear(x).split(
-                [spec.q_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim], dim=-1)
+                [lat.q_lora_rank, lat.kv_lora_rank + lat.qk_rope_head_dim], dim=-1)
             q_latent = rms_norm(qa, self.q_a_layernorm.weight, eps)
             q = self.q_b_proj.linear(q_latent)
-        latent, k_rope = kva.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
+        latent, k_rope = kva.split([lat.kv_lora_rank, lat.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj.linear(rms_norm(latent, self.kv_a_layernorm.weight, eps))
         chosen = self._choose(x, q_latent, cos, sin, cache, layer)
         out = latent_heads(spec, q, kv, k_rope, cos, sin, cache, layer, chosen)
@@ -155,7 +177,7 @@ class TrainerLatentAttention(nn.Module):
     their output."""
 
     def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool,
-                 weights: Callable[[str, tuple[str, ...], bool], nn.Module], *, kind: Attention = Attention.MLA,
+                 weights: Callable[[str, tuple[str, ...], bool], _Weights], *, kind: Attention = Attention.MLA,
                  baton: Baton | None = None, layer: int = 0) -> None:
         super().__init__()
         self.spec, self.tp, self.fused, self.kind, self.baton = spec, tp, fused, kind, baton or Baton()
@@ -169,7 +191,7 @@ class TrainerLatentAttention(nn.Module):
                 ix.add_module(name, weights(f"{p}core_attention.indexer.{name}", attrs, False))
             ix.requires_grad_(False)  # no gradient reaches it (top-k); its own training loss is not run here
         ln = ("layer_norm_weight",) if fused else ()
-        if spec.q_lora_rank is not None:
+        if spec.section(Latent).q_lora_rank is not None:
             self.linear_q_down_proj = weights(p + "linear_q_down_proj", ("weight",), not fused)
             self.linear_q_up_proj = weights(p + "linear_q_up_proj", (*ln, "weight"), True)
         else:
@@ -178,7 +200,7 @@ class TrainerLatentAttention(nn.Module):
         self.linear_kv_up_proj = weights(p + "linear_kv_up_proj", (*ln, "weight"), True)
         self.linear_proj = weights(p + "linear_proj", ("weight",), True)
         if not fused:
-            if spec.q_lora_rank is not None:
+            if spec.section(Latent).q_lora_rank is not None:
                 self.q_layernorm = weights(p + "q_layernorm", ("weight",), False)
             self.kv_layernorm = weights(p + "kv_layernorm", ("weight",), False)
 
@@ -188,7 +210,7 @@ class TrainerLatentAttention(nn.Module):
             return None
         if self.kind is Attention.DSA_SHARED:
             return self.baton.take(self.layer)
-        ix = self.core_attention.indexer
+        ix = cast(_TrainerIndexer, self.core_attention.indexer)
         keys = index_keys(self.spec, h, ix.linear_wk.weight.to(dtype), ix.k_norm.weight, ix.k_norm.bias, cos, sin)
         self.baton.chosen = select(self.spec, h, q_latent, keys, ix.linear_wq_b.weight.to(dtype),
                                    ix.linear_weights_proj.weight, cos, sin)
@@ -197,24 +219,25 @@ class TrainerLatentAttention(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``h``: the normed input (replicated over TP) -> the attention output, reduced."""
         spec, tp, eps = self.spec, self.tp, self.spec.rms_norm_eps
+        lat = spec.section(Latent)
 
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.to(dtype)
 
-        def down(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def down(mod: _Weights, x: torch.Tensor) -> torch.Tensor:
             out = F.linear(x, w(mod.weight))
             return out if self.fused else tp.gather_last(out)
 
         x = h if self.fused else tp.copy_to(h)
         qa = h
-        if spec.q_lora_rank is None:
+        if lat.q_lora_rank is None:
             q = F.linear(x if not self.fused else tp.copy_to(h), w(self.linear_q_proj.weight))
         else:
             gain = self.linear_q_up_proj.layer_norm_weight if self.fused else self.q_layernorm.weight
             qa = rms_norm(down(self.linear_q_down_proj, x), w(gain), eps)
             q = F.linear(tp.copy_to(qa), w(self.linear_q_up_proj.weight))
         chosen = self._choose(h, qa, cos, sin, dtype)
-        latent, k_rope = down(self.linear_kv_down_proj, x).split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
+        latent, k_rope = down(self.linear_kv_down_proj, x).split([lat.kv_lora_rank, lat.qk_rope_head_dim], dim=-1)
         gain = self.linear_kv_up_proj.layer_norm_weight if self.fused else self.kv_layernorm.weight
         kv = F.linear(tp.copy_to(rms_norm(latent, w(gain), eps)), w(self.linear_kv_up_proj.weight))
         out = latent_heads(spec, q, kv, tp.copy_to(k_rope), cos, sin, chosen=chosen)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ def megatron_groups(par: MegatronParallel, *, first_rank: int = 0,
     for kind, size in sizes:
         if size == 1:
             continue
-        buckets: dict[tuple[int, int], list[int]] = {}
+        buckets: dict[tuple[int, ...], list[int]] = {}
         for g in ranks:
             buckets.setdefault(keys[kind](g), []).append(g)
         for members in buckets.values():
@@ -100,11 +101,12 @@ class Comm:
             dist.broadcast(x, group=self.group, group_src=src, async_op=True).wait(self.timeout)
         return x
 
+    # isend/irecv return None only to a rank outside the group; a Comm is its group's member
     def send(self, x: torch.Tensor, peer: int) -> None:
-        dist.isend(x.contiguous(), group=self.group, group_dst=peer).wait(self.timeout)
+        cast(dist.Work, dist.isend(x.contiguous(), group=self.group, group_dst=peer)).wait(self.timeout)
 
     def recv(self, x: torch.Tensor, peer: int) -> torch.Tensor:
-        dist.irecv(x, group=self.group, group_src=peer).wait(self.timeout)
+        cast(dist.Work, dist.irecv(x, group=self.group, group_src=peer)).wait(self.timeout)
         return x
 
     def exchange(self, x: torch.Tensor, peer: int) -> torch.Tensor:
@@ -112,7 +114,7 @@ class Comm:
         other = torch.empty_like(x)
         works = [dist.isend(x.contiguous(), group=self.group, group_dst=peer),
                  dist.irecv(other, group=self.group, group_src=peer)]
-        for w in works:
+        for w in cast(list[dist.Work], works):
             w.wait(self.timeout)
         return other
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardsync.family.section import Indexer, Latent
 from shardsync.spec import ModelSpec
 
 INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers, SGLang and megatron-core alike)
@@ -28,7 +29,7 @@ def index_rope(spec: ModelSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """Rotary on the first ``qk_rope_head_dim`` channels of ``x`` [b, s, (heads,) d].  ``cos``/``sin``
     are the model's [b, s, rope] in its own pair layout; the indexer turns neighbouring pairs
     (GLM-5) or halves (DeepSeek-V3.2) whatever the main attention does."""
-    r = spec.qk_rope_head_dim
+    r = spec.section(Latent).qk_rope_head_dim
     angles_cos, angles_sin = (t[..., 0::2] if spec.rope_interleaved else t[..., : r // 2] for t in (cos, sin))
     if spec.family_table.index_rope_interleaved:
         c, s_ = angles_cos.repeat_interleave(2, dim=-1), angles_sin.repeat_interleave(2, dim=-1)
@@ -46,7 +47,7 @@ def index_rope(spec: ModelSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def index_keys(spec: ModelSpec, x: torch.Tensor, wk: torch.Tensor, norm_weight: torch.Tensor,
                norm_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The indexer's key of every position ``[b, s, index_head_dim]`` (what a KV cache keeps)."""
-    k = F.layer_norm(F.linear(x, wk), (spec.index_head_dim,), norm_weight, norm_bias, INDEX_NORM_EPS)
+    k = F.layer_norm(F.linear(x, wk), (spec.section(Indexer).index_head_dim,), norm_weight, norm_bias, INDEX_NORM_EPS)
     return index_rope(spec, k, cos, sin)
 
 
@@ -61,7 +62,8 @@ def select(spec: ModelSpec, x: torch.Tensor, q_latent: torch.Tensor, keys: torch
     sqrt(d)), in float32; the causal mask applies before the top-k, as in transformers."""
     b, s = x.shape[:2]
     t = keys.shape[1]
-    n, d = spec.index_n_heads, spec.index_head_dim
+    ix = spec.section(Indexer)
+    n, d = ix.index_n_heads, ix.index_head_dim
     q = index_rope(spec, F.linear(q_latent, wq_b).view(b, s, n, d), cos, sin)
     scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float()) * d ** -0.5)
     w = F.linear(x.float(), weights_proj.float()) * n ** -0.5  # float32, as transformers keeps weights_proj
@@ -69,5 +71,5 @@ def select(spec: ModelSpec, x: torch.Tensor, q_latent: torch.Tensor, keys: torch
     rows = torch.arange(s, device=x.device)[:, None] + start
     future = torch.arange(t, device=x.device)[None, :] > rows
     index = index.masked_fill(future, float("-inf"))
-    chosen = index.topk(min(spec.index_topk, t), dim=-1).indices
+    chosen = index.topk(min(ix.index_topk, t), dim=-1).indices
     return torch.zeros(b, s, t, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)

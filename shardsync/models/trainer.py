@@ -47,12 +47,14 @@ import datetime
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardsync.family.section import Indexer
 from shardsync.family.table import Attention
 from shardsync.layout import Layout, MegatronParallel, RankLayout, megatron_layout
 from shardsync.layout.logical import mtp_layers
@@ -116,20 +118,33 @@ def grpo_loss(logprobs: torch.Tensor, *, old_logprobs: torch.Tensor, advantages:
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _mark_tp(param: nn.Parameter, sharded: bool) -> None:
+    """Megatron's attribute: sharded over TP (vs replicated on every TP rank)."""
+    param.tensor_model_parallel = sharded  # type: ignore[attr-defined]  # Megatron's own, not in torch's stubs
+
+
 class _Weights(nn.Module):
     """The parameters ``<prefix>.<attr>`` of one Megatron module, taken from ``tensors``."""
+
+    # read as attributes: the parameters where ``attrs`` names them, a shared expert's linears (``_Experts``)
+    weight: nn.Parameter
+    bias: nn.Parameter
+    layer_norm_weight: nn.Parameter
+    expert_bias: nn.Parameter
+    gate_weight: nn.Parameter
+    linear_fc1: _Weights
+    linear_fc2: _Weights
 
     def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, attrs: Sequence[str],
                  *, tp_sharded: bool) -> None:
         super().__init__()
         for attr in attrs:
             param = nn.Parameter(tensors.pop(f"{prefix}.{attr}"))
-            # Megatron's attribute: sharded over TP (vs replicated on every TP rank).
-            param.tensor_model_parallel = tp_sharded and not attr.startswith("layer_norm")
+            _mark_tp(param, tp_sharded and not attr.startswith("layer_norm"))
             self.register_parameter(attr, param)
 
 
-_Make = Callable[[str, tuple[str, ...], bool], nn.Module]  # (name, attrs, TP-sharded) -> the parameters
+_Make = Callable[[str, tuple[str, ...], bool], _Weights]  # (name, attrs, TP-sharded) -> the parameters
 
 
 def _reduce_grads(comm: Comm, grads: list[torch.Tensor], divisor: int) -> None:
@@ -146,6 +161,7 @@ class _Experts(nn.Module):
     def __init__(self, model: TrainerModel, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         spec, par = model.spec, model.par
+        assert model.exchange is not None, "sparse layers need the model's expert exchange (_init_experts)"
         self.spec, self.dtype, self.exchange, self.tp = spec, model.compute_dtype, model.exchange, model.tp
         self.sigmoid = spec.router == "sigmoid"  # with Megatron's expert_bias (HF e_score_correction_bias)
         self.router = _Weights(tensors, prefix + "router", ("weight", "expert_bias") if self.sigmoid else ("weight",),
@@ -157,7 +173,7 @@ class _Experts(nn.Module):
             for fc in ("linear_fc1", "linear_fc2"):
                 setattr(self.experts, fc, _Weights(tensors, f"{prefix}experts.{fc}", [f"weight{j}" for j in range(n)],
                                                    tp_sharded=False))
-            fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
+            fc1, fc2 = cast(_Weights, self.experts.linear_fc1), cast(_Weights, self.experts.linear_fc2)
             self._local = [(fc1.get_parameter(f"weight{j}"), fc2.get_parameter(f"weight{j}")) for j in range(n)]
         else:
             self.experts.local_experts = nn.ModuleList()
@@ -167,7 +183,8 @@ class _Experts(nn.Module):
                     setattr(m, fc, _Weights(tensors, f"{prefix}experts.local_experts.{j}.{fc}", ("weight",),
                                             tp_sharded=False))
                 self.experts.local_experts.append(m)
-            self._local = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in self.experts.local_experts]
+            self._local = [(cast(_Weights, m.linear_fc1).weight, cast(_Weights, m.linear_fc2).weight)
+                           for m in self.experts.local_experts]
         # Megatron's allreduce=False: reduced over the expert-DP group, counted apart in the norm
         model.expert_params.update(id(p) for p in self.experts.parameters())
         self.shared_gate = spec.family_table.moe is not None and spec.family_table.moe.shared.gated
@@ -368,7 +385,7 @@ class _Layer(nn.Module):
             self.pre_mlp_layernorm = _Weights(tensors, prefix + "pre_mlp_layernorm", ("weight",),
                                               tp_sharded=False)
         if self.sparse:
-            self.mlp = _Experts(model, tensors, prefix + "mlp.")
+            self.mlp: nn.Module = _Experts(model, tensors, prefix + "mlp.")
         else:
             self.mlp = nn.Module()
             norm = ("layer_norm_weight",) if self.fused else ()
@@ -398,13 +415,14 @@ class _Layer(nn.Module):
 
         if self.sparse:  # the exchange completes the activation gradient: no TP copy here
             return x + mlp(rms_norm(x, w(self.pre_mlp_layernorm.weight), eps, off))
-        norm = mlp.linear_fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight
+        fc1, fc2 = cast(_Weights, mlp.linear_fc1), cast(_Weights, mlp.linear_fc2)  # the dense MLP's linears
+        norm = fc1.layer_norm_weight if self.fused else self.pre_mlp_layernorm.weight
         h = tp.copy_to(rms_norm(x, w(norm), eps, off))
-        gate, up = F.linear(h, w(mlp.linear_fc1.weight)).chunk(2, dim=-1)
+        gate, up = F.linear(h, w(fc1.weight)).chunk(2, dim=-1)
         if self.lora is not None:
             gate, up = self.lora.add("gate_proj", h, gate), self.lora.add("up_proj", h, up)
         act = F.silu(gate) * up
-        y = F.linear(act, w(mlp.linear_fc2.weight))
+        y = F.linear(act, w(fc2.weight))
         m = tp.reduce_from(y if self.lora is None else self.lora.add("down_proj", act, y))
         return x + (rms_norm(m, w(self.post_mlp_layernorm.weight), eps) if self.post_norms else m)
 
@@ -454,7 +472,7 @@ class TrainerModel(nn.Module):
         if not 0 <= rank < par.world_size:
             raise ValueError(f"rank {rank} outside the model's {par.world_size} ranks")
         starts = [stage[0] for stage in par.stage_layers(spec.num_layers) if stage]
-        if shared := sorted(set(starts) & set(spec.index_shared_layers)):
+        if shared := sorted(set(starts) & set(ix.index_shared_layers if (ix := spec.find(Indexer)) else ())):
             raise ValueError(f"a pipeline stage starts on layer {shared[0]}, which reuses the indexer choice of the "
                              "layer before (sparse attention): move the stage boundary")
         self.spec, self.par, self.rank = spec, par, rank
@@ -523,22 +541,21 @@ class TrainerModel(nn.Module):
         par = dataclasses.replace(self.par, dtype="float32")
         self.adapter_layout = megatron_adapter_layout(self.spec, lora, par)
         self.adapter = LoraWeights(self.adapter_layout.ranks[self.rank], self.device, trainable=True)
-        for i in range(len(self.decoder.layers)):
+        layers = cast(Sequence[_Layer], self.decoder.layers)  # a ModuleList of this stage's layers
+        for i in range(len(layers)):
             for name in lora.targets:  # a column target's B and a row target's A are the sharded ones
                 t = TARGETS[name]
-                self.adapter.get_parameter(f"decoder.layers.{i}.{t.megatron}.linear_in.weight") \
-                    .tensor_model_parallel = not t.column
-                self.adapter.get_parameter(f"decoder.layers.{i}.{t.megatron}.linear_out.weight") \
-                    .tensor_model_parallel = t.column
+                _mark_tp(self.adapter.get_parameter(f"decoder.layers.{i}.{t.megatron}.linear_in.weight"), not t.column)
+                _mark_tp(self.adapter.get_parameter(f"decoder.layers.{i}.{t.megatron}.linear_out.weight"), t.column)
         tp, dtype = self.tp, self.compute_dtype
 
-        def cast(weight: torch.Tensor, replicated: bool) -> torch.Tensor:
+        def cast_weight(weight: torch.Tensor, replicated: bool) -> torch.Tensor:
             return (tp.copy_to(weight) if replicated else weight).to(dtype)
 
-        for i, layer in enumerate(self.decoder.layers):
-            terms = trainer_terms(self.adapter, lora, f"decoder.layers.{i}.", cast)
+        for i, layer in enumerate(layers):
+            terms = trainer_terms(self.adapter, lora, f"decoder.layers.{i}.", cast_weight)
             layer.lora = terms  # ``lora.check_lora``: GQA attention, dense MLPs
-            layer.self_attention.lora = terms
+            cast(_GqaAttention, layer.self_attention).lora = terms
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapter's parameters by layout name (what an adapter sync reads)."""
@@ -585,13 +602,13 @@ class TrainerModel(nn.Module):
     def _output_weight(self) -> torch.Tensor:
         if hasattr(self, "output_layer"):
             return self.output_layer.weight
-        return self.embedding.word_embeddings.weight  # tied, PP == 1
+        return cast(_Weights, self.embedding.word_embeddings).weight  # tied, PP == 1
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_rows)
         rows = F.embedding(local.masked_fill(outside, 0),
-                           self._cast(self.embedding.word_embeddings.weight))
+                           self._cast(cast(_Weights, self.embedding.word_embeddings).weight))
         return self.tp.reduce_from(rows.masked_fill(outside[..., None], 0.0))
 
     def _stage(self, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -609,12 +626,12 @@ class TrainerModel(nn.Module):
                                 self.pp.rank - 1)
             h = h_in.requires_grad_(torch.is_grad_enabled())
         cos, sin = rope_cos_sin(self.spec, torch.arange(s, device=self.device)[None], self.compute_dtype)
-        for layer in self.decoder.layers:
+        for layer in cast(nn.ModuleList, self.decoder.layers):
             h = layer(h, cos, sin)
         if not self.last:
             self.pp.send(h.detach(), self.pp.rank + 1)
             return h_in, h
-        return h_in, rms_norm(h, self._cast(self.decoder.final_layernorm.weight),
+        return h_in, rms_norm(h, self._cast(cast(_Weights, self.decoder.final_layernorm).weight),
                               self.spec.rms_norm_eps, self.spec.norm_offset)
 
     def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -724,17 +741,19 @@ class TrainerModel(nn.Module):
         # every parameter ends with a gradient (zeros where frozen: MTP layers, an indexer), except a
         # LoRA trainer's frozen base, which takes no gradient memory at all
         held = [p for p in self.parameters() if p.requires_grad or self.adapter is None]
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
         for p in held:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        dense = [p.grad for p in held if id(p) not in self.expert_params]
-        experts = [p.grad for p in held if id(p) in self.expert_params]
+            (experts if id(p) in self.expert_params else dense).append(p.grad)
         if self.dp.size > 1:
             _reduce_grads(self.dp, dense, self.dp.size)
         if experts:
             _reduce_grads(self.expert_dp, experts, self.expert_grad_divisor)
         if self.tied_copy and self._tied_param().requires_grad:
             mine = self._tied_param().grad
+            assert mine is not None  # every held parameter has one by now
             other = self.pp.exchange(mine, self.par.pp - 1 if self.first else 0)
             first, last = (mine, other) if self.first else (other, mine)
             mine.copy_(first + last)
@@ -746,7 +765,9 @@ class TrainerModel(nn.Module):
         return "output_layer.weight" if self.spec.tie_word_embeddings else "embedding.word_embeddings.weight"
 
     def _tied_param(self) -> nn.Parameter:
-        return self.embedding.word_embeddings.weight if self.first else self.get_parameter(self._copy_name)
+        if self.first:
+            return cast(_Weights, self.embedding.word_embeddings).weight
+        return self.get_parameter(self._copy_name)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients (each logical element once), the same on every rank.
@@ -762,7 +783,7 @@ class TrainerModel(nn.Module):
             sq = p.grad.double().pow(2).sum()
             if id(p) in self.expert_params:
                 experts += sq
-            elif p.tensor_model_parallel:
+            elif p.tensor_model_parallel:  # type: ignore[attr-defined]  # Megatron's, set by _mark_tp
                 sharded += sq
             else:
                 replicated += sq

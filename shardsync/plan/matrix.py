@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
+from shardsync.family.section import Indexer, Latent, Linear, Section
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.mode import Mode
 from shardsync.plan.choose import choose
@@ -277,12 +278,14 @@ def render_markdown(entries: list[Entry] | None = None) -> str:
     entries = build() if entries is None else entries
     grid = [e for e in entries if not e.case.note]
     extra = [e for e in entries if e.case.note and not PRESETS[e.case.model].is_moe]
-    moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe and not PRESETS[e.case.model].is_mla
-           and not PRESETS[e.case.model].full_attention_interval]
-    hybrid = [e for e in entries if e.case.note and PRESETS[e.case.model].full_attention_interval]
-    mla = [e for e in entries if e.case.note and PRESETS[e.case.model].is_mla
-           and not PRESETS[e.case.model].is_sparse_attention]
-    dsa = [e for e in entries if e.case.note and PRESETS[e.case.model].is_sparse_attention]
+    def has(e: Entry, kind: type[Section]) -> bool:
+        return PRESETS[e.case.model].find(kind) is not None
+
+    moe = [e for e in entries if e.case.note and PRESETS[e.case.model].is_moe and not has(e, Latent)
+           and not has(e, Linear)]
+    hybrid = [e for e in entries if e.case.note and has(e, Linear)]
+    mla = [e for e in entries if e.case.note and has(e, Latent) and not has(e, Indexer)]
+    dsa = [e for e in entries if e.case.note and has(e, Indexer)]
     counts = {p: sum(_cell(e, "auto") == p for e in grid) for p in ("p2p", "broadcast", "refused")}
     out = [
         "# Fallback matrix",

@@ -19,15 +19,11 @@ from shardsync.vocab import Channel, DeltaTransport, Ipc
 
 
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
-    return dataclasses.asdict(spec)
+    return spec.to_dict()
 
 
 def spec_from_dict(d: dict[str, Any]) -> ModelSpec:
-    fields = {f.name for f in dataclasses.fields(ModelSpec)}
-    unknown = set(d) - fields
-    if unknown:
-        raise ValueError(f"unknown model spec fields {sorted(unknown)}")
-    return ModelSpec(**d)
+    return ModelSpec.from_dict(d)
 
 
 def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rdv: Rendezvous, *,

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardsync.family.section import Indexer
 from shardsync.layout import MegatronParallel
 from shardsync.models.engine import EngineModel
 from shardsync.models.trainer import TrainerModel, megatron_groups
@@ -88,7 +89,7 @@ def source(spec: ModelSpec) -> TensorSource:
     """The random weights every side starts from; a sparse model's ``weights_proj`` holds values
     bfloat16 represents exactly (SGLang's layout, which the reference engine holds, keeps it so)."""
     src = random_source(spec, SEED)
-    if spec.index_topk:
+    if spec.find(Indexer) is not None:
         w = src("model.layers.1.self_attn.indexer.weights_proj.weight")
         assert torch.equal(w, w.to(torch.bfloat16).float())
     return src

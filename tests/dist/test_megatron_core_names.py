@@ -29,6 +29,7 @@ from unittest import mock
 
 import pytest
 
+from shardsync.family.section import Indexer, Latent
 from shardsync.layout import MegatronParallel, megatron_layout
 from shardsync.layout.logical import mtp_layers
 from shardsync.spec import ModelSpec
@@ -117,7 +118,7 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = getattr(torch, spec.dtype)
-    config = (MLATransformerConfig if spec.is_mla else TransformerConfig)(
+    config = (MLATransformerConfig if spec.find(Latent) is not None else TransformerConfig)(
         **architecture(spec),
         **_moe_config(spec, par),
         tensor_model_parallel_size=par.tp,
@@ -135,8 +136,8 @@ def _gpt_model(spec: ModelSpec, par: MegatronParallel, *, pre_process: bool, pos
     if spec.is_moe:
         # This stage's slice of the per-layer dense/MoE local specs (config.moe_layer_freq).
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        if spec.is_mla:  # stand-in: the local DotProductAttention refuses MLA's k_channels (no parameters)
-            core = _sparse_core_attention() if spec.is_sparse_attention else _NoCoreAttention
+        if spec.find(Latent) is not None:  # stand-in: the local DotProductAttention refuses MLA's k_channels
+            core = _sparse_core_attention() if spec.find(Indexer) is not None else _NoCoreAttention
             for layer in layer_spec.layer_specs:
                 layer.submodules.self_attention.submodules.core_attention = core
     else:

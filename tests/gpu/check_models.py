@@ -47,6 +47,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from shardsync.family.section import Latent
 from shardsync.layout import MegatronParallel  # noqa: E402
 from shardsync.models.engine import EngineModel  # noqa: E402
 from shardsync.models.trainer import TrainerModel  # noqa: E402
@@ -250,7 +251,7 @@ def transformers_checks(presets: list[str], device: torch.device, fp32_control: 
             # DeepSeek's router weight in bf16 as SGLang does, so tiny sigmoid routers pick other experts for
             # a few tokens (with transformers' router cast to bf16 too, GLM-4.7-Flash agrees to 9e-3 on the
             # CPU): reported, not checked
-            info = dt == "bfloat16" and spec.is_mla
+            info = dt == "bfloat16" and spec.find(Latent) is not None
             _run(rows, Row("engine vs transformers", name, dt, "transformers"),
                  functools.partial(_engine_vs, ref), info=info)
             _run(rows, Row("trainer vs transformers", name, dt, "transformers"),

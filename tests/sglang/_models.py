@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
+from shardsync.family.section import Latent
+
 MODELS = {  # HF architecture -> SGLang module
     "Qwen3ForCausalLM": "sglang.srt.models.qwen3",
     "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
@@ -49,7 +51,7 @@ def _specs():
 # and GLM-5's); Qwen3-Next's gated DeltaNet and gated attention
 SPECS = _specs()
 NO_PP = {"tiny-qwen3-next"}  # SGLang's Qwen3-Next asserts a single pipeline stage
-MLA = tuple(m for m, s in SPECS.items() if s.is_mla)
+MLA = tuple(m for m, s in SPECS.items() if s.find(Latent) is not None)
 
 
 def derived(model: torch.nn.Module) -> dict[str, torch.Tensor]:

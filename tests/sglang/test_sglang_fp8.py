@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardsync.family.section import Latent
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.models.weights import load_rank, random_source
@@ -93,7 +94,8 @@ def test_sglang_fp8_classes_hold_what_a_shardsync_fp8_rank_quantizes(model: str,
                                   mine[n].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else mine[n])]
         assert bad == [], (tp, ep, rank, bad[:4])
         assert len(targets) > 0
-        if spec.q_lora_rank is not None:  # MLA: state SGLang derives after loading, beside the parameters
+        lat = spec.find(Latent)
+        if lat is not None and lat.q_lora_rank is not None:  # MLA: state SGLang derives after loading, beside params
             attn = m.model.layers[1].self_attn
             assert all(getattr(attn, n) is not None for n in MLA_DERIVED), MLA_DERIVED
             assert attn.w_kc.dtype == torch.float8_e4m3fn

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardsync.engines.sglang.host import SglangHost
+from shardsync.family.section import Latent
 from shardsync.layout import EngineParallel, engine_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.models.weights import load_rank, random_source
@@ -49,10 +50,11 @@ def test_sglang_parameters_are_shardsync_engine_layout(model, dtype) -> None:
             mine = load_rank(lay, i, source)
             bad = [n for n, p in m.named_parameters() if not torch.equal(p.data.flatten(), mine[n].flatten())]
             assert bad == [], (tp, pp, ep, i, bad[:4])
-            if spec.is_mla:  # SGLang's derived per-rank heads of kv_b_proj exist and have their shape
+            if spec.find(Latent) is not None:  # SGLang's derived per-rank heads of kv_b_proj exist and have their shape
                 heads = spec.num_heads // tp
                 kc = _models.derived(m)[f"model.layers.{i // tp * spec.num_layers // pp}.self_attn.w_kc"]
-                assert tuple(kc.shape) == (heads, spec.qk_nope_head_dim, spec.kv_lora_rank), (tp, kc.shape)
+                lat = spec.section(Latent)
+                assert tuple(kc.shape) == (heads, lat.qk_nope_head_dim, lat.kv_lora_rank), (tp, kc.shape)
 
 
 @pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-qwen3-next"])

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardsync.config import ControlConfig, DeltaConfig, SyncConfig, TransportConfig
+from shardsync.family.section import Latent
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout
 from shardsync.layout.logical import logical_tensors
 from shardsync.models.weights import load_rank
@@ -41,7 +42,7 @@ TRAINERS = {"tp1": MegatronParallel(tp=1, dtype="float32"), "tp2": MegatronParal
 def _trainers(spec) -> list[str]:
     """Every dense model from every dense trainer layout; Qwen3-MoE from TP 2 (tests/dist has
     the expert-parallel trainers); latent attention from TP 2 EP 2 (the issue's topology)."""
-    if spec.is_mla:
+    if spec.find(Latent) is not None:
         return ["tp2ep2"]
     return ["tp2"] if spec.num_experts else ["tp1", "tp2", "pp2"]
 

@@ -5,14 +5,17 @@ family may declare a kind of its own."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
 from shardsync.family import ARCHITECTURES, FAMILIES
 from shardsync.family.blocks import GQA, MOE, gated_mlp
 from shardsync.family.cut import Cut, Kind, Local
-from shardsync.family.kinds import ExpertMlps, Whole
+from shardsync.family.kinds import ExpertMlps, Split, Whole
+from shardsync.family.section import Latent, Section
 from shardsync.family.table import Attention, Block, Family, Row, Supports, T, Variant
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.engine import ENGINE_VARIANTS
@@ -24,7 +27,7 @@ from shardsync.piece import Piece
 from shardsync.plan.plan import build_plan
 from shardsync.presets import PRESETS
 from shardsync.quant.targets import check_family
-from shardsync.spec import spec_from_config
+from shardsync.spec import ModelSpec, spec_from_config
 
 TINY = {s.family: s for s in PRESETS.values() if s.name.startswith("tiny-")}
 
@@ -120,6 +123,54 @@ def test_a_family_declares_its_own_kind(monkeypatch: pytest.MonkeyPatch) -> None
     plan = build_plan(megatron_layout(spec, MegatronParallel(tp=2)), engine_layout(spec, EngineParallel(tp=2)))
     moved = [c for d in range(plan.dst.world_size) for c in plan.copies_to(d) if c.logical.endswith(bias)]
     assert sorted((c.src, c.dst) for c in moved) == [(0, 0)] * spec.num_layers
+
+
+def test_a_family_declares_its_own_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family's own numbers are a ``Section`` in its module: the spec holds it with no new
+    field, reads and writes it with the config, sends it as JSON, and its ``dims`` shape the
+    family's rows (here: GPT-OSS-like attention sinks, one per head, and a sliding window)."""
+
+    @dataclass(frozen=True)
+    class Sinks(Section):
+        key: ClassVar[str] = "sinks_test"
+        sliding_window: int
+
+        def dims(self, spec: ModelSpec) -> dict[str, int]:
+            return {"heads": spec.num_heads}
+
+        def check(self, spec: ModelSpec) -> str | None:
+            return None if self.sliding_window > 0 else "sliding_window must be positive"
+
+    sinks = "self_attn.sinks"
+    block = Block(logical=(*GQA.logical, T(sinks, "heads")), megatron=(*GQA.megatron, Row(sinks, Split())),
+                  engine=(*GQA.engine, Row(sinks, Split())), kind=GQA.kind)
+    _custom(monkeypatch, Family("sinky", "SinkyForCausalLM", block, gated_mlp(), sections=(Sinks,)))
+    base = TINY["qwen3"]
+    spec = ModelSpec.build(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                              "family": "sinky", "sections": (), "sliding_window": 128})
+    assert spec.section(Sinks).sliding_window == 128 and spec.find(Latent) is None
+    cfg = spec.to_hf_config()
+    assert cfg["sliding_window"] == 128 and spec_from_config(cfg, spec.name) == spec
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert spec.replace(sliding_window=64).section(Sinks).sliding_window == 64
+    with pytest.raises(ValueError, match="sliding_window must be positive"):
+        spec.replace(sliding_window=0)
+    with pytest.raises(ValueError, match=r"holds the sections \['sinks_test'\], got \[\]"):
+        spec.replace(sections=())
+    lay = engine_layout(spec, EngineParallel(tp=2))
+    assert {t.shape for t in lay.ranks[1].tensors if t.name.endswith(sinks)} == {(spec.num_heads // 2,)}
+
+
+def test_a_spec_from_a_peer_names_what_it_refuses() -> None:
+    d = TINY["glm_moe_dsa"].to_dict()
+    with pytest.raises(ValueError, match=r"unknown model spec sections \['bogus'\]"):
+        ModelSpec.from_dict({**d, "sections": {**d["sections"], "bogus": {}}})
+    with pytest.raises(ValueError, match=r"unknown indexer section fields \['extra'\]"):
+        ModelSpec.from_dict({**d, "sections": {**d["sections"], "indexer": {**d["sections"]["indexer"], "extra": 1}}})
+    with pytest.raises(ValueError, match="must be an object of objects"):
+        ModelSpec.from_dict({**d, "sections": [1, 2]})
+    with pytest.raises(ValueError, match="unknown model spec fields"):
+        ModelSpec.from_dict({**d, "kv_lora_rank": 4})  # a section's field sent flat
 
 
 def test_a_variant_word_not_declared_fails_where_the_row_is_written() -> None:

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from shardsync.family.section import Indexer, Latent
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.logical import model_tensors
 from shardsync.plan.plan import build_plan
@@ -44,8 +45,7 @@ def test_presets_agree_with_transformers_config_defaults(name: str, model_type: 
     theirs, ours = spec_from_config(cfg, name), PRESETS[name]
     for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size", "num_experts",
                 "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers",
-                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "index_n_heads", "index_head_dim", "index_topk", "index_shared_layers", "routed_scaling_factor"):
+                "routed_scaling_factor", "sections"):  # sections: the latent and the indexer numbers
         assert getattr(theirs, key) == getattr(ours, key), key
 
 
@@ -60,8 +60,8 @@ def test_logical_tensors_are_transformers_tensors(name: str) -> None:
               if not n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))}
     ours = {n: s for n, s in model_tensors(spec).items() if ".mlp.experts." not in n}
     assert ours == theirs
-    n, d = spec.index_n_heads, spec.index_head_dim
-    assert ours[IX.format(1) + "wq_b.weight"] == (n * d, spec.q_lora_rank)
+    n, d = spec.section(Indexer).index_n_heads, spec.section(Indexer).index_head_dim
+    assert ours[IX.format(1) + "wq_b.weight"] == (n * d, spec.section(Latent).q_lora_rank)
     assert ours[IX.format(1) + "k_norm.bias"] == (d,)
     assert ours[IX.format(1) + "weights_proj.weight"] == (n, spec.hidden_size)
 
@@ -76,7 +76,7 @@ def test_glm5_shared_layers_hold_no_indexer() -> None:
     assert spec_from_config(spec.to_hf_config(), spec.name) == spec
     freq = {**spec.to_hf_config(), "index_topk_freq": 2, "index_skip_topk_offset": 1}
     del freq["indexer_types"]
-    assert spec_from_config(freq, "x").index_shared_layers == (1, 3)  # transformers' schedule
+    assert spec_from_config(freq, "x").section(Indexer).index_shared_layers == (1, 3)  # transformers' schedule
 
 
 @pytest.mark.parametrize(("change", "match"), [
@@ -111,9 +111,10 @@ def test_engine_holds_the_indexer_whole_in_sglangs_dtypes(name: str, tp: int, ep
     for rank in lay.ranks:
         held = {t.name: (t.shape, t.dtype) for t in rank.tensors}
         ix = IX.format(1)
-        assert held[ix + "wq_b.weight"] == ((spec.index_n_heads * spec.index_head_dim, spec.q_lora_rank), "bfloat16")
-        assert held[ix + "weights_proj.weight"] == ((spec.index_n_heads, spec.hidden_size), "bfloat16")
-        assert held[ix + "k_norm.bias"] == ((spec.index_head_dim,), "float32")
+        n, d = spec.section(Indexer).index_n_heads, spec.section(Indexer).index_head_dim
+        assert held[ix + "wq_b.weight"] == ((n * d, spec.section(Latent).q_lora_rank), "bfloat16")
+        assert held[ix + "weights_proj.weight"] == ((n, spec.hidden_size), "bfloat16")
+        assert held[ix + "k_norm.bias"] == ((d,), "float32")
 
 
 @pytest.mark.parametrize("variant,dtype", [("indexer_fused", "bfloat16"), ("vllm", "float32")])
@@ -129,8 +130,8 @@ def test_fused_indexer_key_is_wk_then_weights_proj(variant: str, dtype: str) -> 
     assert not any(t.name in (ix + "wk.weight", ix + "weights_proj.weight") for t in rank.tensors)
     pieces = [(p.logical.removeprefix(ix), p.local_offsets[0], p.sizes[0]) for p in rank.pieces
               if p.local == ix + "wk_weights_proj.weight"]
-    d = spec.index_head_dim
-    assert pieces == [("wk.weight", 0, d), ("weights_proj.weight", d, spec.index_n_heads)]
+    d = spec.section(Indexer).index_head_dim
+    assert pieces == [("wk.weight", 0, d), ("weights_proj.weight", d, spec.section(Indexer).index_n_heads)]
 
 
 @pytest.mark.parametrize("norm_names", ["fused", "separate"])
@@ -141,9 +142,10 @@ def test_megatron_holds_the_indexer_replicated_under_core_attention(norm_names: 
     a = "decoder.layers.1.self_attention.core_attention.indexer."
     for rank in lay.ranks:
         shapes = {t.name: t.shape for t in rank.tensors}
-        assert shapes[a + "linear_wq_b.weight"] == (spec.index_n_heads * spec.index_head_dim, spec.q_lora_rank)
-        assert shapes[a + "linear_weights_proj.weight"] == (spec.index_n_heads, spec.hidden_size)
-        assert shapes[a + "k_norm.bias"] == (spec.index_head_dim,)
+        n, d = spec.section(Indexer).index_n_heads, spec.section(Indexer).index_head_dim
+        assert shapes[a + "linear_wq_b.weight"] == (n * d, spec.section(Latent).q_lora_rank)
+        assert shapes[a + "linear_weights_proj.weight"] == (n, spec.hidden_size)
+        assert shapes[a + "k_norm.bias"] == (d,)
 
 
 def test_plan_cli_plans_glm5_p2p_as_the_examples_run_it() -> None:

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from shardsync.family.section import Latent
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.logical import logical_tensors, model_tensors
 from shardsync.plan.plan import build_plan
@@ -106,16 +107,18 @@ def test_engine_layout_splits_heads_and_keeps_the_down_projections_whole(name: s
     spec = PRESETS[name]
     lay = engine_layout(spec, EngineParallel(tp=tp, ep=ep))
     build_plan(full_layout(spec), lay)  # every held element is written exactly once
-    h, nope, rope, v = spec.num_heads // tp, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    lat = spec.section(Latent)
+    h, nope, rope, v = spec.num_heads // tp, lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim
     shapes = {t.name: t.shape for t in lay.ranks[tp - 1].tensors}
     a = "model.layers.1.self_attn."
-    assert shapes[a + "kv_b_proj.weight"] == (h * (nope + v), spec.kv_lora_rank)
+    assert shapes[a + "kv_b_proj.weight"] == (h * (nope + v), lat.kv_lora_rank)
     assert shapes[a + "o_proj.weight"] == (spec.hidden_size, h * v)
-    if spec.q_lora_rank is not None:
-        assert shapes[a + "q_b_proj.weight"] == (h * (nope + rope), spec.q_lora_rank)
+    if lat.q_lora_rank is not None:
+        assert shapes[a + "q_b_proj.weight"] == (h * (nope + rope), lat.q_lora_rank)
         fused = [p for p in lay.ranks[tp - 1].pieces if p.local == a + "fused_qkv_a_proj_with_mqa.weight"]
         assert [(p.logical.rsplit(".", 2)[1], p.local_offsets[0], p.sizes[0]) for p in fused] == [
-            ("q_a_proj", 0, spec.q_lora_rank), ("kv_a_proj_with_mqa", spec.q_lora_rank, spec.kv_lora_rank + rope)]
+            ("q_a_proj", 0, lat.q_lora_rank),
+            ("kv_a_proj_with_mqa", lat.q_lora_rank, lat.kv_lora_rank + rope)]
 
 
 @pytest.mark.parametrize("norm_names", ["separate", "fused"])
@@ -127,12 +130,14 @@ def test_megatron_variants_differ_only_where_megatron_core_specs_do(norm_names: 
     build_plan(lay, full_layout(spec))  # every logical element has a source
     shapes = {t.name: t.shape for t in lay.ranks[1].tensors}
     a = "decoder.layers.0.self_attention."
-    rows = spec.q_lora_rank if norm_names == "fused" else spec.q_lora_rank // 2
+    lat = spec.section(Latent)
+    assert lat.q_lora_rank is not None
+    rows = lat.q_lora_rank if norm_names == "fused" else lat.q_lora_rank // 2
     assert shapes[a + "linear_q_down_proj.weight"] == (rows, spec.hidden_size)
     assert (a + "linear_q_up_proj.layer_norm_weight" in shapes) == (norm_names == "fused")
     assert (a + "q_layernorm.weight" in shapes) == (norm_names == "separate")
     assert shapes[a + "linear_kv_up_proj.weight"] == (
-        spec.num_heads // 2 * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank)
+        spec.num_heads // 2 * (lat.qk_nope_head_dim + lat.v_head_dim), lat.kv_lora_rank)
 
 
 def test_plan_cli_plans_glm47_flash_p2p() -> None:

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from shardsync.family.section import Linear
 from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, full_layout, megatron_layout
 from shardsync.layout.logical import model_tensors
 from shardsync.plan.plan import build_plan
@@ -68,7 +69,7 @@ def test_config_round_trip_and_layer_types() -> None:
     for spec in (TINY, PRESETS["Qwen3-Next-80B-A3B"], TINY35, PRESETS["Qwen3.5-35B-A3B"]):
         assert spec_from_config(spec.to_hf_config(), spec.name) == spec
     bad = {**TINY.to_hf_config(), "layer_types": ["linear_attention", "full_attention"] * 2}
-    assert spec_from_config(bad, "x").full_attention_interval == 2  # an interval: read as one
+    assert spec_from_config(bad, "x").section(Linear).full_attention_interval == 2  # an interval: read as one
     bad["layer_types"] = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
     with pytest.raises(ValueError, match="full_attention_interval only"):
         spec_from_config(bad, "x")

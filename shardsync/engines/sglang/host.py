@@ -13,7 +13,8 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -38,11 +39,23 @@ from shardsync.store.secret import load_secret
 from shardsync.views import views_of
 from shardsync.vocab import Reason, Refused
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 log = logging.getLogger(__name__)
 
 # MoE runner backends whose expert tensors are shardsync's engine layout (gate then up per
 # expert, [E/ep, 2I/moe_tp, H] and [E/ep, H, I/moe_tp]); others repack or interleave.
 MOE_BACKENDS = ("auto", "triton")
+
+
+class _SglangModel(Protocol):
+    """What an SGLang model class holds besides ``nn.Module``'s (torch's stubs read any module attribute as a
+    tensor or module)."""
+
+    config: PretrainedConfig
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
 
 
 def refresh_derived(model: torch.nn.Module) -> int:
@@ -92,7 +105,7 @@ def sglang_loader(model: torch.nn.Module):
             for s in slices:  # whole layouts: every slice is a whole tensor
                 yield s.name, s.tensor
         with torch.no_grad():
-            model.load_weights(tensors())
+            cast(_SglangModel, model).load_weights(tensors())
 
     return load
 
@@ -124,7 +137,7 @@ class SglangHost:
         packed = amx_packed(self.model)
         if packed is not None:
             raise ValueError(packed)
-        cfg = self.model.config
+        cfg = cast(_SglangModel, self.model).config
         self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
         quant_config = self.model.quant_config  # every SGLang model class keeps its own (None: unquantized)
         self.fmt = None if quant_config is None else served_format(self.model, quant_config)
@@ -218,7 +231,10 @@ class SglangHost:
                 log.warning("shardsync: tp%d: join without this rank's fresh nonce (replayed, or no accepted check "
                             "before it); refused", self.tp_rank)
                 return
-            self.rank.join(call.connect, self._connect_mac(call))
+            if call.connect is None:
+                log.warning("shardsync: tp%d: a join without its connect; refused", self.tp_rank)
+                return
+            self.rank.join(call.connect, self._connect_mac(call.connect))
         elif call.op == "leave":
             if self.rank is not None and self.rank.keys is not None and self.rank.keys.name == call.name:
                 self.rank.leave()
@@ -234,19 +250,20 @@ class SglangHost:
         self.nonce = None
         return True
 
-    def _connect_mac(self, call: SglangCall) -> str:
+    def _connect_mac(self, connect: dict) -> str:
         """The call's signature already covers its connect: sign the connect for the check."""
-        return auth.mac(self.secret, MAC_KEY, connect_body(call.connect))
+        return auth.mac(self.secret, MAC_KEY, connect_body(connect))
 
     def _check(self, call: SglangCall) -> None:
         """Check the connect and answer in the trainer's store (the call was signed)."""
         req = ConnectRequest.model_validate(call.connect)
+        assert call.connect is not None  # validated just above
         rdv = Rendezvous(**req.rendezvous.model_dump())
         answer = Checked()
         try:
             if self.rank is None:
                 raise ValueError(f"shardsync: {self.problem}")
-            self.rank.check(call.connect, self._connect_mac(call))
+            self.rank.check(call.connect, self._connect_mac(call.connect))
             self.nonce = secrets.token_hex(16)
             answer = Checked(nonce=self.nonce)
         except Refused as e:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -64,6 +65,12 @@ class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
     call: dict  # a ``receiver.hosted.Call`` (the wire schema; validated by the rank that runs it)
     mac: str | None = None  # the trainer's HMAC of the call, its connection's name and ``expires``
     expires: float = 0.0  # unix seconds; refused after (0: always)
+
+
+class _Loads(Protocol):
+    """A vLLM model class's checkpoint loader (torch's stubs read any module attribute as a tensor or module)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
 
 
 def reprocess_tied(model: torch.nn.Module) -> None:
@@ -119,7 +126,7 @@ def loader_for(model: torch.nn.Module, model_config, dtype: torch.dtype):
         written: list[moe.CpuExperts] = []
         initialize_layerwise_reload(model)
         try:  # one load_weights call over the whole stream, as vLLM's own reload does
-            model.load_weights(tensors())
+            cast(_Loads, model).load_weights(tensors())
             written = moe.reloaded(experts)  # read before finalize resets vLLM's reload state
         finally:
             finalize_layerwise_reload(model, model_config)
@@ -254,6 +261,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     def _init(self, init_info: ShardsyncInitInfo) -> None:
         if self.problem:
             raise ValueError(f"shardsync: {self.problem}")
+        assert self.host is not None  # built: no problem
         if init_info.join:
             # a session a gone trainer left open: the new one closes it before its first update
             self.host.join(init_info.connect, init_info.mac, session_open=self.session_open)
