@@ -44,6 +44,8 @@ class _Trainer(Protocol):
 
     def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, *, lr: float | None = None) -> StepStats: ...
 
+    def synced(self) -> dict[str, torch.Tensor]: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankSite:
@@ -141,7 +143,6 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     )
     from shardsync.control.ranks import share_json
     from shardsync.layout import Fsdp2Parallel
-    from shardsync.models.lora import initial_adapter
     from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
     from shardsync.sync import WeightSync
     from shardsync.vocab import Channel, DeltaTransport, Request
@@ -162,18 +163,13 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
 
             model = Fsdp2Trainer(spec, par, source, optim=OptimConfig(lr=cfg.learning_rate), lora=cfg.lora,
                                  lora_seed=cfg.seed)
-            params = model.local_shards() if cfg.lora is None else model.adapter_shards()
         else:
             groups = megatron_groups(par, timeout_s=cfg.timeout_s, moe=spec.is_moe)
             model = TrainerModel(spec, par, rank, groups.tp, groups.pp, dp_group=groups.dp, expert_group=groups.expert,
                                  expert_dp_group=groups.expert_dp, source=source,
                                  optim=OptimConfig(lr=cfg.learning_rate), timeout_s=cfg.timeout_s, device=device,
-                                 lora=cfg.lora)
-            if cfg.lora is not None:  # PEFT's start: A random, B zero (the engines' zeroed adapter is the same)
-                model.load_adapter(initial_adapter(spec, cfg.lora, cfg.seed))
-            # detached views: the same storage, read in place, never part of an autograd graph
-            synced = model.named_parameters() if cfg.lora is None else model.adapter_tensors().items()
-            params = {n: p.detach() for n, p in synced}
+                                 lora=cfg.lora, lora_seed=cfg.seed)
+        params = model.synced()
         # the demo's strings as the config's words (parsed as the config would, naming the same choices)
         request = Request.AUTO if cfg.mode in ("both", "delta") else Request.parse(cfg.mode, "mode")
         delta = (DeltaConfig(transport=DeltaTransport.parse(cfg.delta_transport, "delta transport"),

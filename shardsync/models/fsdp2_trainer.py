@@ -71,6 +71,11 @@ class Fsdp2Trainer:
     def local_shards(self) -> dict[str, torch.Tensor]:
         return local_shards(self.model)
 
+    def synced(self) -> dict[str, torch.Tensor]:
+        """What a sync reads on this rank: the model's shards, or the adapter's alone when it
+        trains one."""
+        return self.local_shards() if self.lora is None else self.adapter_shards()
+
     def adapter_shards(self) -> dict[str, torch.Tensor]:
         """This rank's rows of every adapter tensor, under PEFT's checkpoint names (what an adapter
         sync reads: ``lora.fsdp2_adapter_layout``)."""

@@ -61,7 +61,7 @@ from shardsync.layout.logical import mtp_layers
 from shardsync.lora import TARGETS, Lora, megatron_adapter_layout
 from shardsync.models.deltanet import DeltaWeights, deltanet
 from shardsync.models.latent import Baton, TrainerLatentAttention
-from shardsync.models.lora import LoraTerm, LoraWeights, trainer_terms
+from shardsync.models.lora import LoraTerm, LoraWeights, initial_adapter, trainer_terms
 from shardsync.models.ops import apply_rope, attention, rms_norm, rope_cos_sin, route, router_logits
 from shardsync.models.parallel import (
     Comm,
@@ -450,7 +450,8 @@ class TrainerModel(nn.Module):
     rank's TP/PP/DP coordinates.  ``source`` fills the parameters through ``load_rank``
     (None: zeros, to be loaded later).  Parameters are fp32; ``compute_dtype`` (fp32 or
     bf16) is what forward casts weights and activations to.  ``timeout_s`` bounds every
-    collective and pipeline send/receive.
+    collective and pipeline send/receive.  ``lora``: the base frozen and a LoRA adapter trained
+    (zeroed; from PEFT's start drawn with ``lora_seed`` when given).
     """
 
     def __init__(self, spec: ModelSpec, par: MegatronParallel, rank: int = 0,
@@ -460,7 +461,7 @@ class TrainerModel(nn.Module):
                  expert_dp_group: dist.ProcessGroup | None = None, source: TensorSource | None = None,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimConfig | None = None,
                  device: str | torch.device = "cpu",
-                 timeout_s: float = 60.0, lora: Lora | None = None) -> None:
+                 timeout_s: float = 60.0, lora: Lora | None = None, lora_seed: int | None = None) -> None:
         super().__init__()
         if par.tp > spec.num_kv_heads or spec.num_kv_heads % par.tp:
             raise ValueError(
@@ -523,6 +524,8 @@ class TrainerModel(nn.Module):
         self.adapter: LoraWeights | None = None
         if lora is not None:
             self._init_adapter(lora)
+            if lora_seed is not None:  # PEFT's start: A random, B zero (an engine's zeroed adapter is the same)
+                self.load_adapter(initial_adapter(spec, lora, lora_seed))
 
         trained = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in trained if p.dim() > 1]
@@ -556,6 +559,12 @@ class TrainerModel(nn.Module):
             terms = trainer_terms(self.adapter, lora, f"decoder.layers.{i}.", cast_weight)
             layer.lora = terms  # ``lora.check_lora``: GQA attention, dense MLPs
             cast(_GqaAttention, layer.self_attention).lora = terms
+
+    def synced(self) -> dict[str, torch.Tensor]:
+        """What a sync reads on this rank: every parameter, or the adapter's alone when it trains
+        one; detached views (the same storage, read in place, never part of an autograd graph)."""
+        held = self.named_parameters() if self.adapter is None else self.adapter_tensors().items()
+        return {n: p.detach() for n, p in held}
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapter's parameters by layout name (what an adapter sync reads)."""
