@@ -49,7 +49,7 @@ def room_of(module: str) -> str:
 # the plan algebra's modules; the rest of ``plan/`` reads topologies (``planning``)
 PLANNING = ("choose", "preconditions", "summary", "matrix", "fabric", "tuning")
 ROOMS = {"vocab": "mode", "store": "store",
-         "dtypes": "basics", "gcpause": "basics", "units": "basics", "piece": "basics",
+         "dtypes": "basics", "gcpause": "basics", "units": "basics", "piece": "pieces",
          "spec": "model", "presets": "model", "family": "model",
          "layout": "layout", "plan": "plan", **{f"plan.{m}": "planning" for m in PLANNING},
          "quant": "formats", "lora": "formats", "views": "views", "topology": "topology",
@@ -58,7 +58,7 @@ ROOMS = {"vocab": "mode", "store": "store",
          "cli": "programs", "__main__": "programs", "timeline": "programs", "progress": "programs",
          "": "package", "placement": "placement"}
 # the metadata band, bottom up: each room may import the ones before it
-BAND = ("basics", "model", "layout", "plan", "formats", "views", "topology", "planning")
+BAND = ("basics", "pieces", "model", "layout", "plan", "formats", "views", "topology", "planning")
 METADATA = set(BAND)
 BELOW_PATHS = {"mode", "store", "runtime", "transport", "delta"} | METADATA
 # room -> the rooms it may import (besides itself)
