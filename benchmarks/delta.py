@@ -39,7 +39,8 @@ from shardsync.delta.encode import (
 )
 from shardsync.delta.parts import Part, apply_values
 from shardsync.layout import MegatronParallel
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss
+from shardsync.models.trainer import TrainerModel
+from shardsync.models.training import OptimConfig, grpo_loss
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 

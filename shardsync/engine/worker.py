@@ -18,7 +18,8 @@ import torch
 from shardsync.control.wire import ConnectRequest
 from shardsync.lora.merge import merge_plan
 from shardsync.mode import Mode
-from shardsync.models.engine import Decoding, EngineModel, prompt_seed
+from shardsync.models.decoding import Decoding, prompt_seed
+from shardsync.models.engine import EngineModel
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts

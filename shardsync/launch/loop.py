@@ -31,7 +31,7 @@ from shardsync.placement import rank_device
 from shardsync.runtime.record import UpdateRecord
 
 if TYPE_CHECKING:
-    from shardsync.models.trainer import LossFn, StepStats
+    from shardsync.models.training import LossFn, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ def trainer_rank(cfg: DemoConfig, where: RankSite, *, verify: bool = True) -> It
     )
     from shardsync.control.ranks import share_json
     from shardsync.layout import Fsdp2Parallel
-    from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+    from shardsync.models.trainer import TrainerModel, megatron_groups
+    from shardsync.models.training import OptimConfig, grpo_loss
     from shardsync.sync import WeightSync
     from shardsync.vocab import Channel, DeltaTransport, Request
 

@@ -18,7 +18,7 @@ from shardsync.fsdp2 import local_shards
 from shardsync.layout.fsdp2 import Fsdp2Parallel
 from shardsync.lora import Lora, from_peft
 from shardsync.models.lora import initial_adapter
-from shardsync.models.trainer import LossFn, OptimConfig, StepStats
+from shardsync.models.training import LossFn, OptimConfig, StepStats
 from shardsync.models.weights import TensorSource
 from shardsync.spec import ModelSpec
 

@@ -24,8 +24,9 @@ from shardsync.models.sparse import index_keys, select
 from shardsync.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from shardsync.models.engine import KVCache, _Leaf
-    from shardsync.models.trainer import _Weights
+    from shardsync.models.decoding import KVCache
+    from shardsync.models.engine_layers import Leaf
+    from shardsync.models.trainer_layers import Weights
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -86,19 +87,19 @@ class Baton:
 class _EngineIndexer(Protocol):
     """``LatentAttention.indexer``: a plain module holding the indexer's leaves (SGLang's names)."""
 
-    wq_b: _Leaf
-    wk: _Leaf
-    weights_proj: _Leaf
-    k_norm: _Leaf
+    wq_b: Leaf
+    wk: Leaf
+    weights_proj: Leaf
+    k_norm: Leaf
 
 
 class _TrainerIndexer(Protocol):
     """``TrainerLatentAttention.core_attention.indexer``: a plain module holding megatron-core's."""
 
-    linear_wq_b: _Weights
-    linear_wk: _Weights
-    k_norm: _Weights
-    linear_weights_proj: _Weights
+    linear_wq_b: Weights
+    linear_wk: Weights
+    k_norm: Weights
+    linear_weights_proj: Weights
 
 
 class LatentAttention(nn.Module):
@@ -108,7 +109,7 @@ class LatentAttention(nn.Module):
     Sparse attention: ``kind`` "dsa" runs this layer's indexer (SGLang's names, replicated) and
     passes its choice on through ``baton``; "dsa_shared" reuses the choice of the layer before."""
 
-    def __init__(self, spec: ModelSpec, prefix: str, tp_size: int, leaf: Callable[[str, tuple[str, ...]], _Leaf],
+    def __init__(self, spec: ModelSpec, prefix: str, tp_size: int, leaf: Callable[[str, tuple[str, ...]], Leaf],
                  all_reduce: Callable[[torch.Tensor], torch.Tensor], *, kind: Attention = Attention.MLA,
                  baton: Baton | None = None) -> None:
         super().__init__()
@@ -177,7 +178,7 @@ class TrainerLatentAttention(nn.Module):
     their output."""
 
     def __init__(self, spec: ModelSpec, prefix: str, tp: Comm, fused: bool,
-                 weights: Callable[[str, tuple[str, ...], bool], _Weights], *, kind: Attention = Attention.MLA,
+                 weights: Callable[[str, tuple[str, ...], bool], Weights], *, kind: Attention = Attention.MLA,
                  baton: Baton | None = None, layer: int = 0) -> None:
         super().__init__()
         self.spec, self.tp, self.fused, self.kind, self.baton = spec, tp, fused, kind, baton or Baton()
@@ -224,7 +225,7 @@ class TrainerLatentAttention(nn.Module):
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.to(dtype)
 
-        def down(mod: _Weights, x: torch.Tensor) -> torch.Tensor:
+        def down(mod: Weights, x: torch.Tensor) -> torch.Tensor:
             out = F.linear(x, w(mod.weight))
             return out if self.fused else tp.gather_last(out)
 

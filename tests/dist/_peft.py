@@ -49,7 +49,7 @@ def peft_greedy(spec: ModelSpec, base: TensorSource, lora: Lora, adapter: dict[s
 def grpo_step(model, ids: torch.Tensor) -> None:
     """One GRPO step on ``ids`` (4 sequences) with fixed advantages: the LoRA tests' training
     between syncs (``model``: the reference trainer or the FSDP2 one)."""
-    from shardsync.models.trainer import grpo_loss
+    from shardsync.models.training import grpo_loss
 
     old = model.policy_logprobs(ids)
     mask = torch.ones(ids.shape[0], ids.shape[1] - 1)
@@ -67,7 +67,8 @@ def lora_trainer(spec: ModelSpec, lora: Lora, rank: int, world: int, port: int, 
 
     from shardsync.layout import MegatronParallel
     from shardsync.lora import adapter_tensors
-    from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
+    from shardsync.models.trainer import TrainerModel, megatron_groups
+    from shardsync.models.training import OptimConfig
     from shardsync.models.weights import random_source
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardsync.layout import MegatronParallel
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.trainer import TrainerModel, megatron_groups
+from shardsync.models.training import OptimConfig, grpo_loss
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.config import DeltaConfig, SyncConfig, TransportConfig

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from shardsync.layout import EngineParallel, engine_layout
-from shardsync.models.engine import EngineModel, sample_token
+from shardsync.models.decoding import sample_token
+from shardsync.models.engine import EngineModel
 from shardsync.models.weights import checkpoint_source, random_source
 from shardsync.spec import ModelSpec
 from shardsync.presets import PRESETS

@@ -19,7 +19,8 @@ from shardsync.config import SyncConfig, TransportConfig
 from shardsync.control.client import SyncError
 from shardsync.layout import EngineParallel, MegatronParallel
 from shardsync.lora import Lora, adapter_tensors, engine_adapter_layout, megatron_adapter_layout
-from shardsync.models.trainer import OptimConfig, TrainerModel, megatron_groups
+from shardsync.models.trainer import TrainerModel, megatron_groups
+from shardsync.models.training import OptimConfig
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.sync import WeightSync

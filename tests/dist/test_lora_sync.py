@@ -22,7 +22,8 @@ from shardsync.layout import EngineParallel, Layout, MegatronParallel
 from shardsync.lora import Lora, adapter_tensors, engine_adapter_layout, megatron_adapter_layout
 from shardsync.mode import Mode
 from shardsync.models.engine import EngineModel
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.trainer import TrainerModel, megatron_groups
+from shardsync.models.training import OptimConfig, grpo_loss
 from shardsync.models.weights import random_source
 from shardsync.paths import Endpoint, UpdateArgs, compile_path
 from shardsync.plan.local import region

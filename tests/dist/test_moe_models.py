@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from shardsync.layout import Layout, MegatronParallel
 from shardsync.models.engine import EngineModel
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.trainer import TrainerModel, megatron_groups
+from shardsync.models.training import OptimConfig, grpo_loss
 from shardsync.models.weights import TensorSource, load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import ModelSpec

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from shardsync.layout import Layout, MegatronParallel, megatron_layout
-from shardsync.models.trainer import OptimConfig, TrainerModel, grpo_loss, megatron_groups
+from shardsync.models.trainer import TrainerModel, megatron_groups
+from shardsync.models.training import OptimConfig, grpo_loss
 from shardsync.models.weights import load_rank, random_source
 from shardsync.plan.local import region
 from shardsync.spec import ModelSpec

@@ -21,8 +21,8 @@ from shardsync.layout import EngineParallel, MegatronParallel, engine_layout, fu
 from shardsync.layout.engine import ENGINE_VARIANTS
 from shardsync.layout.logical import logical_tensors
 from shardsync.lora import Lora, check_lora
-from shardsync.models.engine import ATTENTION as ENGINE_ATTENTION
-from shardsync.models.trainer import ATTENTION as TRAINER_ATTENTION
+from shardsync.models.engine_layers import ATTENTION as ENGINE_ATTENTION
+from shardsync.models.trainer_layers import ATTENTION as TRAINER_ATTENTION
 from shardsync.piece import Piece
 from shardsync.plan.plan import build_plan
 from shardsync.presets import PRESETS

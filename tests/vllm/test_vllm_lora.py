@@ -20,7 +20,7 @@ from shardsync.engines.vllm import serve
 from shardsync.layout import MegatronParallel
 from shardsync.lora import Lora, adapter_tensors, megatron_adapter_layout
 from shardsync.models.checkpoint import write_checkpoint
-from shardsync.models.trainer import OptimConfig
+from shardsync.models.training import OptimConfig
 from shardsync.models.weights import random_source
 from shardsync.presets import PRESETS
 from shardsync.receiver import peft_dir
