@@ -84,12 +84,10 @@ def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel |
     """The connection's topology from the engines' facts (``whole``: engines whose own loaders
     shard whole tensors; ``lora``: the adapter this trainer syncs, which they must serve)."""
     facts = decision.facts
-    theirs = None if facts.lora is None else Lora.from_dict(facts.lora.model_dump())
-    if theirs != lora:
-        raise SyncError(f"the engines serve {'no adapter' if theirs is None else f'adapter {theirs}'}, this trainer "
-                        f"syncs {'the whole model' if lora is None else f'adapter {lora}'}: start the engines with "
-                        "the trainer's LoRA rank, alpha and targets (--lora-rank/--lora-alpha/--lora-targets), or "
-                        "set SyncConfig(lora=...) to what they serve")
+    refused = views_of(facts.quantization, facts.adapter).mismatch(lora)  # the views the engines serve
+    if refused is not None:
+        raise SyncError(f"{refused}: start the engines with the trainer's LoRA rank, alpha and targets "
+                        "(--lora-rank/--lora-alpha/--lora-targets), or set SyncConfig(lora=...) to what they serve")
     n = len(decision.tps)
     eps, pps = decision.eps or [1] * n, decision.pps or [1] * n
     variants = [[]] * n if whole or not decision.variants else decision.variants

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from shardsync.lora import Lora
 from shardsync.mode import Mode
 from shardsync.runtime.ledger import UpdateResult
 from shardsync.vocab import Channel, Crossing, DeltaTransport, Ipc, Reason
@@ -167,6 +168,11 @@ class EngineFacts(Msg):
     pp: int = Field(default=1, ge=1, le=1024)
     quantization: str | None = Field(default=None, max_length=64)
     lora: LoraMsg | None = None
+
+    @property
+    def adapter(self) -> Lora | None:
+        """The adapter they serve, as a trainer configures one."""
+        return None if self.lora is None else Lora.from_dict(self.lora.model_dump())
 
 
 class Decision(Msg):

@@ -81,7 +81,7 @@ def lora_engine():
 def test_adapter_sync_serves_what_peft_computes(lora_engine: str) -> None:
     res = run_world(_trainer, 2, args=(2, free_port(), lora_engine), timeout=240)
     r0 = res[0]
-    assert "serve adapter" in r0["whole_refused"] and "--lora-rank" in r0["whole_refused"], r0["whole_refused"]
+    assert "serves adapter" in r0["whole_refused"] and "--lora-rank" in r0["whole_refused"], r0["whole_refused"]
     layout = megatron_adapter_layout(SPEC, LORA, PAR)
     adapter_bytes = sum(t.numel() for t in _merge(layout, {0: res[0]["adapters"][0], 1: res[1]["adapters"][0]}
                                                   ).values()) * 4
