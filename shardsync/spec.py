@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsync.family import ARCHITECTURES, FAMILIES, Family
-from shardsync.family.section import S, Section
+from shardsync.family.section import S, Section, refuse_unknown
 from shardsync.family.table import dims
 
 ROUTERS = ("softmax", "sigmoid")
@@ -208,10 +208,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         """The spec of its JSON (a peer's), refusing fields and sections no family declares."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown model spec fields {unknown}")
+        refuse_unknown(cls, d, "model spec fields")
         raw = d.get("sections") or {}
         if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
             raise ValueError("a model spec's sections must be an object of objects (section key -> fields)")

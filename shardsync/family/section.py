@@ -50,14 +50,19 @@ class Section:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Section:
         """The section of its JSON (``dataclasses.asdict``), refusing fields it does not have."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown {cls.key} section fields {unknown}; known: {sorted(names)}")
+        refuse_unknown(cls, d, f"{cls.key} section fields")
         return cls(**d)
 
 
 S = TypeVar("S", bound=Section)
+
+
+def refuse_unknown(record: type, d: dict[str, Any], what: str) -> None:
+    """Refuse the keys of a peer's JSON ``d`` that are no field of the dataclass ``record``."""
+    names = {f.name for f in dataclasses.fields(record)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; known: {sorted(names)}")
 
 
 @dataclass(frozen=True)
