@@ -202,8 +202,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Its JSON: the common fields, and each section under its key."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"}
-        return {**out, "sections": {sec.key: dataclasses.asdict(sec) for sec in self.sections}}
+        return {**dataclasses.asdict(self), "sections": {sec.key: dataclasses.asdict(sec) for sec in self.sections}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
