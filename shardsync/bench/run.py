@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardsync.bench import report
 from shardsync.bench.metrics import aggregate, iteration_metrics
@@ -29,7 +28,7 @@ from shardsync.bench.sweep import BenchConfig, Point, expand
 from shardsync.bench.topology import BenchLayout, partition
 from shardsync.bench.transport import CLOCK, TracingTransport, group_barrier, make_pool
 from shardsync.bench.workload import Workload, from_plan, synthetic
-from shardsync.launch.procs import start_all
+from shardsync.launch.procs import start_all, worker_context
 from shardsync.placement import rank_device
 from shardsync.runtime.executor import execute
 from shardsync.store import free_port
@@ -278,7 +277,7 @@ def _spawn(cfg: BenchConfig) -> int:
                          f"{torch.cuda.device_count()} visible; use torchrun across hosts or --device cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     rdv = Rendezvous("127.0.0.1", free_port(), world, f"bench-{os.getpid()}", backend, cfg.timeout_s)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     procs = [ctx.Process(target=_child, args=(r, world, cfg, rdv)) for r in range(world)]
     start_all(procs, threads=1)
     try:

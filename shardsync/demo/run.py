@@ -15,12 +15,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 from shardsync.control.client import wait_healthy
 from shardsync.demo import report
 from shardsync.dtypes import torch_dtype
 from shardsync.engine.launch import EngineConfig, spawn_server
+from shardsync.launch.procs import worker_context
 from shardsync.layout import Fsdp2Parallel, MegatronParallel
 from shardsync.lora import Lora
 from shardsync.store.rendezvous import free_port
@@ -189,7 +188,7 @@ def run_demo(cfg: DemoConfig) -> int:
     engines = start_engines(cfg)
     urls = [u for _, u in engines]
     world = cfg.trainer.world_size
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     results = ctx.Queue()
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -11,9 +11,8 @@ import traceback
 from collections.abc import Callable
 
 import torch
-import torch.multiprocessing as mp
 
-from shardsync.launch.procs import start_all
+from shardsync.launch.procs import start_all, worker_context
 from shardsync.store.rendezvous import free_port
 
 
@@ -54,8 +53,7 @@ def run_world(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float = 1
     errors, dies without a result, or the world outlives ``timeout`` seconds in total.
     Results should be plain Python (tensors as ``torch.save`` bytes).
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "shardsync.plan", "shardsync.paths"])
+    ctx = worker_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
     start_all(procs, threads=1)
