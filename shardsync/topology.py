@@ -29,7 +29,7 @@ from shardsync.layout.logical import is_expert
 from shardsync.layout.raw import raw_dtypes
 from shardsync.lora import Lora
 from shardsync.plan import Plan, build_plan
-from shardsync.plan.plan import Scaled, Wire, dtype_itemsize
+from shardsync.plan.plan import Rider, Wire, dtype_itemsize
 from shardsync.quant.wire import Derived, Fp8Wire
 from shardsync.spec import ModelSpec
 from shardsync.views import AdapterBound, BoundViews, Fp8Bound, Host, Views
@@ -119,10 +119,10 @@ class Topology:
         return self.bound.engine(lay)
 
     @cached_property
-    def scaled(self) -> dict[str, Scaled]:
+    def riders(self) -> dict[str, Rider]:
         """Wire words -> their block scales, which plans take from the words' holder and buckets
-        carry with them (``plan.Scaled``); empty unless a view quantizes."""
-        return self.bound.scaled(self.trainer_layout.logical)
+        carry with them (``plan.Rider``); empty unless a view quantizes."""
+        return self.bound.riders(self.trainer_layout.logical)
 
     @cached_property
     def raw_dtypes(self) -> dict[str, str]:
@@ -141,7 +141,7 @@ class Topology:
     @cached_property
     def wire(self) -> Wire:
         """What every plan of this topology carries besides its layouts."""
-        return Wire(self.wire_dtype, self.raw_dtypes, self.scaled)
+        return Wire(self.wire_dtype, self.raw_dtypes, self.riders)
 
     @cached_property
     def check_dtypes(self) -> dict[str, str]:

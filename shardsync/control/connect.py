@@ -55,8 +55,9 @@ def decide(infos: Sequence[InfoResponse], *, port: int) -> Decision:
         raise SyncError(f"engines run different dtypes {sorted(dtypes)}")
     staged = {i.kind for i in infos} <= set(STAGED_KINDS)  # their pipeline stages are planned per rank
     try:
-        facts = [EngineFacts(kind=i.kind, pp=1 if staged else i.pp, quantization=i.quantization, lora=i.lora)
-                 for i in infos]
+        facts = [EngineFacts(kind=i.kind, pp=i.pp, quantization=i.quantization, lora=i.lora) for i in infos]
+        if staged:
+            facts = [f.model_copy(update={"pp": 1}) for f in facts]
     except ValidationError as e:
         raise SyncError(f"an engine's facts are out of bounds: {e}") from None
     one = facts[0]
@@ -84,7 +85,7 @@ def topology_of(decision: Decision, spec: ModelSpec, trainer: MegatronParallel |
     """The connection's topology from the engines' facts (``whole``: engines whose own loaders
     shard whole tensors; ``lora``: the adapter this trainer syncs, which they must serve)."""
     facts = decision.facts
-    refused = views_of(facts.quantization, facts.adapter).mismatch(lora)  # the views the engines serve
+    refused = views_of(facts.quantization, facts.lora).mismatch(lora)  # the views the engines serve
     if refused is not None:
         raise SyncError(f"{refused}: start the engines with the trainer's LoRA rank, alpha and targets "
                         "(--lora-rank/--lora-alpha/--lora-targets), or set SyncConfig(lora=...) to what they serve")

@@ -27,7 +27,7 @@ from pydantic import Field
 
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import HostedEngines, canonical, weight_version
-from shardsync.control.wire import ConnectRequest, InfoResponse, LoraMsg, Msg, Variants, VersionResponse
+from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, Variants, VersionResponse
 from shardsync.lora import Lora
 from shardsync.store import auth
 from shardsync.store.sealed import get
@@ -165,7 +165,7 @@ class SglangEngines(HostedEngines):
 
     # -- connect-time --
 
-    def _served_lora(self, url: str, raw: dict) -> tuple[LoraMsg | None, tuple[str, str] | None]:
+    def _served_lora(self, url: str, raw: dict) -> tuple[Lora | None, tuple[str, str] | None]:
         """The adapter SGLang serves (its one ``--lora-paths`` entry: name and directory).  Its
         facts do not say the adapter's rank: a LoRA engine is taken to serve the trainer's, and
         every rank checks that claim at connect against the directory's config (``engines.sglang``)."""
@@ -176,7 +176,7 @@ class SglangEngines(HostedEngines):
             raise SyncError(f"{url}: SGLang serves LoRA adapters ({raw.get('lora_paths')}): shardsync syncs one "
                             "adapter, given as --lora-paths NAME=DIR, with SyncConfig(lora=Lora(rank, alpha, "
                             "targets)) of it (docs/lora.md)")
-        return LoraMsg.model_validate(self.lora.to_dict()), entries[0]
+        return self.lora, entries[0]
 
     def info(self) -> list[InfoResponse]:
         out = []

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines, call_body, connect_body, weight_version
-from shardsync.control.wire import ConnectRequest, InfoResponse, LoraMsg, VersionResponse
+from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
 from shardsync.lora import Lora
 from shardsync.store import auth
 from shardsync.vocab import Reason, Refused
@@ -51,7 +51,7 @@ class VllmEngines(HostedEngines):
 
     # -- connect-time --
 
-    def _served_lora(self, url: str, cfg: dict) -> LoraMsg | None:
+    def _served_lora(self, url: str, cfg: dict) -> Lora | None:
         """vLLM's HTTP facts say whether it serves LoRA adapters, not which: a LoRA engine is
         taken to serve the trainer's adapter, and every worker checks that claim at connect
         against the adapter directory it loads (``ENV_LORA_DIR``), refusing another by name."""
@@ -60,7 +60,7 @@ class VllmEngines(HostedEngines):
         if self.lora is None:
             raise SyncError(f"{url}: vLLM serves LoRA adapters (--enable-lora): shardsync syncs its adapter alone; "
                             "set SyncConfig(lora=Lora(rank, alpha, targets)) to the adapter it serves (docs/lora.md)")
-        return LoraMsg.model_validate(self.lora.to_dict())
+        return self.lora
 
     def info(self) -> list[InfoResponse]:
         out = []

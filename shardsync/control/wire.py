@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 
 from shardsync.lora import Lora
 from shardsync.mode import Mode
@@ -39,6 +39,16 @@ class LoraMsg(Msg):
     rank: int = Field(ge=1, le=65536)
     alpha: float = Field(gt=0, le=1e6)
     targets: list[Annotated[str, Field(max_length=32)]] = Field(min_length=1, max_length=16)
+
+
+def _to_lora(value: object) -> Lora:
+    """A ``Lora`` (or its JSON) within ``LoraMsg``'s bounds, as a ``Lora``."""
+    m = LoraMsg.model_validate(value, from_attributes=True)
+    return Lora(m.rank, m.alpha, tuple(m.targets))
+
+
+# An adapter field: a ``lora.Lora`` in code, ``LoraMsg``'s bounded JSON on the wire
+LoraField = Annotated[Lora, PlainValidator(_to_lora), PlainSerializer(Lora.to_dict)]
 
 
 class TrainerParallelMsg(Msg):
@@ -93,7 +103,7 @@ class ConnectRequest(Msg):
     delta: DeltaTransport | None = None  # the trainer's delta path (paths.connection_modes on both ends)
     control: Channel = Channel.STORE  # where begin/finish arrive (hosted engines: their own endpoints)
     rendezvous: RendezvousMsg
-    lora: LoraMsg | None = None  # an adapter-only sync: every plan holds the adapter's tensors alone
+    lora: LoraField | None = None  # an adapter-only sync: every plan holds the adapter's tensors alone
 
     def ranks_of(self, engine: int) -> int:
         """Engine ``engine``'s ranks in the sync (TP x PP stages)."""
@@ -148,7 +158,7 @@ class InfoResponse(BaseModel):
     pp: int = 1
     quantization: str | None = None
     variants: Variants = Field(default_factory=list)  # how its layout departs from the default
-    lora: LoraMsg | None = None  # the adapter it serves on its base (a sync moves that adapter alone)
+    lora: LoraField | None = None  # the adapter it serves on its base (a sync moves that adapter alone)
 
 
 class ChecksumResponse(BaseModel):
@@ -167,12 +177,7 @@ class EngineFacts(Msg):
     kind: str = Field(default="reference", max_length=32)
     pp: int = Field(default=1, ge=1, le=1024)
     quantization: str | None = Field(default=None, max_length=64)
-    lora: LoraMsg | None = None
-
-    @property
-    def adapter(self) -> Lora | None:
-        """The adapter they serve, as a trainer configures one."""
-        return None if self.lora is None else Lora.from_dict(self.lora.model_dump())
+    lora: LoraField | None = None
 
 
 class Decision(Msg):

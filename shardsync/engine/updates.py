@@ -18,7 +18,6 @@ from shardsync.control.wire import (
     BeginRequest,
     ConnectRequest,
     InfoResponse,
-    LoraMsg,
     PullRequest,
     VersionResponse,
 )
@@ -67,8 +66,7 @@ class WeightService:
     def info(self) -> InfoResponse:
         return InfoResponse(spec=spec_to_dict(self.worker.spec), tp=self.worker.tp, ep=self.worker.ep,
                             dtype=self.worker.dtype, weight_version=self.session.version, stale=self.session.stale,
-                            lora=None if (lora := self.worker.views.lora) is None
-                            else LoraMsg.model_validate(lora.to_dict()),
+                            lora=self.worker.views.lora,
                             **{"quantization": self.worker.views.quantization, **self.facts})
 
     def version(self) -> VersionResponse:

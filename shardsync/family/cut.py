@@ -29,7 +29,8 @@ class Local:
     fp8: bool = False  # its row's ``fp8``
 
     def meta(self, dtype: str) -> TensorMeta:
-        return TensorMeta(self.name, self.shape, dtype, self.held if self.held != self.shape else None, fp8=self.fp8)
+        held = None if self.held == self.shape else self.held
+        return TensorMeta(self.name, self.shape, dtype, held, fp8=self.fp8)
 
 
 @dataclass(frozen=True)

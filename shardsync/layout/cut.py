@@ -17,5 +17,5 @@ def cut_rows(rows: Iterable[Row], c: Cut) -> list[tuple[Local, str | None]]:
         if not row.exists(c.spec, c.variants):
             continue
         made = row.kind.cut(row.name, c.local + row.name.format(**c.names), c)
-        out += [(replace(m, fp8=True) if row.fp8 else m, row.dtype) for m in made]
+        out += [(replace(m, fp8=row.fp8), row.dtype) for m in made]
     return out

@@ -49,17 +49,17 @@ def split_copy(c: Copy, max_numel: int) -> list[Copy]:
 
 
 def _partners(plan: Plan, copies: list[Copy]) -> dict[int, int]:
-    """Index of each quantized words copy -> that of the copy of exactly its blocks' scales."""
-    scales = plan.scales
-    where = {(c.logical, c.logical_offsets, c.sizes): i for i, c in enumerate(copies) if c.logical in scales}
+    """Index of each lead's copy -> that of the copy of exactly its blocks' rider (``Plan.riders``)."""
+    names = plan.rider_names
+    where = {(c.logical, c.logical_offsets, c.sizes): i for i, c in enumerate(copies) if c.logical in names}
     out = {}
     for i, c in enumerate(copies):
-        s = plan.scaled.get(c.logical)
+        s = plan.riders.get(c.logical)
         if s is None:
             continue
         (r, w), (n, m) = c.logical_offsets[:2], c.sizes[:2]
-        first = (r // s.rows, w // s.words)
-        j = where.get((s.scale, first, (-(-(r + n) // s.rows) - first[0], -(-(w + m) // s.words) - first[1])))
+        first = (r // s.rows, w // s.cols)
+        j = where.get((s.name, first, (-(-(r + n) // s.rows) - first[0], -(-(w + m) // s.cols) - first[1])))
         if j is not None:
             out[i] = j
     return out
@@ -106,10 +106,10 @@ class _Filler:
                 self.flush()
             self.put(part, 1, n)
 
-    def scaled(self, c: Copy, sc: Copy) -> None:
-        """Quantized words with their scales: whole block rows of both in each bucket, a block
-        row above the budget in a bucket alone."""
-        rows = self.plan.scaled[c.logical].rows
+    def ride(self, c: Copy, sc: Copy) -> None:
+        """A lead with its rider: whole block rows of both in each bucket, a block row above the
+        budget in a bucket alone."""
+        rows = self.plan.riders[c.logical].rows
         wc, ws = self.plan.width(c.logical), self.plan.width(sc.logical)
         per_row, per_scale_row = prod(c.sizes[1:]), prod(sc.sizes[1:])
 
@@ -142,8 +142,8 @@ def make_buckets(plan: Plan, budget_bytes: int, copies: Iterable[Copy] | None = 
     """Buckets per link in plan order; a copy above the budget is split into row blocks.  A copy
     that moves as its own bits (``Plan.raw``) takes its bytes' worth of wire elements, at an
     offset that is a multiple of its width (a buffer view as a wider dtype starts on a whole
-    element).  Quantized words travel with their block scales (``Plan.scaled``): a bucket never
-    holds a block without its scale.  ``copies``: whole links of the plan, in plan order (one
+    element).  A rider travels with its lead (``Plan.riders``: quantized words with their block
+    scales): a bucket never holds a block without its rider.  ``copies``: whole links of the plan, in plan order (one
     rank's: ``copies_from``, ``copies_to``), for their buckets only; all of the plan's by default."""
     if budget_bytes < plan.itemsize:
         raise ValueError(f"bucket budget {budget_bytes} B is smaller than one element")
@@ -152,7 +152,7 @@ def make_buckets(plan: Plan, budget_bytes: int, copies: Iterable[Copy] | None = 
     counters: dict[tuple[int, int], int] = {}
     for link, group in groupby(plan.copies if copies is None else copies, key=itemgetter(0, 3)):
         filler = _Filler(plan, max_numel, out, counters, link)
-        if not plan.scaled:
+        if not plan.riders:
             for c in group:
                 filler.copy(c)
         else:
@@ -161,7 +161,7 @@ def make_buckets(plan: Plan, budget_bytes: int, copies: Iterable[Copy] | None = 
             taken = set(partner.values())
             for i, c in enumerate(items):
                 if i in partner:
-                    filler.scaled(c, items[partner[i]])
+                    filler.ride(c, items[partner[i]])
                 elif i not in taken:
                     filler.copy(c)
         filler.flush()

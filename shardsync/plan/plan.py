@@ -72,13 +72,15 @@ class _Numbers(dict[str, int]):
         return n
 
 
-class Scaled(NamedTuple):
-    """The scale tensor of a tensor of quantized words, and the words one scale covers: ``rows``
-    rows by ``words`` words (128 x 128 e4m3 blocks: 128 x 32 int32 words)."""
+class Rider(NamedTuple):
+    """A tensor that rides with a lead tensor: its element ``(i, j)`` belongs to the ``rows`` x
+    ``cols`` block ``(i, j)`` of the lead, comes from the lead's holder and travels in the lead's
+    bucket (a block of quantized words and its scale: 128 x 128 e4m3 blocks are 128 x 32 int32
+    words)."""
 
-    scale: str
+    name: str
     rows: int
-    words: int
+    cols: int
 
 
 @dataclass(frozen=True)
@@ -128,18 +130,17 @@ class Plan:
     picks: Picks = field(repr=False, compare=False)
     wire_dtype: str
     raw: Mapping[str, str] = field(default_factory=dict)
-    # quantized words -> their scales: a tensor of e4m3 words (``raw``) and the one of its block
-    # scales, which come from the same holder and travel in the same bucket (``Scaled``)
-    scaled: Mapping[str, Scaled] = field(default_factory=dict)
+    # lead -> its rider, which comes from the same holder and travels in the same bucket (``Rider``)
+    riders: Mapping[str, Rider] = field(default_factory=dict)
 
     @cached_property
     def itemsize(self) -> int:
         return dtype_itemsize(self.wire_dtype)
 
     @cached_property
-    def scales(self) -> frozenset[str]:
-        """The block scale tensors of ``scaled``."""
-        return frozenset(s.scale for s in self.scaled.values())
+    def rider_names(self) -> frozenset[str]:
+        """The tensors that ride with a lead (``riders``)."""
+        return frozenset(s.name for s in self.riders.values())
 
     def width(self, logical: str) -> int:
         """Wire elements one element of ``logical`` takes (``raw.width``)."""
@@ -208,8 +209,8 @@ class Plan:
         h.update(repr((self.src.describe(), self.dst.describe(), self.wire_dtype)).encode())
         if self.raw:
             h.update(repr(sorted(self.raw.items())).encode())
-        if self.scaled:  # scales ride with their words: the buckets differ
-            h.update(repr(sorted(self.scaled.items())).encode())
+        if self.riders:  # riders travel with their leads: the buckets differ
+            h.update(repr(sorted(self.riders.items())).encode())
         for lay in (self.src, self.dst):  # replicas (DP, identical engines) share one tensors tuple: said once
             said: dict[int, int] = {}
             for r in lay.ranks:
@@ -269,25 +270,25 @@ class Plan:
 class Wire:
     """What a plan carries besides its layouts: the wire dtype (None: the destination's), the
     logical tensors that move as their own bits (``raw``: name -> dtype, ``layout/raw.py``) and
-    quantized words -> their block scales (``scaled``, ``Scaled``).  A topology makes one for
+    leads -> their riders (``riders``, ``Rider``).  A topology makes one for
     all its plans from its views."""
 
     dtype: str | None = None
     raw: Mapping[str, str] = field(default_factory=dict)
-    scaled: Mapping[str, Scaled] = field(default_factory=dict)
+    riders: Mapping[str, Rider] = field(default_factory=dict)
 
 
 @gc_paused
 def build_plan(src: Layout, dst: Layout, wire: Wire = Wire()) -> Plan:
     """Intersect ``src`` with ``dst``; replicated source pieces go to the least-loaded holder
     (destination ranks in order, each rank's reads in order, ties to the lower rank), a block
-    scale to its words' holder (``wire.scaled``)."""
-    scaled = wire.scaled
+    rider to its lead's holder (``wire.riders``)."""
+    riders = wire.riders
     if src.spec.name != dst.spec.name or src.logical != dst.logical:
         raise PlanError(f"layouts describe different models: {src.spec.name} vs {dst.spec.name}")
     problems: list[str] = []
     reader = Reader(src, problems)
-    scales = {s.scale: (words, s) for words, s in scaled.items()}  # scale -> its words
+    leads = {s.name: (lead, s) for lead, s in riders.items()}  # rider -> its lead
     # Identical engines share one pieces tuple (concat_layouts), so a rank's reads are listed once
     # per distinct tuple, leaving only the holder choice per read.  ``dst`` keeps every tuple
     # alive for the whole build, so ids stay unique.
@@ -309,7 +310,7 @@ def build_plan(src: Layout, dst: Layout, wire: Wire = Wire()) -> Plan:
         adds = fixed[i]
         if adds is None:
             chosen = _choose(lists[i], load)
-            ranks.append(_follow(lists[i], chosen, scaled, scales) if scaled else chosen)
+            ranks.append(_follow(lists[i], chosen, riders, leads) if riders else chosen)
         else:
             for rank, n in adds.items():
                 load[rank] += n
@@ -322,25 +323,25 @@ def build_plan(src: Layout, dst: Layout, wire: Wire = Wire()) -> Plan:
             f"exactly once:\n  {shown}{more}"
         )
     picks = Picks(tuple(lists), tuple(order), tuple(ranks))
-    return Plan(src, dst, picks, wire.dtype or dst.ranks[0].tensors[0].dtype, dict(wire.raw), dict(scaled))
+    return Plan(src, dst, picks, wire.dtype or dst.ranks[0].tensors[0].dtype, dict(wire.raw), dict(riders))
 
 
-def _follow(reads: tuple[Read, ...], ranks: np.ndarray, scaled: Mapping[str, Scaled],
-            scales: Mapping[str, tuple[str, Scaled]]) -> np.ndarray:
-    """``ranks`` with each scale read given to the holder its words' read went to, where it
-    holds the scale too (a trainer rank quantizes its words and scales together): a bucket can
-    then carry both (``plan.bucket``).  The loads keep the first choice (scales are small).
-    ``scales``: ``scaled`` the other way round."""
-    went: dict[tuple[str, int, int], int] = {}  # (words, first block row, first block column) -> holder
+def _follow(reads: tuple[Read, ...], ranks: np.ndarray, riders: Mapping[str, Rider],
+            leads: Mapping[str, tuple[str, Rider]]) -> np.ndarray:
+    """``ranks`` with each rider's read given to the holder its lead's read went to, where it
+    holds the rider too (a trainer rank quantizes its words and scales together): a bucket can
+    then carry both (``plan.bucket``).  The loads keep the first choice (riders are small).
+    ``leads``: ``riders`` the other way round."""
+    went: dict[tuple[str, int, int], int] = {}  # (lead, first block row, first block column) -> holder
     out = ranks.copy()
     for i, (_, srcs, _, second, _, _, _, _, logical, logical_off) in enumerate(reads):
         if second < 0:  # one holder: nothing to choose (its words had one too)
             continue
-        s = scaled.get(logical)
+        s = riders.get(logical)
         if s is not None:
-            went[(logical, logical_off[0] // s.rows, logical_off[1] // s.words)] = int(out[i])
+            went[(logical, logical_off[0] // s.rows, logical_off[1] // s.cols)] = int(out[i])
             continue
-        lead = scales.get(logical)
+        lead = leads.get(logical)
         if lead is not None:
             rank = went.get((lead[0], logical_off[0], logical_off[1]))
             if rank is not None and any(h[0] == rank for h in srcs):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from shardsync.layout.base import Layout
 from shardsync.piece import Box, Piece, RankLayout, Role, TensorMeta, box_overlap, volume
-from shardsync.plan.plan import Scaled
+from shardsync.plan.plan import Rider
 from shardsync.quant.fp8 import Fp8Format
 
 WORD = "int32"  # e4m3 bytes travel as words of four: any wire dtype of 2 or 4 bytes moves them whole
@@ -157,14 +157,14 @@ class Fp8Wire:
                 f"{cut}; the engines quantize the rest of their {self.fmt.name} tensors, keeping {copies / 2**20:.2f} "
                 "MiB of model-dtype copies of what arrives wide (busiest engine rank)")
 
-    def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
+    def riders(self, logical: dict[str, Box]) -> dict[str, Rider]:
         """Each wire tensor of e4m3 words -> its scales and the words one scale covers (``logical``:
         the wire's shapes): plans take a block's scale from its words' holder and buckets carry
         them together."""
         out = {}
         for n in sorted(self.quantized):
             rows, cols = self.fmt.block or (1, logical[n][1] * PER_WORD)  # per channel: a whole row
-            out[n] = Scaled(self.scale(n), rows, cols // PER_WORD)
+            out[n] = Rider(self.scale(n), rows, cols // PER_WORD)
         return out
 
     @property

@@ -9,7 +9,6 @@ from typing import Any
 from shardsync.control.session import Conflict, Invalid
 from shardsync.control.wire import PROTOCOL_VERSION, ConnectRequest
 from shardsync.layout import EngineParallel, Fsdp2Parallel, MegatronParallel
-from shardsync.lora import Lora
 from shardsync.mode import FULL, Mode
 from shardsync.spec import ModelSpec
 from shardsync.store.rendezvous import Rendezvous
@@ -48,19 +47,14 @@ def connect_request(topo: Topology, index: int, fingerprints: dict[str, str], rd
         "engine_variants": [sorted(e.variants) for e in topo.engines] if any(e.variants for e in topo.engines) else [],
         "bucket_bytes": bucket_bytes, "credits": credits, "relay": topo.relay, "ipc": ipc,
         "control": control, "verify": verify, "delta": delta, "rendezvous": dataclasses.asdict(rdv),
-        "lora": None if topo.lora is None else topo.lora.to_dict(),
+        "lora": topo.lora,
     })
-
-
-def lora_of(req: ConnectRequest) -> Lora | None:
-    """The adapter a connect request syncs alone (None: the whole model)."""
-    return None if req.lora is None else Lora.from_dict(req.lora.model_dump())
 
 
 def topology_from_connect(req: ConnectRequest, dtype: str, views: Views = NO_VIEWS) -> Topology:
     """The topology a connect request describes, with this engine's wire dtype and the views it
     serves (an FP8 engine's plans carry its weights quantized: ``quant.wire``); the caller checked
-    that the request's adapter is the one ``views`` hold (``lora_of``)."""
+    that the request's adapter is the one ``views`` hold (``req.lora``)."""
     spec = spec_from_dict(req.spec).replace(dtype=dtype)
     t = req.trainer.model_dump()
     kind, shard, replicate = t.pop("kind"), t.pop("shard"), t.pop("replicate")
@@ -110,7 +104,7 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
         raise Conflict(f"trainer model {theirs.name} differs from this engine's {spec.name}: sync "
                        "needs identical architectures")
     try:
-        theirs_lora = lora_of(req)
+        theirs_lora = req.lora
     except (TypeError, ValueError) as e:
         raise Invalid(f"cannot read the trainer's adapter: {e}") from None
     refused = views.mismatch(theirs_lora)

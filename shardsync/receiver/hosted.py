@@ -36,7 +36,7 @@ from shardsync.dtypes import dtype_name
 from shardsync.lora import Lora
 from shardsync.mode import Mode
 from shardsync.paths import UpdateArgs
-from shardsync.receiver.connect import check_connect, lora_of
+from shardsync.receiver.connect import check_connect
 from shardsync.receiver.destination import Destination, Loader, Params, Slice
 from shardsync.receiver.receiver import Receiver, engine_rank
 from shardsync.receiver.viewed import EngineRank, loader_refusal, wrap
@@ -139,7 +139,7 @@ class HostedRank:
             raise Refused(f"shardsync: {self.engine}'s {LAYOUT_MISMATCH}: planned with layout variants "
                           f"{sorted(planned)}, its parameters are {sorted(self.variants)}", Reason.LAYOUT_MISMATCH,
                           {req.engine_index: sorted(self.variants)})
-        rx = self._receiver_for(whole, lora_of(req))
+        rx = self._receiver_for(whole, req.lora)
         return req, rx, check_connect(req, self.spec, self.tp_size, self.dtype_name, ep=self.ep, pp=self.pp,
                                       staging=rx.unpushable, variants=frozenset() if whole else self.variants,
                                       views=rx.views)

@@ -24,7 +24,7 @@ from shardsync.mode import Mode
 from shardsync.paths import Colocated, Endpoint, Program, UpdateArgs, compile_path, connection_modes, release
 from shardsync.paths.disk import DiskApply
 from shardsync.piece import RankLayout, addressed
-from shardsync.receiver.connect import PUSH_NEEDS_STAGING, lora_of, topology_from_connect
+from shardsync.receiver.connect import PUSH_NEEDS_STAGING, topology_from_connect
 from shardsync.receiver.destination import Destination
 from shardsync.runtime.checksum import BoxKey, piece_checksums
 from shardsync.runtime.gated import Gated
@@ -109,7 +109,7 @@ class Receiver:
         """Join the sync group ``req`` names (blocks, bounded, until every member is in);
         returns this rank's sync rank.  A join that fails leaves the current connection as
         it was and releases what it built."""
-        refused = self.views.mismatch(lora_of(req))
+        refused = self.views.mismatch(req.lora)
         if refused is not None:
             raise ValueError(refused)
         topo = topology_from_connect(req, self.dtype_name, self.views)

@@ -25,7 +25,7 @@ from shardsync.layout.fsdp2 import Fsdp2Parallel
 from shardsync.layout.megatron import MegatronParallel
 from shardsync.lora.config import Lora
 from shardsync.piece import Box
-from shardsync.plan.plan import Scaled
+from shardsync.plan.plan import Rider
 from shardsync.quant.wire import Derived
 from shardsync.spec import ModelSpec
 
@@ -78,8 +78,8 @@ class BoundView:
         """Logical tensors that move as their own bits (``layout/raw.py``), and in which dtype."""
         return raw
 
-    def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
-        """Wire tensors of quantized words -> their block scales, which ride with them (``plan.Scaled``)."""
+    def riders(self, logical: dict[str, Box]) -> dict[str, Rider]:
+        """Wire tensors of quantized words -> their block scales, which ride with them (``plan.Rider``)."""
         return {}
 
     def summary(self, engines: Sequence[Layout], itemsize: int) -> str | None:
@@ -207,8 +207,8 @@ class BoundViews(BoundView):
             raw = w.raw(raw)
         return raw
 
-    def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
-        return {k: v for w in self.wires for k, v in w.scaled(logical).items()}
+    def riders(self, logical: dict[str, Box]) -> dict[str, Rider]:
+        return {k: v for w in self.wires for k, v in w.riders(logical).items()}
 
     def find(self, kind: type[W]) -> W | None:
         """The bound view of ``kind`` (None: no view bound so)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shardsync.layout.base import Layout
 from shardsync.piece import Box
-from shardsync.plan.plan import Scaled
+from shardsync.plan.plan import Rider
 from shardsync.quant.fp8 import FORMATS, Fp8Format
 from shardsync.quant.support import RECEIVER_QUANTIZES, receiver_quantizes
 from shardsync.quant.targets import check_family
@@ -79,8 +79,8 @@ class Fp8Bound(BoundView):
     def raw(self, raw: dict[str, str]) -> dict[str, str]:
         return {**raw, **self.wire.raw}
 
-    def scaled(self, logical: dict[str, Box]) -> dict[str, Scaled]:
-        return self.wire.scaled(logical)
+    def riders(self, logical: dict[str, Box]) -> dict[str, Rider]:
+        return self.wire.riders(logical)
 
     def summary(self, engines: Sequence[Layout], itemsize: int) -> str | None:
         return self.wire.summary(engines, itemsize)

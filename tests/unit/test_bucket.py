@@ -1,6 +1,6 @@
 """Buckets (``plan/bucket.py``) of FP8 plans: a bucket never holds a block of e4m3 words without
 its scale.  A block's scale comes from the holder its words come from, also where the trainer's
-DP replicas both hold them (``plan.build_plan``'s ``scaled``), and the words of a copy larger
+DP replicas both hold them (``plan.build_plan``'s ``riders``), and the words of a copy larger
 than the budget are cut at whole block rows, each with its scale rows; every copy is still
 covered exactly once."""
 
@@ -45,14 +45,14 @@ def _orphans(plan: Plan, budget: int) -> tuple[int, int]:
         for c in b.copies:
             scales[c.logical, c.logical_offsets, c.sizes] += 1
         for c in b.copies:
-            s = plan.scaled.get(c.logical)
+            s = plan.riders.get(c.logical)
             if s is None:
                 continue
             words += 1
             (r, w), (n, m) = c.logical_offsets, c.sizes
-            first = (r // s.rows, w // s.words)
-            box = (-(-(r + n) // s.rows) - first[0], -(-(w + m) // s.words) - first[1])
-            orphans += scales[s.scale, first, box] == 0
+            first = (r // s.rows, w // s.cols)
+            box = (-(-(r + n) // s.rows) - first[0], -(-(w + m) // s.cols) - first[1])
+            orphans += scales[s.name, first, box] == 0
     return orphans, words
 
 
@@ -60,7 +60,7 @@ def _orphans(plan: Plan, budget: int) -> tuple[int, int]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_bucket_never_holds_a_block_without_its_scale(case: str, budget: int) -> None:
     topo = _topo(case)
-    assert topo.scaled
+    assert topo.riders
     for plan in (topo.p2p_plan, topo.broadcast_plan, topo.narrow_plan(0)):
         orphans, words = _orphans(plan, budget)
         assert words > 0 and orphans == 0, (orphans, words)
@@ -89,10 +89,10 @@ def test_a_scale_comes_from_the_holder_of_its_words() -> None:
     src = {(c.dst, c.logical, c.logical_offsets): c.src for c in plan.copies}
     pairs = 0
     for c in plan.copies:
-        s = plan.scaled.get(c.logical)
+        s = plan.riders.get(c.logical)
         if s is not None:
-            first = (c.logical_offsets[0] // s.rows, c.logical_offsets[1] // s.words)
-            assert src[c.dst, s.scale, first] == c.src, c.logical
+            first = (c.logical_offsets[0] // s.rows, c.logical_offsets[1] // s.cols)
+            assert src[c.dst, s.name, first] == c.src, c.logical
             pairs += 1
     assert pairs > 0
     assert len({c.src for c in plan.copies}) == 2  # both replicas still send (the load is shared)

@@ -60,7 +60,7 @@ def test_views_of_composes_one_view_per_served_fact() -> None:
 def test_a_view_with_only_defaults_leaves_the_topology_as_it_was() -> None:
     plain, same = _topo(DENSE, NO_VIEWS), _topo(DENSE, Views((WeightView(),)))
     assert same.trainer_layout == plain.trainer_layout and same.engine_layouts == plain.engine_layouts
-    assert same.raw_dtypes == plain.raw_dtypes and same.scaled == {} and same.summary() is None
+    assert same.raw_dtypes == plain.raw_dtypes and same.riders == {} and same.summary() is None
     assert same.fingerprint("p2p") == plain.fingerprint("p2p")
     assert same.fingerprint("broadcast") == plain.fingerprint("broadcast")
     assert deriver(plain, 0, {}, count=False) is None and plain.fp8 is None and plain.lora is None
@@ -104,7 +104,7 @@ def test_views_apply_in_order_and_the_first_refusal_speaks() -> None:
 
 def test_fp8_and_adapters_retype_only_through_their_views() -> None:
     fp8 = _topo(FP8, views_of("fp8"))
-    assert fp8.fp8 is not None and fp8.scaled and fp8.trainer_layout is not fp8.trainer_base
+    assert fp8.fp8 is not None and fp8.riders and fp8.trainer_layout is not fp8.trainer_base
     assert fp8.derived(0) and "FP8 on the wire" in (fp8.summary() or "")
     assert set(DERIVERS) == {Fp8Bound}
     params = load_rank(fp8.trainer_base, 0, random_source(FP8, 0))
@@ -148,6 +148,13 @@ def test_the_engines_facts_are_one_typed_record_from_info_to_topology() -> None:
         decide([_info(kind="k" * 100)], port=1)
     with pytest.raises(ValidationError):
         EngineFacts.model_validate({"kind": "reference", "facts": {}})  # no untyped extras
+    # an adapter is a ``Lora`` in code and bounded JSON on the wire, both ways
+    wired = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
+    assert EngineFacts.model_validate({"lora": wired}).lora == Lora(4, 8.0, ("q_proj", "v_proj"))
+    assert EngineFacts(lora=Lora(4, 8.0, ("v_proj", "q_proj"))).model_dump(mode="json")["lora"] == wired
+    for bad in ({**wired, "rank": 10**6}, {**wired, "targets": ["lm_head"]}, {**wired, "extra": 1}):
+        with pytest.raises(ValidationError):
+            EngineFacts.model_validate({"lora": bad})
     lora = LoraMsg(rank=4, alpha=8.0, targets=["q_proj", "v_proj"])
     d = decide([_info(lora=lora)], port=1)
     assert topology_of(d, DENSE, MegatronParallel(tp=2), relay=False, whole=False, lora=LORA).lora == LORA
