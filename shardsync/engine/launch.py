@@ -83,7 +83,7 @@ def engine_command(cfg: EngineConfig) -> list[str]:
            "--crossing", cfg.crossing.value, "--commit-wait-s", str(cfg.commit_wait_s)]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
                 "--delta-root": cfg.delta_root, "--quantization": cfg.quantization}
-    cmd += lora_flags(cfg.lora) + (["--lora-merge"] if cfg.lora_merge and cfg.lora is not None else [])
+    cmd += lora_flags(cfg.lora, merge=cfg.lora_merge)
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
 
 

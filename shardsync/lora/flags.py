@@ -25,9 +25,11 @@ def lora_of(args: argparse.Namespace) -> Lora | None:
     return Lora(args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
 
 
-def lora_flags(lora: Lora | None) -> list[str]:
+def lora_flags(lora: Lora | None, *, merge: bool = False) -> list[str]:
     """``lora_of``'s inverse: the flags that name ``lora`` (none for None), for a command line
-    that starts another process with the same adapter."""
+    that starts another process with the same adapter; ``merge``: an engine that merges it into
+    its base (``--lora-merge``, meaningless without an adapter)."""
     if lora is None:
         return []
-    return ["--lora-rank", str(lora.rank), "--lora-alpha", repr(lora.alpha), "--lora-targets", ",".join(lora.targets)]
+    return (["--lora-rank", str(lora.rank), "--lora-alpha", repr(lora.alpha), "--lora-targets", ",".join(lora.targets)]
+            + ["--lora-merge"] * merge)

@@ -142,9 +142,6 @@ def check_connect(req: ConnectRequest, spec: ModelSpec, tp: int, dtype: str, ep:
         except ValueError as e:
             raise Conflict(f"{mode} plan cannot be built here: {e}") from None
         if mine[mode] != fp:
-            served = "" if views.quantization is None else (
-                f" (this engine serves {views.quantization}: the trainer plans FP8 when the engine reports it, "
-                "e.g. SGLang started with --quantization fp8)")
             raise Conflict(f"{mode} plan fingerprint mismatch: trainer {fp}, engine {mine[mode]}; "
-                           f"trainer and engine disagree on the layouts{served}")
+                           f"trainer and engine disagree on the layouts{views.hint()}")
     return mine

@@ -112,6 +112,11 @@ class WeightView:
         """The adapter an engine serving this view reports, and a sync of it moves alone (None: none)."""
         return None
 
+    def hint(self) -> str | None:
+        """What to check first when a trainer's plans and those of an engine serving this view
+        disagree (None: nothing of this view's)."""
+        return None
+
     def bind(self, topo: Bases) -> BoundView:
         """This view on the wire of ``topo`` (its base layouts built when first read)."""
         return BoundView()
@@ -159,6 +164,11 @@ class Views:
     def lora(self) -> Lora | None:
         """The adapter these views hold alone (None: the whole model)."""
         return next((a for v in self.views if (a := v.adapter()) is not None), None)
+
+    def hint(self) -> str:
+        """The views' hints on a plan disagreement, as a parenthesis ("" if none)."""
+        hints = [h for v in self.views if (h := v.hint()) is not None]
+        return f" ({'; '.join(hints)})" if hints else ""
 
     def mismatch(self, synced: Lora | None) -> str | None:
         """Why an engine serving these views refuses a sync of the adapter ``synced`` (None: the

@@ -32,6 +32,9 @@ class Fp8View(WeightView):
     def quantization(self) -> str | None:
         return self.fmt.name
 
+    def hint(self) -> str | None:
+        return _hint(self.fmt.name)
+
     def bind(self, topo: Bases) -> BoundView:
         if topo.host.kind not in RECEIVER_QUANTIZES:
             return BoundView()
@@ -40,6 +43,11 @@ class Fp8View(WeightView):
         except ValueError:
             return BoundView()  # the engine refuses to serve it quantized; nothing to plan
         return Fp8Bound(fp8_wire(topo.trainer_base, topo.engine_bases, self.fmt))
+
+
+def _hint(quantization: str) -> str:
+    return (f"this engine serves {quantization}: the trainer plans FP8 when the engine reports it, "
+            "e.g. SGLang started with --quantization fp8")
 
 
 def _refusal(quantization: str, host: Host) -> str | None:
@@ -62,6 +70,9 @@ class ServedQuantized(WeightView):
 
     def quantization(self) -> str | None:
         return self.name
+
+    def hint(self) -> str | None:
+        return _hint(self.name)
 
 
 @dataclass(frozen=True)

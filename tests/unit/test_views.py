@@ -162,6 +162,12 @@ def test_the_engines_facts_are_one_typed_record_from_info_to_topology() -> None:
         topology_of(d, DENSE, MegatronParallel(tp=2), relay=False, whole=False)
 
 
+def test_a_plan_disagreement_names_what_the_engines_views_suggest() -> None:
+    assert NO_VIEWS.hint() == "" and views_of(None, LORA).hint() == ""
+    assert "serves fp8-block128x128: the trainer plans FP8 when the engine reports it" in views_of("fp8").hint()
+    assert "serves fp8-per-tensor" in views_of("fp8-per-tensor", LORA).hint()  # an adapter served wide
+
+
 def test_an_engine_refuses_a_sync_of_another_adapter_through_its_views() -> None:
     other = Lora(rank=8, alpha=8.0, targets=("q_proj",))
     assert views_of(None, LORA).mismatch(LORA) is None and NO_VIEWS.mismatch(None) is None
