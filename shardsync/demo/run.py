@@ -19,7 +19,6 @@ from shardsync.control.client import wait_healthy
 from shardsync.demo import report
 from shardsync.dtypes import torch_dtype
 from shardsync.engine.launch import EngineConfig, spawn_server
-from shardsync.launch.procs import worker_context
 from shardsync.layout import Fsdp2Parallel, MegatronParallel
 from shardsync.lora import Lora
 from shardsync.store.rendezvous import free_port
@@ -188,6 +187,8 @@ def run_demo(cfg: DemoConfig) -> int:
     engines = start_engines(cfg)
     urls = [u for _, u in engines]
     world = cfg.trainer.world_size
+    from shardsync.launch.procs import worker_context
+
     ctx = worker_context()
     results = ctx.Queue()
     port = free_port()

@@ -12,14 +12,15 @@ from pathlib import Path
 PRELOAD = ("torch", "shardsync.paths", "shardsync.sync")  # what a sync rank imports anyway
 
 
-def worker_context():  # -> multiprocessing's forkserver context (torch.multiprocessing's type)
+def worker_context(extra: tuple[str, ...] = ()):  # -> torch.multiprocessing's forkserver context
     """Processes with spawn's semantics (no inherited threads, groups or CUDA) that start with
     torch and shardsync imported: a forkserver imports them once, instead of every rank again
-    (seconds of CPU per rank)."""
+    (seconds of CPU per rank).  ``extra``: more modules its ranks import (megatron-core's take
+    seconds); what the first call in a process names is what its forkserver holds."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload([*PRELOAD, *extra])
     return ctx
 
 

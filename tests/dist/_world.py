@@ -15,6 +15,9 @@ import torch
 from shardsync.launch.procs import start_all, worker_context
 from shardsync.store.rendezvous import free_port
 
+# megatron-core's import takes seconds per process: the reference tests' ranks find it loaded
+PRELOAD = ("megatron.core.parallel_state", "megatron.core.models.gpt")
+
 
 
 
@@ -53,7 +56,7 @@ def run_world(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float = 1
     errors, dies without a result, or the world outlives ``timeout`` seconds in total.
     Results should be plain Python (tensors as ``torch.save`` bytes).
     """
-    ctx = worker_context()
+    ctx = worker_context(PRELOAD)
     out = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
     start_all(procs, threads=1)

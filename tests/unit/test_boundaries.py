@@ -112,3 +112,24 @@ def test_every_import_follows_the_room_table() -> None:
             against.add(f"{module} -> {target}")
     assert against - UPWARD == set(), "imports against docs/architecture.md's room table"
     assert UPWARD - against == set(), "named upward imports that are gone: drop them from UPWARD and the doc"
+
+
+def test_every_module_imports_first_in_a_fresh_process() -> None:
+    """An import cycle shows only when the cycle's other end is imported first (``python -m
+    shardsync.cli demo`` once found ``launch -> demo -> launch``): each package, whose
+    ``__init__`` imports its room, is imported with every shardsync module dropped before it
+    (the engines' integrations need their engines)."""
+    modules = sorted(".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")
+                     if "engines" not in p.parts) + ["shardsync.cli"]
+    code = ("import importlib, sys, torch\n"
+            "bad = []\n"
+            f"for m in {modules!r}:\n"
+            "    for k in [k for k in sys.modules if k.split('.')[0] == 'shardsync']:\n"
+            "        del sys.modules[k]\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except ImportError as e:\n"
+            "        bad.append(f'{m}: {e}')\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout
