@@ -35,12 +35,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from shardsync.control.hosted import call_body
-from shardsync.control.vllm import ENV_LAYOUT, ENV_LORA_DIR, MAC_KEY, UPDATE_MAC_KEY, VARIANTS
+from shardsync.control.vllm import ENV_LAYOUT, MAC_KEY, UPDATE_MAC_KEY, VARIANTS
 from shardsync.dtypes import dtype_name
-from shardsync.engines.vllm import mla, moe, params
+from shardsync.engines.vllm import adapter, mla, moe, params
 from shardsync.lora import Lora
 from shardsync.plan.local import region
-from shardsync.receiver import Receiver, Slice, peft_dir
+from shardsync.receiver import Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.receiver import engine_rank
 from shardsync.spec import spec_from_config
@@ -136,6 +136,44 @@ def loader_for(model: torch.nn.Module, model_config, dtype: torch.dtype):
     return load
 
 
+class WayIn(Protocol):
+    """How a vLLM worker takes a sync: what it receives into, why shards cannot reach it (None:
+    they can), and its receiver for whole tensors or shards of the model or of an adapter."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layout_reason(self) -> str | None: ...
+
+    def receiver(self, whole: bool, lora: Lora | None) -> Receiver: ...
+
+
+class Weights:
+    """vLLM's own weights: shards into its parameters in place where they are the engine layout
+    (``params.choose``), else whole tensors through its loader (``loader_for``)."""
+
+    def __init__(self, engine: ShardsyncEngine) -> None:
+        problem = reload_problem(engine.model)
+        if problem:  # every update would fail or serve wrong weights: refuse at connect
+            raise ValueError(problem)
+        _, rank = engine_rank(engine.spec, engine.tp_rank, engine.tp_size, dtype_name=dtype_name(engine.dtype),
+                              variants=VARIANTS)
+        self.name, self.layout_reason = params.choose(rank, engine.model)
+        if os.environ.get(ENV_LAYOUT) == "whole":
+            self.name, self.layout_reason = "loader", f"{ENV_LAYOUT}=whole in vLLM's environment"
+        self.engine = engine
+
+    def receiver(self, whole: bool, lora: Lora | None) -> Receiver:
+        adapter.whole_model(lora)
+        e = self.engine
+        return hosted_receiver(
+            e.spec, e.tp_rank, e.tp_size, whole=whole, in_place=self.name == "params",
+            params=lambda: {n: p.data for n, p in e.model.named_parameters()},
+            load=loader_for(e.model, e.model_config, e.dtype), dtype=e.dtype, device=e.device,
+            secret=e.secret, variants=VARIANTS)
+
+
 class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInfo]):
     init_info_cls = ShardsyncInitInfo
     update_info_cls = ShardsyncUpdateInfo
@@ -152,8 +190,6 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.secret = load_secret().value
         self.dtype = self.model_config.dtype
         self._receivers: dict[tuple[bool, Lora | None], Receiver] = {}  # by (whole, adapter)
-        # the adapter directory vLLM loads its one adapter from (None: vLLM serves no adapter)
-        self.lora_dir = os.environ.get(ENV_LORA_DIR) if self.vllm_config.lora_config is not None else None
         self.problem: str | None = None  # why this worker cannot receive at all
         self.host: HostedRank | None = None
         self.session_open = False  # mirrors vLLM's "weight update active" flag of this worker
@@ -170,61 +206,21 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise ValueError(f"vLLM runs {self.model_config.quantization} quantization; shardsync "
                              "syncs unquantized weights")
         self.spec = spec_from_config(self.model_config.hf_config.to_dict(), name=str(self.model_config.model))
-        if self.vllm_config.lora_config is not None:
-            self._build_adapter()
-            return
-        problem = reload_problem(self.model)
-        if problem:  # every update would fail or serve wrong weights: refuse at connect
-            raise ValueError(problem)
-        _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
-                              variants=VARIANTS)
-        self.kind, layout_reason = params.choose(rank, self.model)
-        if os.environ.get(ENV_LAYOUT) == "whole":
-            self.kind, layout_reason = "loader", f"{ENV_LAYOUT}=whole in vLLM's environment"
-        log.info("shardsync: vLLM tp%d/%d receives into %s%s", self.tp_rank, self.tp_size, self.kind,
-                 f" (whole tensors only: {layout_reason})" if layout_reason else "")
+        self.way: WayIn = adapter.served(self.vllm_config.lora_config, self.spec, self.tp_rank, self.tp_size,
+                                         self.dtype, self.secret) or Weights(self)
+        reason = self.way.layout_reason
+        log.info("shardsync: vLLM tp%d/%d receives into %s%s", self.tp_rank, self.tp_size, self.way.name,
+                 f" (whole tensors only: {reason})" if reason else "")
         self.host = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
-                               mac_key=MAC_KEY, engine="vLLM", layout_reason=layout_reason,
+                               mac_key=MAC_KEY, engine="vLLM", layout_reason=reason,
                                dtype_name=str(self.dtype).removeprefix("torch."), variants=VARIANTS)
-
-    def _build_adapter(self) -> None:
-        """A vLLM serving LoRA adapters takes adapter syncs only, whole (its ``set_lora`` shards)."""
-        if not self.lora_dir:
-            raise ValueError(f"vLLM serves LoRA adapters (--enable-lora) but {ENV_LORA_DIR} is not set in its "
-                             "environment: set it to the directory of the one --lora-modules entry shardsync syncs")
-        self.kind = "adapter directory"
-        self.host = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
-                               mac_key=MAC_KEY, engine="vLLM", dtype_name=str(self.dtype).removeprefix("torch."),
-                               variants=VARIANTS, layout_reason="vLLM's LoRA layers take the whole adapter and "
-                                                                "shard it themselves")
-        log.info("shardsync: vLLM tp%d/%d receives its adapter whole into %s", self.tp_rank, self.tp_size,
-                 self.lora_dir)
-
-    def _adapter_receiver(self, lora: Lora) -> Receiver:
-        """The whole adapter into the directory vLLM reloads it from (``peft_dir``)."""
-        if self.lora_dir is None:
-            raise ValueError("this vLLM serves no LoRA adapter: start it with --enable-lora --max-lora-rank R "
-                             f"--lora-modules NAME=DIR and {ENV_LORA_DIR}=DIR to sync an adapter (docs/lora.md)")
-        return peft_dir.adapter_receiver(self.spec, self.tp_rank, self.tp_size, self.lora_dir, lora, dtype=self.dtype,
-                                         secret=self.secret, engine="vLLM")
 
     def _receiver(self, whole: bool, lora: Lora | None) -> Receiver:
         """This worker's receiver for engine-layout shards, for whole tensors or for a whole
         adapter (built once each)."""
         key = (whole, lora)
-        if key in self._receivers:
-            return self._receivers[key]
-        if lora is not None:
-            self._receivers[key] = self._adapter_receiver(lora)
-        elif self.lora_dir is not None:
-            raise ValueError("this vLLM serves a LoRA adapter (--enable-lora): shardsync syncs that adapter "
-                             "alone; connect with SyncConfig(lora=...) of its rank, alpha and targets")
-        else:
-            self._receivers[key] = hosted_receiver(
-                self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=self.kind == "params",
-                params=lambda: {n: p.data for n, p in self.model.named_parameters()},
-                load=loader_for(self.model, self.model_config, self.dtype), dtype=self.dtype, device=self.device,
-                secret=self.secret, variants=VARIANTS)
+        if key not in self._receivers:
+            self._receivers[key] = self.way.receiver(whole, lora)
         return self._receivers[key]
 
     # -- connect --
