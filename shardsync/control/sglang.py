@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from shardsync.control.adapters import sglang_crossing, sglang_reload, sglang_served
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import HostedEngines, canonical, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, Msg, Variants, VersionResponse
@@ -125,9 +126,7 @@ class SglangEngines(HostedEngines):
                  update_timeout_s: float = 600.0, crossing: str | None = None,
                  api_key: str | None = None, lora: Lora | None = None) -> None:
         pause_mode = self.pause_mode_for(crossing)
-        if lora is not None and pause_mode == "retract":
-            raise ValueError("an adapter sync into SGLang reloads the adapter, under a new id; a retracted request "
-                             "keeps the old one: use crossing='abort' (the default) for adapter syncs into SGLang")
+        sglang_crossing(lora, pause_mode)
         self.http = Engines(urls, timeout_s, api_key or os.environ.get(ENV_API_KEY) or None, keepalive=False)
         super().__init__(self.http.urls, update_timeout_s, token)
         self.pause_mode, self.timeout_s = pause_mode, timeout_s
@@ -165,19 +164,6 @@ class SglangEngines(HostedEngines):
 
     # -- connect-time --
 
-    def _served_lora(self, url: str, raw: dict) -> tuple[Lora | None, tuple[str, str] | None]:
-        """The adapter SGLang serves (its one ``--lora-paths`` entry: name and directory).  Its
-        facts do not say the adapter's rank: a LoRA engine is taken to serve the trainer's, and
-        every rank checks that claim at connect against the directory's config (``engines.sglang``)."""
-        if not raw.get("enable_lora"):
-            return None, None
-        entries = [lora_entry(e) for e in raw.get("lora_paths") or []]
-        if self.lora is None or len(entries) != 1 or entries[0] is None:
-            raise SyncError(f"{url}: SGLang serves LoRA adapters ({raw.get('lora_paths')}): shardsync syncs one "
-                            "adapter, given as --lora-paths NAME=DIR, with SyncConfig(lora=Lora(rank, alpha, "
-                            "targets)) of it (docs/lora.md)")
-        return self.lora, entries[0]
-
     def info(self) -> list[InfoResponse]:
         out = []
         self.adapters = []
@@ -191,8 +177,8 @@ class SglangEngines(HostedEngines):
             if dp != 1:
                 raise SyncError(f"{url}: SGLang runs --dp-size {dp}; give each data-parallel replica its own "
                                 "server (one engine URL per replica)")
-            lora, adapter = self._served_lora(url, raw)
-            self.adapters.append(adapter)
+            lora, entry = sglang_served(url, raw, self.lora)
+            self.adapters.append(entry)
             out.append(InfoResponse(spec={}, tp=int(raw.get("tp_size") or 1), pp=int(raw.get("pp_size") or 1),
                                     ep=int(raw.get("ep_size") or 1), dtype=server_dtype(url, raw.get("dtype")),
                                     kind="sglang", quantization=raw.get("quantization"), lora=lora,
@@ -265,22 +251,9 @@ class SglangEngines(HostedEngines):
 
     def end(self, version: int) -> None:
         self._all("/end_weight_update")
-        self._reload_adapters()
+        sglang_reload(self.http, self.adapters)
         self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         self._all("/continue_generation", {})
-
-    def _reload_adapters(self) -> None:
-        """SGLang keeps a loaded adapter in memory: the version the commit wrote into its directory
-        is served once SGLang loads it again, under the same name, while generation is paused."""
-        for i, adapter in enumerate(self.adapters if self.lora is not None else []):
-            if adapter is None:
-                continue
-            name, path = adapter
-            for route, body in (("/unload_lora_adapter", {"lora_name": name}),
-                                ("/load_lora_adapter", {"lora_name": name, "lora_path": path})):
-                answer = self.http.call_one(i, "POST", route, body)
-                if isinstance(answer, dict) and answer.get("success") is False:
-                    raise SyncError(f"{self.urls[i]}{route}: {answer.get('error_message') or answer}")
 
     def close_session(self) -> None:
         self._all("/end_weight_update")
@@ -311,17 +284,6 @@ class SglangEngines(HostedEngines):
 
 
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-def lora_entry(entry: object) -> tuple[str, str] | None:
-    """(name, directory) of one ``--lora-paths`` entry as ``/server_info`` shows it (``NAME=DIR``,
-    or a dict with ``lora_name`` and ``lora_path``), None for a bare path."""
-    if isinstance(entry, dict) and isinstance(entry.get("lora_name"), str) and isinstance(entry.get("lora_path"), str):
-        return entry["lora_name"], entry["lora_path"]
-    if isinstance(entry, str) and "=" in entry:
-        name, _, path = entry.partition("=")
-        return name, path
-    return None
 
 
 def server_dtype(url: str, raw: object) -> str:

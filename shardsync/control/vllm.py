@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from shardsync.control.adapters import vllm_served
 from shardsync.control.client import Engines, SyncError
 from shardsync.control.hosted import LAYOUT_MISMATCH, HostedEngines, call_body, connect_body, weight_version
 from shardsync.control.wire import ConnectRequest, InfoResponse, VersionResponse
@@ -51,17 +52,6 @@ class VllmEngines(HostedEngines):
 
     # -- connect-time --
 
-    def _served_lora(self, url: str, cfg: dict) -> Lora | None:
-        """vLLM's HTTP facts say whether it serves LoRA adapters, not which: a LoRA engine is
-        taken to serve the trainer's adapter, and every worker checks that claim at connect
-        against the adapter directory it loads (``ENV_LORA_DIR``), refusing another by name."""
-        if cfg.get("lora_config") is None:
-            return None
-        if self.lora is None:
-            raise SyncError(f"{url}: vLLM serves LoRA adapters (--enable-lora): shardsync syncs its adapter alone; "
-                            "set SyncConfig(lora=Lora(rank, alpha, targets)) to the adapter it serves (docs/lora.md)")
-        return self.lora
-
     def info(self) -> list[InfoResponse]:
         out = []
         for url, raw, ver in zip(self.urls, self.http.call("GET", "/server_info?config_format=json"),
@@ -75,7 +65,7 @@ class VllmEngines(HostedEngines):
             out.append(InfoResponse(spec={}, tp=par["tensor_parallel_size"], pp=par["pipeline_parallel_size"],
                                     dtype=str(model["dtype"]).removeprefix("torch."), kind="vllm",
                                     variants=sorted(VARIANTS),
-                                    quantization=model.get("quantization"), lora=self._served_lora(url, cfg),
+                                    quantization=model.get("quantization"), lora=vllm_served(url, cfg, self.lora),
                                     weight_version=weight_version(ver.get("weight_version")), stale=False))
         return out
 

@@ -71,7 +71,8 @@ class DemoConfig:
             raise ValueError("--engine-quantization runs reference engines (the real engines' hosts refuse "
                              "quantized models so far)")
         if self.lora_rank and self.engine != "reference":
-            raise ValueError("--lora runs reference engines so far (vLLM's and SGLang's adapters are not built yet)")
+            raise ValueError("--lora runs reference engines in the demo (adapter syncs into vLLM and SGLang: "
+                             "docs/lora.md)")
         if self.engine == "vllm" and (self.device != "cpu" or self.ipc):
             raise ValueError("--engine vllm runs vLLM's CPU build here: no --device cuda or --ipc")
 

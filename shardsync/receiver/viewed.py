@@ -57,5 +57,5 @@ def wrap(views: Views, inner: Destination, at: EngineRank) -> Destination:
 
 def loader_refusal(views: Views) -> str | None:
     """Why an engine serving ``views`` cannot take whole tensors through its loader (None: it can)."""
-    return next((f"an engine serving {v} receives shards into its parameters in place only"
+    return next((f"an engine serving {v.quantization() or v} receives shards in place only (into its parameters)"
                  for v in views.views if (side := SIDES.get(type(v))) is not None and side.in_place_only), None)

@@ -203,7 +203,7 @@ def test_the_host_receives_fp8_in_place_and_refuses_what_it_cannot_write(monkeyp
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
     h = _fp8_host("tiny-qwen3-fp8")
-    assert h.problem is None and h.fmt == fp8_format("fp8")
+    assert h.problem is None and h.served.fmt == fp8_format("fp8")
     rx = h._receiver(False)
     dest = rx.destination
     assert dest.name == "quantized" and dest._wide == {}  # nothing allocated before a connection binds

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from shardsync.control.adapters import vllm_served
 from shardsync.control.client import SyncError
-from shardsync.control.vllm import VllmEngines
 from shardsync.lora import Lora
 
 TOKEN = "t" * 32
@@ -15,11 +15,8 @@ TOKEN = "t" * 32
 
 def test_a_lora_vllm_serves_the_trainers_adapter_claim_and_refuses_a_whole_model_sync() -> None:
     lora = Lora(8, 16.0, ("q_proj", "v_proj"))
-    engines = VllmEngines(["http://127.0.0.1:1"], 1.0, TOKEN, lora=lora)
-    served = engines._served_lora("u", {"lora_config": {"max_lora_rank": 8}})
-    assert served == lora
-    assert engines._served_lora("u", {"lora_config": None}) is None  # then the connect refuses: no adapter
-    whole = VllmEngines(["http://127.0.0.1:1"], 1.0, TOKEN)
-    with pytest.raises(SyncError, match="shardsync syncs its adapter alone"):
-        whole._served_lora("u", {"lora_config": {"max_lora_rank": 8}})
-    assert whole._served_lora("u", {}) is None
+    assert vllm_served("u", {"lora_config": {"max_lora_rank": 8}}, lora) == lora
+    assert vllm_served("u", {"lora_config": None}, lora) is None  # then the connect refuses: no adapter
+    with pytest.raises(SyncError, match="shardsync syncs its adapter alone"):  # a whole-model sync into it
+        vllm_served("u", {"lora_config": {"max_lora_rank": 8}}, None)
+    assert vllm_served("u", {}, None) is None

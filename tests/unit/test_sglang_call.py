@@ -77,20 +77,18 @@ def test_server_dtype_must_be_named() -> None:
 def test_the_served_adapter_is_read_off_server_info() -> None:
     """SGLang's ``--lora-paths`` entry as ``/server_info`` shows it: the adapter an adapter sync
     reloads by name; no entry, several, or a trainer syncing the whole model are refused by name."""
-    from shardsync.control.sglang import SglangEngines, lora_entry
+    from shardsync.control.adapters import lora_entry, sglang_served
     from shardsync.lora import Lora
 
     assert lora_entry("policy=/ckpt/adapter") == ("policy", "/ckpt/adapter")
     assert lora_entry({"lora_name": "policy", "lora_path": "/a", "pinned": False}) == ("policy", "/a")
     assert lora_entry("/ckpt/adapter") is None and lora_entry(7) is None
     lora = Lora(8, 16.0)
-    engines = SglangEngines(["http://127.0.0.1:1"], 1.0, "t" * 32, lora=lora)
-    msg, adapter = engines._served_lora("u", {"enable_lora": True, "lora_paths": ["policy=/a"]})
-    assert adapter == ("policy", "/a") and msg == lora
-    assert engines._served_lora("u", {"enable_lora": False, "lora_paths": ["policy=/a"]}) == (None, None)
+    served, entry = sglang_served("u", {"enable_lora": True, "lora_paths": ["policy=/a"]}, lora)
+    assert entry == ("policy", "/a") and served == lora
+    assert sglang_served("u", {"enable_lora": False, "lora_paths": ["policy=/a"]}, lora) == (None, None)
     for paths in ([], ["a=/a", "b=/b"], ["/bare"]):
         with pytest.raises(SyncError, match="shardsync syncs one adapter"):
-            engines._served_lora("u", {"enable_lora": True, "lora_paths": paths})
-    whole = SglangEngines(["http://127.0.0.1:1"], 1.0, "t" * 32)
-    with pytest.raises(SyncError, match="SGLang serves LoRA adapters"):
-        whole._served_lora("u", {"enable_lora": True, "lora_paths": ["policy=/a"]})
+            sglang_served("u", {"enable_lora": True, "lora_paths": paths}, lora)
+    with pytest.raises(SyncError, match="SGLang serves LoRA adapters"):  # a whole-model sync into it
+        sglang_served("u", {"enable_lora": True, "lora_paths": ["policy=/a"]}, None)

@@ -18,26 +18,26 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from shardsync.control.hosted import LAYOUT_MISMATCH, connect_body
-from shardsync.control.sglang import ENV_LAYOUT, ENV_LORA_DIR, MAC_KEY, Checked, SglangCall
+from shardsync.control.hosted import connect_body
+from shardsync.control.sglang import ENV_LAYOUT, MAC_KEY, Checked, SglangCall
 from shardsync.control.wire import ConnectRequest
 from shardsync.dtypes import dtype_name
-from shardsync.engines.sglang.fp8 import KV_CACHE_SCALES, served_format
+from shardsync.engines.sglang.adapter import Adapters
+from shardsync.engines.sglang.fp8 import Served, served
 from shardsync.layout.engine import EngineParallel, variant_choices
 from shardsync.lora import Lora
-from shardsync.quant import Fp8Format, quantized
-from shardsync.receiver import Receiver, Slice, peft_dir
+from shardsync.receiver import Receiver, Slice
 from shardsync.receiver.hosted import Call, HostedRank, hosted_receiver
 from shardsync.receiver.match import live_difference
 from shardsync.receiver.receiver import engine_rank
+from shardsync.receiver.viewed import loader_refusal
 from shardsync.spec import spec_from_config
 from shardsync.store import auth
 from shardsync.store.keys import Keys
 from shardsync.store.rendezvous import Rendezvous, open_store
 from shardsync.store.sealed import put
 from shardsync.store.secret import load_secret
-from shardsync.views import views_of
-from shardsync.vocab import Reason, Refused
+from shardsync.vocab import Refused
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -121,8 +121,7 @@ class SglangHost:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self._receivers: dict[bool, Receiver] = {}
-        self.fmt: Fp8Format | None = None  # the FP8 format SGLang's parameters hold
-        self._adapters: dict[Lora, Receiver] = {}  # the adapter SGLang serves (--lora-paths), by its config
+        self.served = Served()  # what SGLang's parameters hold (FP8 or the model dtype)
         self.problem: str | None = None
         self.rank: HostedRank | None = None
         self.variants: frozenset[str] = frozenset()
@@ -139,8 +138,8 @@ class SglangHost:
             raise ValueError(packed)
         cfg = cast(_SglangModel, self.model).config
         self.spec = spec_from_config(cfg.to_dict(), name=str(getattr(cfg, "_name_or_path", "") or "sglang"))
-        quant_config = self.model.quant_config  # every SGLang model class keeps its own (None: unquantized)
-        self.fmt = None if quant_config is None else served_format(self.model, quant_config)
+        self.adapters = Adapters(self.spec, self.tp_rank, self.tp_size, self.pp, self.dtype, self.secret)
+        self.served = served(self.model)
         if self.pp > 1 and os.environ.get("SGLANG_PP_LAYER_PARTITION"):
             raise ValueError("SGLANG_PP_LAYER_PARTITION is set; shardsync plans SGLang's even layer split only")
         self.variants, reason = self._variants()
@@ -149,8 +148,9 @@ class SglangHost:
                       f"is that of {MOE_BACKENDS} (--moe-runner-backend triton)")
         if os.environ.get(ENV_LAYOUT) == "whole":
             reason = f"{ENV_LAYOUT}=whole in SGLang's environment"
-        if reason is not None and self.fmt is not None:  # its loader would cast bf16 into the e4m3 weights
-            raise ValueError(f"an FP8 SGLang receives shards in place only, and cannot here: {reason}")
+        refusal = loader_refusal(self.served.views)  # an FP8 loader would cast bf16 into the e4m3 weights
+        if reason is not None and refusal is not None:
+            raise ValueError(f"{refusal}, and cannot here: {reason}")
         self.rank = HostedRank(self.spec, self.tp_rank, self.tp_size, self._receiver, secret=self.secret,
                                mac_key=MAC_KEY, engine="SGLang", layout_reason=reason,
                                dtype_name=str(self.dtype).removeprefix("torch."), ep=self.ep, pp_rank=self.pp_rank,
@@ -158,7 +158,7 @@ class SglangHost:
         log.info("shardsync: SGLang pp%d tp%d/%d receives %s%s", self.pp_rank, self.tp_rank, self.tp_size,
                  f"whole tensors only ({reason})" if reason else
                  f"into its parameters in place (layout variants {sorted(self.variants)})",
-                 "" if self.fmt is None else f", serving {self.fmt.name}")
+                 self.served)
 
     def _variants(self) -> tuple[frozenset[str], str | None]:
         """The engine layout variants this rank's parameters are (SGLang decides some, such as
@@ -168,44 +168,25 @@ class SglangHost:
         for variants in variant_choices(self.spec, par):
             _, rank = engine_rank(self.spec, self.tp_rank, self.tp_size, dtype_name=dtype_name(self.dtype),
                                   ep=self.ep, pp_rank=self.pp_rank, pp=self.pp, variants=variants)
-            targets = None if self.fmt is None else quantized(rank, self.spec, self.fmt)
-            reason = live_difference(rank, self.model, "SGLang", targets=targets,
-                                     skip=KV_CACHE_SCALES if self.fmt is not None else ())
+            reason = live_difference(rank, self.model, "SGLang", targets=self.served.targets(rank, self.spec),
+                                     skip=self.served.skip)
             if reason is None:
                 return variants, None
             first = first or reason
         return frozenset(), first
 
-    def _adapter(self, whole: bool, lora: Lora) -> Receiver:
-        """The whole adapter into a ``Loader`` whose commit replaces the weights of the adapter
-        directory SGLang serves (``ENV_LORA_DIR``; TP rank 0 writes); the trainer's client then
-        has SGLang reload it (``control.sglang``).  SGLang's LoRA manager shards an adapter per
-        TP rank itself: shards are refused with that reason (the trainer plans whole tensors)."""
-        root = os.environ.get(ENV_LORA_DIR)
-        if not root:
-            raise ValueError(f"{ENV_LORA_DIR} is not set in SGLang's environment: set it to the directory of the one "
-                             "--lora-paths entry shardsync syncs (docs/lora.md)")
-        if self.pp > 1:
-            raise ValueError("adapter syncs into SGLang run at PP 1 only")
-        if not whole:
-            raise Refused(f"SGLang's {LAYOUT_MISMATCH}: its LoRA manager takes the whole adapter and shards it "
-                          "itself", Reason.LAYOUT_MISMATCH)
-        if lora not in self._adapters:
-            self._adapters[lora] = peft_dir.adapter_receiver(self.spec, self.tp_rank, self.tp_size, root, lora,
-                                                             dtype=self.dtype, secret=self.secret, engine="SGLang")
-        return self._adapters[lora]
-
     def _receiver(self, whole: bool, lora: Lora | None = None) -> Receiver:
         """Shards in place (SGLang's parameters are shardsync's layout, or the connect is
         refused before this), whole tensors through SGLang's own ``load_weights``; an adapter
-        into the directory SGLang loads it from (``_adapter``)."""
-        if lora is not None:
-            return self._adapter(whole, lora)
+        into the directory SGLang loads it from (``engines.sglang.adapter``)."""
+        rx = self.adapters.receiver(whole, lora)  # an adapter sync's (None: the model's)
+        if rx is not None:
+            return rx
         if whole not in self._receivers:
             self._receivers[whole] = hosted_receiver(
                 self.spec, self.tp_rank, self.tp_size, whole=whole, in_place=True, params=self._live,
                 load=sglang_loader(self.model), dtype=self.dtype, device=self.device, secret=self.secret, ep=self.ep,
-                pp_rank=self.pp_rank, pp=self.pp, variants=self.variants, views=views_of(self.fmt))
+                pp_rank=self.pp_rank, pp=self.pp, variants=self.variants, views=self.served.views)
         return self._receivers[whole]
 
     def _live(self) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -174,6 +174,20 @@ class Weights:
             secret=e.secret, variants=VARIANTS)
 
 
+def _one_stage(e: ShardsyncEngine) -> str | None:
+    return (None if e.parallel_config.pipeline_parallel_size == 1 else
+            "vLLM runs pipeline parallel; shardsync receives into PP 1 engines only")
+
+
+def _unquantized(e: ShardsyncEngine) -> str | None:
+    served = e.model_config.quantization
+    return None if served is None else f"vLLM runs {served} quantization; shardsync syncs unquantized weights"
+
+
+# what a vLLM worker must be to receive at all: each says why not (None: it is)
+PRECONDITIONS: tuple[Callable[[ShardsyncEngine], str | None], ...] = (_one_stage, _unquantized)
+
+
 class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInfo]):
     init_info_cls = ShardsyncInitInfo
     update_info_cls = ShardsyncUpdateInfo
@@ -200,11 +214,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             log.warning("shardsync: this vLLM worker cannot receive updates: %s", self.problem)
 
     def _build(self) -> None:
-        if self.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("vLLM runs pipeline parallel; shardsync receives into PP 1 engines only")
-        if self.model_config.quantization is not None:
-            raise ValueError(f"vLLM runs {self.model_config.quantization} quantization; shardsync "
-                             "syncs unquantized weights")
+        refused = next((why for why in (check(self) for check in PRECONDITIONS) if why), None)
+        if refused:
+            raise ValueError(refused)
         self.spec = spec_from_config(self.model_config.hf_config.to_dict(), name=str(self.model_config.model))
         self.way: WayIn = adapter.served(self.vllm_config.lora_config, self.spec, self.tp_rank, self.tp_size,
                                          self.dtype, self.secret) or Weights(self)
