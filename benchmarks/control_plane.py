@@ -20,7 +20,6 @@ from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import load_spec
-from shardsync.store.rendezvous import free_port
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 
@@ -48,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = load_spec(args.model)
     par = MegatronParallel(tp=1, dtype=spec.dtype)
-    engine, url = spawn_server(EngineConfig(model=args.model, port=free_port()))
+    engine, url = spawn_server(EngineConfig(model=args.model, port=0))
     rows = []
     try:
         wait_healthy(url, engine, 120)

@@ -147,7 +147,7 @@ def _trainer(rank: int, world: int, port: int, url: str, args, transport: str, r
 def part2(args) -> list[dict]:
     res = []
     for transport in args.transports.split(","):
-        proc, url = spawn_server(EngineConfig(model=_spec_config(), tp=2, port=free_port()))
+        proc, url = spawn_server(EngineConfig(model=_spec_config(), tp=2, port=0))
         wait_healthy(url, proc, 900)
         try:
             ctx = mp.get_context("spawn")

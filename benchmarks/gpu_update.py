@@ -31,7 +31,6 @@ from shardsync.engine.launch import EngineConfig, spawn_server
 from shardsync.layout import MegatronParallel
 from shardsync.models.weights import load_rank, random_source
 from shardsync.presets import load_spec
-from shardsync.store.rendezvous import free_port
 from shardsync.sync import WeightSync
 from shardsync.topology import Topology
 from shardsync.transport.gather import configured
@@ -258,7 +257,7 @@ def main() -> None:
     # started once the in-place engine's runs are done (one engine beside the trainer at a time)
     plan.sort(key=lambda r: r[0] == "push")
     staged = plan[0][0] == "push"
-    engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
+    engine, url = spawn_server(EngineConfig(model=args.model, port=0, device="cuda", dtype="bfloat16",
                                             threads=4, staging_bytes=-1 if staged else 0,
                                             quantization=args.engine_quantization))
     runs = []
@@ -290,7 +289,7 @@ def main() -> None:
                 engine.terminate()
                 engine.wait(60)
                 staged = kind == "push"
-                engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda",
+                engine, url = spawn_server(EngineConfig(model=args.model, port=0, device="cuda",
                                                         dtype="bfloat16", threads=4, staging_bytes=-1,
                                                         quantization=args.engine_quantization))
                 wait_healthy(url, engine, 500)

@@ -139,7 +139,7 @@ def main() -> None:
     print(f"{spec.name}: {model_bytes / 2**30:.2f} GiB bf16; D2D {d2d_ms:.2f} ms, pinned H2D {h2d_ms:.1f} ms",
           flush=True)
 
-    engine, url = spawn_server(EngineConfig(model=args.model, port=free_port(), device="cuda", dtype="bfloat16",
+    engine, url = spawn_server(EngineConfig(model=args.model, port=0, device="cuda", dtype="bfloat16",
                                             threads=4))
     try:
         source = fast_source(spec, 7)

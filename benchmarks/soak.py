@@ -66,9 +66,8 @@ class Engine:
     def start(self) -> None:
         from shardsync.control.client import wait_healthy
         from shardsync.engine.launch import EngineConfig, spawn_server
-        from shardsync.store.rendezvous import free_port
 
-        cfg = EngineConfig(model=MODEL, tp=2, port=free_port(), token_file=self.token_file, delta_root=self.root)
+        cfg = EngineConfig(model=MODEL, tp=2, port=0, token_file=self.token_file, delta_root=self.root)
         self.proc, self.url = spawn_server(cfg, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
         wait_healthy(self.url, self.proc, 120)
         self.pids |= {self.proc.pid, *self.workers()}

@@ -41,7 +41,7 @@ from shardsync.store.rendezvous import free_port
 def _engine(model: str, tp: int, index: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     # on GPUs: the ones after the trainer's and earlier engines' (wrapping)
     device = f"cuda:{args.trainer_tp + index * tp}" if args.device == "cuda" else "cpu"
-    proc, url = spawn_server(EngineConfig(model=model, tp=tp, ep=args.engine_ep, port=free_port(), dtype=args.dtype,
+    proc, url = spawn_server(EngineConfig(model=model, tp=tp, ep=args.engine_ep, port=0, dtype=args.dtype,
                                           device=device, quantization=args.engine_quantization))
     wait_healthy(url, proc, 900)
     return proc, url

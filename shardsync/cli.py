@@ -142,7 +142,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
                               token_file=args.token_file, delta_root=args.delta_root,
                               staging_bytes=args.staging_bytes, crossing=args.crossing,
                               commit_wait_s=args.commit_wait_s, quantization=args.quantization,
-                              lora=lora_of(args), lora_merge=args.lora_merge))
+                              lora=lora_of(args), lora_merge=args.lora_merge, listen_fd=args.listen_fd))
 
 
 ENGINE_EXTRA = ("fastapi", "uvicorn")  # the reference engine's server (pyproject's ``engine`` extra)
@@ -334,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert parallel within the TP group (MoE models)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (non-loopback needs a given secret)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                   help="serve on this inherited listening socket (bound to --host/--port by a launcher)")
     p.add_argument("--seed", type=int, default=0, help="random weights seed (presets/configs)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the model's)")
     p.add_argument("--device", default="cpu",

@@ -116,7 +116,7 @@ class DemoConfig:
 def start_engines(cfg: DemoConfig) -> list[tuple[subprocess.Popen, str]]:
     if cfg.engine == "vllm":
         return _start_vllm(cfg)
-    engines = [spawn_server(cfg.engine_config(tp, port=free_port())) for tp in cfg.engine_tp]
+    engines = [spawn_server(cfg.engine_config(tp, port=0)) for tp in cfg.engine_tp]
     deadline = time.monotonic() + cfg.timeout_s
     for proc, url in engines:
         wait_healthy(url, proc, max(0.0, deadline - time.monotonic()))

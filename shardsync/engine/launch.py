@@ -6,10 +6,11 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import connection as mp_connection
 from typing import Any
 
@@ -36,7 +37,7 @@ class EngineConfig:
     tp: int = 1
     ep: int = 1  # expert parallel within the TP group (mixture-of-experts models)
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = 8000  # 0 to ``spawn_server``: a free port it binds itself before the server starts
     seed: int = 0
     dtype: str | None = None
     device: str = "cpu"
@@ -52,6 +53,7 @@ class EngineConfig:
     quantization: str | None = None  # an FP8 format (quant.FORMATS): serve FP8 weights, quantize what arrives
     lora: Lora | None = None  # serve this adapter on the base: syncs then write the adapter alone
     lora_merge: bool = False  # ... merged into the base (no LoRA kernel): base + scale * B @ A served
+    listen_fd: int | None = None  # serve on this listening socket (its launcher bound ``port``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "crossing", Crossing.parse(self.crossing, "crossing"))
@@ -82,16 +84,24 @@ def engine_command(cfg: EngineConfig) -> list[str]:
            "--staging-bytes", "shard" if cfg.staging_bytes == -1 else str(cfg.staging_bytes),
            "--crossing", cfg.crossing.value, "--commit-wait-s", str(cfg.commit_wait_s)]
     optional = {"--dtype": cfg.dtype, "--advertise": cfg.advertise, "--token-file": cfg.token_file,
-                "--delta-root": cfg.delta_root, "--quantization": cfg.quantization}
+                "--delta-root": cfg.delta_root, "--quantization": cfg.quantization,
+                "--listen-fd": None if cfg.listen_fd is None else str(cfg.listen_fd)}
     cmd += lora_flags(cfg.lora, merge=cfg.lora_merge)
     return cmd + [a for flag, value in optional.items() if value for a in (flag, value)]
 
 
 def spawn_server(cfg: EngineConfig, **popen: Any) -> tuple[subprocess.Popen, str]:
     """Start an engine server for ``cfg`` as a subprocess; (process, base URL), not yet healthy
-    (``wait_healthy``).  ``popen``: extra ``subprocess.Popen`` arguments (stdout, preexec_fn)."""
+    (``wait_healthy``).  ``popen``: extra ``subprocess.Popen`` arguments (stdout, preexec_fn).
+    Port 0: this process binds a free port and hands the listening socket to the server, so no
+    other process can take the port between choosing it and serving on it."""
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads))
-    return subprocess.Popen(engine_command(cfg), env=env, **popen), f"http://{cfg.host}:{cfg.port}"
+    if cfg.port != 0:
+        return subprocess.Popen(engine_command(cfg), env=env, **popen), f"http://{cfg.host}:{cfg.port}"
+    with socket.create_server((cfg.host, 0)) as sock:  # listening; the server accepts on it
+        cfg = replace(cfg, port=sock.getsockname()[1], listen_fd=sock.fileno())
+        proc = subprocess.Popen(engine_command(cfg), env=env, pass_fds=(sock.fileno(),), **popen)
+    return proc, f"http://{cfg.host}:{cfg.port}"
 
 
 def _die_with_parent() -> None:
@@ -151,7 +161,12 @@ def _worker(rank: int, cfg: EngineConfig, token: str, tp_port: int, commands: li
     app = create_app(dispatcher, request_wait_s=cfg.request_wait_s, facts=parse_facts(cfg.advertise),
                      token=token, delta_root=cfg.delta_root)
     # keep-alive clients must not hold a stop open: in-flight requests get a few seconds
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                           timeout_graceful_shutdown=5))
+    try:  # a stop is SIGINT, which uvicorn re-raises once it has shut down (``uvicorn.run`` swallows it too)
+        server.run(sockets=None if cfg.listen_fd is None else [socket.socket(fileno=cfg.listen_fd)])
+    except KeyboardInterrupt:
+        pass
     dispatcher.stop()
 
 

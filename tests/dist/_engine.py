@@ -12,9 +12,6 @@ from shardsync.store.secret import load_secret
 from tests.dist._world import free_port
 
 
-BIND_TRIES = 3  # a free port can be taken by another process before the server binds it
-
-
 def owner() -> dict[str, str]:
     """The headers of a state-changing call by this user (an engine started without a given
     secret takes this user's own, ``store/secret.py``)."""
@@ -22,24 +19,20 @@ def owner() -> dict[str, str]:
 
 
 def start_engine(model: str, tp: int, *, seed: int = 0, **fields) -> tuple[subprocess.Popen, str]:
-    """``fields``: more ``EngineConfig`` fields (dtype, device, ...).  A port lost to another
-    process between choosing and binding it is chosen again (seen once in a full run)."""
-    for attempt in range(BIND_TRIES):
-        # A file, not a pipe: nobody reads a pipe while the test runs, and a full pipe blocks
-        # the engine on its next log line.
-        log = tempfile.NamedTemporaryFile(prefix="shardsync-engine-", suffix=".log", delete=False)
-        cfg = EngineConfig(model=model, tp=tp, seed=seed, port=free_port(), **fields)
-        proc, url = spawn_server(cfg, stdout=log, stderr=subprocess.STDOUT)
-        proc.log_path = log.name
-        try:
-            wait_healthy(url, proc, 90)
-            return proc, url
-        except (RuntimeError, TimeoutError) as e:
-            proc.kill()
-            text = open(log.name).read()
-            if "address already in use" not in text or attempt == BIND_TRIES - 1:
-                raise RuntimeError(f"{e}: {text[-2000:]}") from None
-    raise AssertionError("unreachable: the last try returns or raises")
+    """``fields``: more ``EngineConfig`` fields (dtype, device, ...).  Port 0: the launcher binds
+    the port and hands the server its socket, so tests side by side never race for one."""
+    # A file, not a pipe: nobody reads a pipe while the test runs, and a full pipe blocks the
+    # engine on its next log line.
+    log = tempfile.NamedTemporaryFile(prefix="shardsync-engine-", suffix=".log", delete=False)
+    proc, url = spawn_server(EngineConfig(model=model, tp=tp, seed=seed, port=0, **fields),
+                             stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log.name
+    try:
+        wait_healthy(url, proc, 90)
+        return proc, url
+    except (RuntimeError, TimeoutError) as e:
+        proc.kill()
+        raise RuntimeError(f"{e}: {open(log.name).read()[-2000:]}") from None
 
 
 def shard_bytes(model: str, tp: int, dtype: str | None = None) -> int:
