@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 venv="${SGLANG_VENV:-.venv-sglang}"
 [ "${SETUP:-1}" = 0 ] || bash scripts/setup_sglang.sh "$venv"  # SETUP=0: the virtualenv is built
 . "$venv/bin/activate"
-pytest -q -p no:cacheprovider -W ignore::UserWarning tests/sglang
+pytest -q -p no:cacheprovider -W ignore::UserWarning --durations=10 tests/sglang

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 venv="${VLLM_VENV:-.venv-vllm}"
 [ "${SETUP:-1}" = 0 ] || bash scripts/setup_vllm.sh "$venv"  # SETUP=0: the virtualenv is built
 . "$venv/bin/activate"
-pytest -q -p no:cacheprovider tests/vllm
+pytest -q -p no:cacheprovider --durations=10 tests/vllm
