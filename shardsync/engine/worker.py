@@ -19,7 +19,7 @@ from shardsync.control.wire import ConnectRequest
 from shardsync.lora.merge import merge_plan
 from shardsync.mode import Mode
 from shardsync.models.decoding import Decoding, prompt_seed
-from shardsync.models.engine import EngineModel
+from shardsync.models.engine import EngineModel, Hosting
 from shardsync.paths import UpdateArgs
 from shardsync.receiver import Destination, Params, Receiver, Staged
 from shardsync.receiver.destination import StagingFacts
@@ -46,16 +46,28 @@ def destination_for(params: dict[str, torch.Tensor], staging_bytes: int, *,
 
 
 def destination_of(model: EngineModel, rank: int, staging_bytes: int) -> Destination:
-    """Where a sync writes on this rank: the model's synced tensors; a merging LoRA engine's
-    adapter, merged into its base shard (``receiver.merged``) staged or in place."""
-    if not model.lora_merge:
-        return destination_for(model.synced_tensors(), staging_bytes)
-    assert model.lora is not None
+    """Where a sync writes on this rank, by how the engine hosts it (``Hosting``)."""
+    return DESTINATIONS[model.hosting](model, rank, staging_bytes)
+
+
+def _synced(model: EngineModel, rank: int, staging_bytes: int) -> Destination:
+    """The model's synced tensors: its weights, or its adapter's own tensors."""
+    return destination_for(model.synced_tensors(), staging_bytes)
+
+
+def _merged(model: EngineModel, rank: int, staging_bytes: int) -> Destination:
+    """The adapter, merged into the base shard (``receiver.merged``), staged or in place."""
+    assert model.lora is not None  # merged: an engine built with an adapter
     adapter = model.adapter_layout.ranks[rank]
     steps = merge_plan(model.spec, model.layout.ranks[rank], adapter, model.lora)
     params = dict(model.named_parameters())
     inner = destination_for({n: params[n] for n in dict.fromkeys(s.base for s in steps)}, staging_bytes)
     return Merged(inner, steps, adapter, model.lora, device=model.device)
+
+
+# how the reference engine takes what a sync writes (``Hosting``: how it hosts it)
+DESTINATIONS: dict[Hosting, Callable[[EngineModel, int, int], Destination]] = {
+    Hosting.WEIGHTS: _synced, Hosting.ADAPTER: _synced, Hosting.MERGED: _merged}
 
 
 class EngineWorker:

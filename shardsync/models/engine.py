@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from enum import Enum
 from typing import cast
 
 import torch
@@ -55,6 +56,15 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     if name not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; use one of {DTYPES}")
     return name
+
+
+class Hosting(Enum):
+    """What a sync writes on a reference engine: its weights, its adapter's own tensors (a
+    low-rank term beside the base), or its adapter merged into the base (no LoRA kernel)."""
+
+    WEIGHTS = "weights"
+    ADAPTER = "adapter"
+    MERGED = "merged"
 
 
 class EngineModel(nn.Module):
@@ -110,12 +120,13 @@ class EngineModel(nn.Module):
             held = self.get_submodule(leaf)
             assert isinstance(held, Leaf), f"{name}: FP8 weights live on leaves"
             held.quantize_(attr, self.quantization, self.dtype, target.scale_shape, gemm=fp8_gemm)
-        self.lora, self.lora_merge = lora, lora_merge and lora is not None
+        self.lora = lora
+        self.hosting = Hosting.WEIGHTS if lora is None else Hosting.MERGED if lora_merge else Hosting.ADAPTER
         self.adapter: LoraWeights | None = None
         if lora is not None:
             par = EngineParallel(tp=tp_size, ep=ep, dtype=_dtype_name(dtype))
             self.adapter_layout = engine_adapter_layout(spec, lora, par)
-        if lora is not None and not lora_merge:
+        if lora is not None and self.hosting is Hosting.ADAPTER:
             self.adapter = LoraWeights(self.adapter_layout.ranks[tp_rank], self.device)
             for i, layer in enumerate(self.model.layers):
                 terms = engine_terms(self.adapter, lora, i)
