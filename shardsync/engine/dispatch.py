@@ -10,8 +10,9 @@ waits, bounded, for them to end on the old version; new requests wait with it), 
 (they go on, re-prefilled on the new weights, and their version spans say so) or ``abort``
 (they end with a retryable error).  Every token carries the version that produced it.
 
-The scheduler's state (pending update, running sequences, the crossing policy) is one state
-machine under one lock, kept in this module; the records it holds are ``engine.requests``.
+Over 400 lines on purpose: the scheduler's state (pending update, running sequences, the
+crossing policy) is one state machine under one lock, kept in this module; the records it
+holds are ``engine.requests``.
 """
 
 from __future__ import annotations
