@@ -32,6 +32,16 @@ PEFT_PREFIX = "base_model.model."
 MAX_CONFIG_BYTES = 1 << 20  # an adapter config is a few hundred bytes; a bigger file is not one
 
 
+def served_dir(variable: str, engine: str, entry: str) -> str:
+    """The adapter directory an engine serves, as its environment names it (``variable``);
+    ValueError naming the variable and the engine's own flag (``entry``) when it is not set."""
+    root = os.environ.get(variable)
+    if not root:
+        raise ValueError(f"{engine} serves LoRA adapters but {variable} is not set in its environment: set it to "
+                         f"the directory of the one {entry} entry shardsync syncs (docs/lora.md)")
+    return root
+
+
 def read_config(root: str | Path) -> Lora:
     """The adapter a directory holds, from its ``adapter_config.json`` (plain LoRA only)."""
     path = Path(root) / CONFIG

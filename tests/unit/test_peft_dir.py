@@ -80,3 +80,11 @@ def test_adapter_configs_it_cannot_sync_are_refused_by_name(tmp_path, change, wo
         peft_dir.read_config(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         peft_dir.read_config(tmp_path / "elsewhere")
+
+
+def test_an_engines_adapter_directory_comes_from_its_environment(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("SHARDSYNC_TEST_LORA_DIR", raising=False)
+    with pytest.raises(ValueError, match="SHARDSYNC_TEST_LORA_DIR is not set.*one --lora-paths entry"):
+        peft_dir.served_dir("SHARDSYNC_TEST_LORA_DIR", "SGLang", "--lora-paths")
+    monkeypatch.setenv("SHARDSYNC_TEST_LORA_DIR", str(tmp_path))
+    assert peft_dir.served_dir("SHARDSYNC_TEST_LORA_DIR", "SGLang", "--lora-paths") == str(tmp_path)

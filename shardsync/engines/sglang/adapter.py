@@ -6,7 +6,6 @@ LoRA manager shards an adapter per TP rank itself, so shards are refused with th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -35,10 +34,7 @@ class Adapters:
         """The receiver of a sync of ``lora`` (None: the sync is the whole model's, not an adapter's)."""
         if lora is None:
             return None
-        root = os.environ.get(ENV_LORA_DIR)
-        if not root:
-            raise ValueError(f"{ENV_LORA_DIR} is not set in SGLang's environment: set it to the directory of the one "
-                             "--lora-paths entry shardsync syncs (docs/lora.md)")
+        root = peft_dir.served_dir(ENV_LORA_DIR, "SGLang", "--lora-paths")
         if self.pp > 1:
             raise ValueError("adapter syncs into SGLang run at PP 1 only")
         if not whole:

@@ -20,40 +20,51 @@ from shardsync.quant import quantized
 from shardsync.quant.fp8 import Fp8Format, fp8_format
 from shardsync.quant.targets import Target
 from shardsync.spec import ModelSpec
-from shardsync.views import Views, views_of
+from shardsync.views import NO_VIEWS, Views, views_of
 
 # parameters SGLang's FP8 config adds that are not weights: the FP8 KV cache's scales (1.0
 # unless a checkpoint carries them); nothing syncs them
 KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
-@dataclass(frozen=True)
 class Served:
-    """What an SGLang rank's parameters serve (``fmt``; None: the model dtype): the views a sync
-    into them composes, and what a check of the live parameters compares and skips."""
+    """What an SGLang rank's parameters serve: the views a sync into them composes, and what a
+    check of the live parameters compares and skips.  This base: the model dtype."""
 
     fmt: Fp8Format | None = None
-
-    @cached_property
-    def views(self) -> Views:
-        return views_of(self.fmt)
+    views: Views = NO_VIEWS
+    skip: tuple[str, ...] = ()
 
     def targets(self, rank: RankLayout, spec: ModelSpec) -> dict[str, Target] | None:
         """The rank's tensors SGLang holds quantized (``quant.quantized``; None: none)."""
-        return None if self.fmt is None else quantized(rank, spec, self.fmt)
-
-    @property
-    def skip(self) -> tuple[str, ...]:
-        return () if self.fmt is None else KV_CACHE_SCALES
+        return None
 
     def __str__(self) -> str:
-        return "" if self.fmt is None else f", serving {self.fmt.name}"
+        return ""
+
+
+@dataclass(frozen=True)
+class ServedFp8(Served):
+    """Parameters in the FP8 format ``fmt``: e4m3 weights and their scales, written in place."""
+
+    fmt: Fp8Format
+    skip: tuple[str, ...] = KV_CACHE_SCALES
+
+    @cached_property
+    def views(self) -> Views:  # type: ignore[override]
+        return views_of(self.fmt)
+
+    def targets(self, rank: RankLayout, spec: ModelSpec) -> dict[str, Target] | None:
+        return quantized(rank, spec, self.fmt)
+
+    def __str__(self) -> str:
+        return f", serving {self.fmt.name}"
 
 
 def served(model: torch.nn.Module) -> Served:
     """What ``model`` serves: its FP8 format (``served_format``) when SGLang quantizes it."""
     quant_config = model.quant_config  # every SGLang model class keeps its own (None: unquantized)
-    return Served(None if quant_config is None else served_format(model, quant_config))
+    return Served() if quant_config is None else ServedFp8(served_format(model, quant_config))
 
 
 def served_format(model: torch.nn.Module, quant_config: object) -> Fp8Format:

@@ -5,7 +5,6 @@ from (``receiver.peft_dir``).  The backend asks ``served`` which way in a worker
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +43,7 @@ def served(lora_config: object | None, spec: ModelSpec, tp_rank: int, tp_size: i
     adapter, so the worker takes the whole model)."""
     if lora_config is None:
         return None
-    root = os.environ.get(ENV_LORA_DIR)
-    if not root:
-        raise ValueError(f"vLLM serves LoRA adapters (--enable-lora) but {ENV_LORA_DIR} is not set in its "
-                         "environment: set it to the directory of the one --lora-modules entry shardsync syncs")
+    root = peft_dir.served_dir(ENV_LORA_DIR, "vLLM (--enable-lora)", "--lora-modules")
     return AdapterDirectory(spec, tp_rank, tp_size, root, dtype, secret)
 
 
